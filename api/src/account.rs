@@ -1,0 +1,22 @@
+//! The caller's account and its webhook secret.
+
+use axum::extract::State;
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::extract::Authenticated;
+use crate::{ApiError, AppState};
+
+/// `GET /v1/account`.
+pub async fn show(Authenticated(account): Authenticated) -> Json<Value> {
+    Json(json!({"id": account.id, "object": "account", "webhook_secret": account.webhook_secret}))
+}
+
+/// `POST /v1/account/webhook_secret/rotate`: a new secret signs every delivery from now on.
+pub async fn rotate(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+) -> Result<Json<Value>, ApiError> {
+    let secret = state.store.rotate_webhook_secret(&account.id).await?;
+    Ok(Json(json!({"id": account.id, "object": "account", "webhook_secret": secret})))
+}

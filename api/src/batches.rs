@@ -1,0 +1,201 @@
+//! The native batch API: `/v1/batches`.
+
+use std::collections::HashMap;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use lorry_batcher::ids::BatchId;
+use lorry_batcher::model::{Batch, Shape, Tally};
+use lorry_engine::input::Fields;
+use serde_json::{json, Value};
+
+use crate::extract::{Authenticated, JsonBody};
+use crate::submit::{self, Item, Options, Submission};
+use crate::{ApiError, AppState};
+
+/// The batch object, with fresh presigned URLs once it has ended.
+pub async fn batch_json(state: &AppState, batch: &Batch, tally: &Tally) -> Result<Value, ApiError> {
+    let ttl = state.config.output_url_ttl;
+    let output_url = match &batch.output_key {
+        Some(key) => Some(state.objects.presign_get(key, ttl).await?),
+        None => None,
+    };
+    let errors_url = match &batch.errors_key {
+        Some(key) => Some(state.objects.presign_get(key, ttl).await?),
+        None => None,
+    };
+    Ok(batch.to_json(tally, output_url, errors_url))
+}
+
+/// The account's batch named by a path segment, or 404.
+pub async fn owned_batch(state: &AppState, account: &Authenticated, raw_id: &str, param: &str) -> Result<Batch, ApiError> {
+    let missing = || ApiError::not_found("batch_not_found", param, "batch");
+    let id = BatchId::parse(raw_id).ok_or_else(missing)?;
+    state.store.batch(&account.0.id, &id).await?.ok_or_else(missing)
+}
+
+/// `POST /v1/batches`.
+pub async fn create(
+    State(state): State<AppState>,
+    account: Authenticated,
+    headers: HeaderMap,
+    body: JsonBody,
+) -> Result<Response, ApiError> {
+    let mut f = Fields::new(&body.value, "")?;
+    if f.raw("input_file_id").is_some() {
+        return Err(ApiError::invalid(
+            "files_not_supported",
+            "input_file_id",
+            "file-based batches are not served yet; send the requests inline",
+        ));
+    }
+    let model_name: String = f.required("model", "a string")?;
+    let requests = f
+        .raw("requests")
+        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "requests is required"))?;
+    let items = native_items(requests)?;
+    let options = Options {
+        completion_window: f.optional("completion_window", "a string")?,
+        metadata: f.raw("metadata").cloned(),
+        webhook_url: submit::webhook_url(&mut f)?,
+    };
+    f.optional::<String>("endpoint", "a string")?;
+    f.deny_unknown()?;
+    let spec = submit::model(&state, &model_name, "model")?;
+    let submission = Submission {
+        spec,
+        shape: Shape::Native,
+        items,
+        options,
+    };
+    let new = submit::validate(&state, &account.0.id, submission, &headers, &body.raw)?;
+    let (batch, created) = submit::create(&state, new).await?;
+    let tally = if created {
+        submit::fresh_tally(batch.total)
+    } else {
+        state.store.tally(&batch.id).await?
+    };
+    let mut response = (StatusCode::ACCEPTED, Json(batch_json(&state, &batch, &tally).await?)).into_response();
+    if !created {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(response)
+}
+
+fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
+    let list = requests
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let path = format!("requests[{i}]");
+            let mut f = Fields::new(item, &path)?;
+            let custom_id: Option<String> = f.optional("custom_id", "a string")?;
+            let body = f
+                .raw("body")
+                .ok_or_else(|| ApiError::invalid("missing_field", format!("{path}.body"), format!("{path}.body is required")))?
+                .clone();
+            f.deny_unknown()?;
+            Ok(Item {
+                custom_id,
+                body,
+                custom_id_path: format!("{path}.custom_id"),
+                path: format!("{path}.body"),
+            })
+        })
+        .collect()
+}
+
+/// `GET /v1/batches/{id}`.
+pub async fn show(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let batch = owned_batch(&state, &account, &id, "id").await?;
+    let tally = state.store.tally(&batch.id).await?;
+    Ok(Json(batch_json(&state, &batch, &tally).await?))
+}
+
+/// `GET /v1/batches?limit&after`: newest first.
+pub async fn list(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = match query.get("limit") {
+        None => 20,
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| ApiError::invalid("invalid_value", "limit", "limit must be an integer from 1 to 100"))?,
+    };
+    let after = match query.get("after") {
+        None => None,
+        Some(raw) => Some(
+            BatchId::parse(raw)
+                .ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a batch id"))?,
+        ),
+    };
+    let page = state.store.list_batches(&account.0.id, limit, after.as_ref()).await?;
+    let ids: Vec<&BatchId> = page.batches.iter().map(|b| &b.id).collect();
+    let mut tallies = state.store.tallies(&ids).await?;
+    let mut data = Vec::with_capacity(page.batches.len());
+    for batch in &page.batches {
+        let tally = tallies.remove(&batch.id).unwrap_or_default();
+        data.push(batch_json(&state, batch, &tally).await?);
+    }
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "first_id": page.batches.first().map(|b| &b.id),
+        "last_id": page.batches.last().map(|b| &b.id),
+        "has_more": page.has_more,
+    })))
+}
+
+/// `POST /v1/batches/{id}/cancel`: unstarted requests are cancelled; running ones finish.
+pub async fn cancel(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let batch = owned_batch(&state, &account, &id, "id").await?;
+    let batch = state
+        .store
+        .cancel_batch(&account.0.id, &batch.id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("batch_not_found", "id", "batch"))?;
+    if batch.status.is_terminal() || batch.status == lorry_batcher::model::BatchStatus::Finalizing {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "batch_not_cancellable",
+            format!("the batch is {} and can no longer be cancelled", batch.status.as_str()),
+        )
+        .with_param("id"));
+    }
+    let tally = state.store.tally(&batch.id).await?;
+    Ok(Json(batch_json(&state, &batch, &tally).await?))
+}
+
+/// `GET /v1/batches/{id}/results`: one JSON line per finished request, in index order.
+pub async fn results(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let batch = owned_batch(&state, &account, &id, "id").await?;
+    let finished = state.store.finished_requests(&batch.id).await?;
+    let mut body = Vec::with_capacity(finished.len() * 128);
+    for request in &finished {
+        serde_json::to_writer(&mut body, &request.result_line(&batch.id)).map_err(lorry_batcher::BatcherError::from)?;
+        body.push(b'\n');
+    }
+    Ok(([(header::CONTENT_TYPE, "application/jsonl")], body).into_response())
+}

@@ -1,0 +1,59 @@
+//! Extractors that turn raw requests into trusted values or [`ApiError`]s.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use lorry_batcher::store::Account;
+use serde_json::Value;
+
+use crate::{ApiError, AppState};
+
+/// The account behind the request's bearer token.
+pub struct Authenticated(pub Account);
+
+impl FromRequestParts<AppState> for Authenticated {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let unauthorized = |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| unauthorized("an Authorization: Bearer <token> header is required"))?;
+        match state.store.account_by_token(token).await? {
+            Some(account) => Ok(Authenticated(account)),
+            None => Err(unauthorized("the API token is not valid")),
+        }
+    }
+}
+
+/// A JSON body, with the raw bytes kept (for idempotency digests).
+pub struct JsonBody {
+    /// The parsed value.
+    pub value: Value,
+    /// The bytes it came from.
+    pub raw: Bytes,
+}
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let raw = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the request body is over the limit")
+            } else {
+                ApiError::new(rejection.status(), "unreadable_body", rejection.body_text())
+            }
+        })?;
+        let value = serde_json::from_slice(&raw).map_err(|e| {
+            ApiError::invalid("invalid_json", "", format!("the body is not valid JSON: {e}"))
+        })?;
+        Ok(JsonBody { value, raw })
+    }
+}

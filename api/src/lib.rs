@@ -1,0 +1,81 @@
+//! Lorry's HTTP surface (axum).
+//!
+//! The API validates everything before it accepts anything, writes a batch,
+//! its requests and its outbox in one transaction, and answers only after the
+//! commit. It never batches and never runs a model: real-time requests are
+//! handed to the real-time lane and awaited.
+#![forbid(unsafe_code)]
+
+mod account;
+mod batches;
+pub mod error;
+mod extract;
+mod health;
+mod submit;
+mod workers_ai;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use lorry_batcher::broker::Topology;
+use lorry_batcher::objects::ObjectStore;
+use lorry_batcher::realtime::RealtimeClient;
+use lorry_batcher::store::Store;
+use lorry_engine::Catalog;
+
+pub use error::ApiError;
+
+/// The API's settings.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// Queue names, for the outbox messages a batch writes.
+    pub topology: Topology,
+    /// Requests per batch-lane message.
+    pub chunk_size: usize,
+    /// Most requests in one batch.
+    pub max_requests: usize,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Allow webhook targets on loopback and private networks.
+    pub allow_private_webhooks: bool,
+    /// How long a real-time request may wait for its answer.
+    pub realtime_timeout: Duration,
+    /// How long a presigned `output_url` stays valid.
+    pub output_url_ttl: Duration,
+}
+
+/// What every handler can reach; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// Postgres.
+    pub store: Store,
+    /// S3.
+    pub objects: ObjectStore,
+    /// The real-time lane.
+    pub realtime: RealtimeClient,
+    /// The served models.
+    pub catalog: Arc<Catalog>,
+    /// Settings.
+    pub config: Arc<ApiConfig>,
+}
+
+/// The whole HTTP API.
+pub fn router(state: AppState) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/v1/account", get(account::show))
+        .route("/v1/account/webhook_secret/rotate", post(account::rotate))
+        .route("/v1/batches", post(batches::create).get(batches::list))
+        .route("/v1/batches/{id}", get(batches::show))
+        .route("/v1/batches/{id}/cancel", post(batches::cancel))
+        .route("/v1/batches/{id}/results", get(batches::results))
+        .route("/client/v4/accounts/{account_id}/ai/run/{*model}", post(workers_ai::run))
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "route_not_found", "no such route") })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}

@@ -1,0 +1,267 @@
+//! The Workers AI shape: `POST /client/v4/accounts/{account_id}/ai/run/{model}`.
+//!
+//! - `{"requests":[…]}` with `?queueRequest=true` (or `"queueRequest": true`)
+//!   queues a batch and answers `{"result":{"status":"queued","request_id","model"}}`.
+//! - `{"request_id"}` polls it: `queued`, `running`, or the responses.
+//! - Anything else is one request on the real-time lane, streamed as
+//!   server-sent events when `"stream": true`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::{self, StreamExt};
+use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
+use lorry_batcher::realtime::{Reply, RtRequest};
+use lorry_batcher::BatcherError;
+use lorry_engine::input::Fields;
+use lorry_engine::Output;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::batches::owned_batch;
+use crate::error::CloudflareError;
+use crate::extract::{Authenticated, JsonBody};
+use crate::submit::{self, Item, Options, Submission};
+use crate::{ApiError, AppState};
+
+fn envelope(result: Value) -> Json<Value> {
+    Json(json!({"result": result, "success": true, "errors": [], "messages": []}))
+}
+
+/// `POST /client/v4/accounts/{account_id}/ai/run/{model}`.
+pub async fn run(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Path((account_id, model)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: JsonBody,
+) -> Result<Response, CloudflareError> {
+    if account_id != account.0.id.0 {
+        return Err(ApiError::not_found("account_not_found", "account_id", "account").into());
+    }
+    let model = model.trim_start_matches('/');
+    let spec = submit::model(&state, model, "model")?;
+    let queued_in_query = match query.get("queueRequest").map(String::as_str) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => {
+            return Err(ApiError::invalid("invalid_value", "queueRequest", "queueRequest must be true or false").into())
+        }
+    };
+    let object = body
+        .value
+        .as_object()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "", "the body must be a JSON object"))?;
+    if object.contains_key("request_id") {
+        return poll(&state, &account, &body.value).await;
+    }
+    let queued_in_body = match object.get("queueRequest") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("invalid_type", "queueRequest", "queueRequest must be a boolean").into()),
+    };
+    if queued_in_query || queued_in_body {
+        return queue(&state, &account, spec, &headers, &body).await;
+    }
+    let mut input = body.value.clone();
+    if let Some(map) = input.as_object_mut() {
+        map.remove("queueRequest");
+    }
+    realtime(&state, model, input).await
+}
+
+async fn queue(
+    state: &AppState,
+    account: &Authenticated,
+    spec: &lorry_engine::ModelSpec,
+    headers: &HeaderMap,
+    body: &JsonBody,
+) -> Result<Response, CloudflareError> {
+    let mut f = Fields::new(&body.value, "")?;
+    f.raw("queueRequest");
+    let requests = f
+        .raw("requests")
+        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "a queued request needs requests: [...]"))?;
+    let list = requests
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
+    let options = Options {
+        webhook_url: submit::webhook_url(&mut f)?,
+        ..Options::default()
+    };
+    f.deny_unknown()?;
+    let items = list
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let path = format!("requests[{i}]");
+            let mut input = item.clone();
+            let reference = match input.as_object_mut().and_then(|m| m.remove("external_reference")) {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s),
+                Some(_) => {
+                    let param = format!("{path}.external_reference");
+                    return Err(ApiError::invalid("invalid_type", param, "external_reference must be a string"));
+                }
+            };
+            Ok(Item {
+                custom_id: reference,
+                body: input,
+                custom_id_path: format!("{path}.external_reference"),
+                path,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let submission = Submission {
+        spec,
+        shape: Shape::WorkersAi,
+        items,
+        options,
+    };
+    let new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
+    let (batch, _) = submit::create(state, new).await?;
+    Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
+}
+
+async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result<Response, CloudflareError> {
+    let mut f = Fields::new(body, "")?;
+    let request_id: String = f.required("request_id", "a string")?;
+    f.raw("queueRequest");
+    f.deny_unknown()?;
+    let batch = owned_batch(state, account, &request_id, "request_id").await?;
+    let tally = state.store.tally(&batch.id).await?;
+    if !batch.status.is_terminal() {
+        let status = if tally.any_started() || batch.status == BatchStatus::Finalizing {
+            "running"
+        } else {
+            "queued"
+        };
+        let result = json!({"status": status, "request_id": batch.id, "model": batch.model});
+        return Ok(envelope(result).into_response());
+    }
+    let finished = state.store.finished_requests(&batch.id).await?;
+    let responses: Vec<Value> = finished
+        .iter()
+        .map(|r| {
+            let mut line = json!({"id": r.index, "success": r.status == RequestStatus::Succeeded});
+            match (&r.response, &r.error) {
+                (Some(response), _) => line["result"] = response.clone(),
+                (None, error) => line["error"] = json!(error),
+            }
+            if let Some(reference) = &r.custom_id {
+                line["external_reference"] = json!(reference);
+            }
+            line
+        })
+        .collect();
+    let usage = json!({
+        "prompt_tokens": tally.prompt_tokens,
+        "completion_tokens": tally.completion_tokens,
+        "total_tokens": tally.prompt_tokens + tally.completion_tokens,
+    });
+    let result = json!({"status": batch.status, "request_id": batch.id, "responses": responses, "usage": usage});
+    Ok(envelope(result).into_response())
+}
+
+async fn realtime(state: &AppState, model: &str, input: Value) -> Result<Response, CloudflareError> {
+    let spec = submit::model(state, model, "model")?;
+    let valid = spec.validate(&input)?;
+    let request = RtRequest {
+        model: model.to_string(),
+        body: input,
+    };
+    let timeout = state.config.realtime_timeout;
+    let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
+    if valid.stream {
+        return Ok(stream_replies(state.clone(), correlation, replies).into_response());
+    }
+    let answer = tokio::time::timeout(timeout, final_output(replies)).await;
+    state.realtime.forget(&correlation);
+    match answer {
+        Err(_) => Err(BatcherError::Timeout(timeout).into()),
+        Ok(Err(error)) => Err(error.into()),
+        Ok(Ok(output)) => {
+            let usage = usage_json(&output);
+            let mut result = output.body;
+            if let Some(map) = result.as_object_mut() {
+                map.insert("usage".into(), usage);
+            }
+            Ok(envelope(result).into_response())
+        }
+    }
+}
+
+fn usage_json(output: &Output) -> Value {
+    let u = output.usage;
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+async fn final_output(mut replies: mpsc::UnboundedReceiver<Reply>) -> Result<Output, ApiError> {
+    while let Some(reply) = replies.recv().await {
+        match reply {
+            Reply::Token { .. } => {}
+            Reply::Done { output } => return Ok(output),
+            Reply::Error { code, message } => return Err(engine_failure(code, message)),
+        }
+    }
+    Err(engine_failure("engine_stopped".into(), "the worker went away".into()))
+}
+
+fn engine_failure(code: String, message: String) -> ApiError {
+    let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
+    error.param = Some(code);
+    error
+}
+
+/// Workers AI's stream: `data: {"response": "<piece>"}` events, then `data: [DONE]`.
+fn stream_replies(
+    state: AppState,
+    correlation: String,
+    replies: mpsc::UnboundedReceiver<Reply>,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let events = stream::unfold((replies, false), |(mut replies, done)| async move {
+        if done {
+            return None;
+        }
+        let event = match replies.recv().await {
+            Some(Reply::Token { text }) => Event::default().data(json!({"response": text}).to_string()),
+            Some(Reply::Done { output }) => {
+                let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
+                return Some((stream::iter(vec![Event::default().data(usage), Event::default().data("[DONE]")]), (replies, true)));
+            }
+            Some(Reply::Error { code, message }) => Event::default()
+                .event("error")
+                .data(json!({"code": code, "message": message}).to_string()),
+            None => return None,
+        };
+        Some((stream::iter(vec![event]), (replies, false)))
+    })
+    .flatten()
+    .map(Ok);
+    let guard = ForgetOnDrop { state, correlation };
+    Sse::new(events.chain(stream::once(async move {
+        drop(guard);
+        Ok(Event::default().comment("end"))
+    })))
+}
+
+struct ForgetOnDrop {
+    state: AppState,
+    correlation: String,
+}
+
+impl Drop for ForgetOnDrop {
+    fn drop(&mut self) {
+        self.state.realtime.forget(&self.correlation);
+    }
+}

@@ -1,0 +1,178 @@
+//! RabbitMQ: the queue topology, connections, and publishing with confirms.
+//!
+//! Every name starts with the configured prefix (`LORRY_QUEUE_PREFIX`), so
+//! stacks and parallel tests sharing one broker never see each other's work:
+//! - `<p>.batch.<model>` and `<p>.rt.<model>`: durable quorum queues with a
+//!   delivery limit; a message delivered that many times goes to the
+//!   dead-letter exchange `<p>.dlx` and its queue `<p>.dlq`.
+//! - `<p>.events`: a topic exchange of CloudEvents, routed by event type.
+
+use futures::future::try_join_all;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use crate::store::OutboxMessage;
+use crate::BatcherError;
+
+type Result<T> = std::result::Result<T, BatcherError>;
+
+const DEAD_LETTER_KEY: &str = "dead";
+
+/// The names of one deployment's queues and exchanges.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    prefix: String,
+    delivery_limit: u32,
+}
+
+impl Topology {
+    /// Names under `prefix`; a message is dead-lettered after `delivery_limit` deliveries.
+    pub fn new(prefix: &str, delivery_limit: u32) -> Self {
+        Topology {
+            prefix: prefix.to_string(),
+            delivery_limit: delivery_limit.max(1),
+        }
+    }
+
+    /// The batch lane of a model.
+    pub fn batch_queue(&self, model: &str) -> String {
+        format!("{}.batch.{model}", self.prefix)
+    }
+
+    /// The real-time lane of a model.
+    pub fn rt_queue(&self, model: &str) -> String {
+        format!("{}.rt.{model}", self.prefix)
+    }
+
+    /// The dead-letter exchange.
+    pub fn dead_letter_exchange(&self) -> String {
+        format!("{}.dlx", self.prefix)
+    }
+
+    /// The dead-letter queue.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.prefix)
+    }
+
+    /// The topic exchange of batch events.
+    pub fn events_exchange(&self) -> String {
+        format!("{}.events", self.prefix)
+    }
+
+    /// Declare the shared exchanges and queues and both lanes of every model (idempotent).
+    pub async fn declare<'a>(&self, channel: &Channel, models: impl IntoIterator<Item = &'a str>) -> Result<()> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(&self.events_exchange(), ExchangeKind::Topic, durable, FieldTable::default())
+            .await?;
+        channel
+            .exchange_declare(&self.dead_letter_exchange(), ExchangeKind::Direct, durable, FieldTable::default())
+            .await?;
+        let dlq = self.dead_letter_queue();
+        channel.queue_declare(&dlq, durable_queue(), quorum(None)).await?;
+        channel
+            .queue_bind(
+                &dlq,
+                &self.dead_letter_exchange(),
+                DEAD_LETTER_KEY,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        for model in models {
+            for queue in [self.batch_queue(model), self.rt_queue(model)] {
+                let args = quorum(Some((self.delivery_limit, &self.dead_letter_exchange())));
+                channel.queue_declare(&queue, durable_queue(), args).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn durable_queue() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    if let Some((limit, exchange)) = dead_letter {
+        args.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
+        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
+        args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(DEAD_LETTER_KEY.into()));
+        // Dead-letter at least once: a dead-lettered chunk must still end its requests.
+        args.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
+        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    }
+    args
+}
+
+/// Open a connection on the tokio runtime, named so operators can find it.
+pub async fn connect(url: &str, name: &str) -> Result<Connection> {
+    let properties = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name(name.into());
+    Ok(Connection::connect(url, properties).await?)
+}
+
+/// A channel in confirm mode.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+}
+
+impl Publisher {
+    /// Open a confirming channel on `connection`.
+    pub async fn open(connection: &Connection) -> Result<Self> {
+        let channel = connection.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(Publisher { channel })
+    }
+
+    /// The underlying channel.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Publish persistent JSON messages and wait until the broker has confirmed
+    /// (and routed) every one of them.
+    pub async fn publish_all(&self, messages: &[OutboxMessage]) -> Result<()> {
+        let pending = messages.iter().map(|m| async move {
+            let body = serde_json::to_vec(&m.payload)?;
+            self.publish(&m.exchange, &m.routing_key, &body, json_properties()).await
+        });
+        try_join_all(pending).await?;
+        Ok(())
+    }
+
+    /// Publish one message with `properties` and wait for its confirm.
+    pub async fn publish(&self, exchange: &str, key: &str, body: &[u8], properties: BasicProperties) -> Result<()> {
+        let options = BasicPublishOptions {
+            mandatory: exchange.is_empty(),
+            ..Default::default()
+        };
+        let confirm = self.channel.basic_publish(exchange, key, options, body, properties).await?.await?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => Err(BatcherError::NotConfirmed(key.to_string())),
+        }
+    }
+}
+
+/// Persistent JSON.
+pub fn json_properties() -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+}

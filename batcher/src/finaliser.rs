@@ -1,0 +1,160 @@
+//! Ending batches: the finaliser writes `output.jsonl` (every request, in index
+//! order) and `errors.jsonl` to S3, then moves the batch to its terminal status
+//! together with its events and webhook, in one transaction. The sweeper
+//! expires batches past their window and picks up batches whose finaliser died.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::Topology;
+use crate::ids::BatchId;
+use crate::model::{Batch, BatchStatus, RequestStatus};
+use crate::objects::{batch_key, ObjectStore};
+use crate::store::{Ending, OutboxMessage, Store};
+use crate::BatcherError;
+
+/// How long a presigned `output_url` in a webhook stays valid.
+pub const WEBHOOK_URL_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Ends batches; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Finaliser {
+    store: Store,
+    objects: ObjectStore,
+    topology: Topology,
+    stale_after: Duration,
+}
+
+impl Finaliser {
+    /// A finaliser that takes over a batch left `finalizing` for `stale_after`.
+    pub fn new(store: Store, objects: ObjectStore, topology: Topology, stale_after: Duration) -> Self {
+        Finaliser {
+            store,
+            objects,
+            topology,
+            stale_after,
+        }
+    }
+
+    /// Finalise the batch if all its requests have ended and nobody else is on it.
+    pub async fn try_finalize(&self, id: &BatchId) -> Result<bool, BatcherError> {
+        match self.store.begin_finalizing(id).await? {
+            Some(batch) => self.finalize(batch).await,
+            None => Ok(false),
+        }
+    }
+
+    /// Write the output of a batch in `finalizing` and end it.
+    pub async fn finalize(&self, batch: Batch) -> Result<bool, BatcherError> {
+        let finished = self.store.finished_requests(&batch.id).await?;
+        let mut output = Vec::new();
+        let mut errors = Vec::new();
+        for request in &finished {
+            let mut line = serde_json::to_vec(&request.result_line(&batch.id))?;
+            line.push(b'\n');
+            if request.status != RequestStatus::Succeeded {
+                errors.extend_from_slice(&line);
+            }
+            output.extend_from_slice(&line);
+        }
+        let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");
+        self.objects.put(&output_key, output, "application/jsonl").await?;
+        let errors_key = if errors.is_empty() {
+            None
+        } else {
+            let key = batch_key(&batch.account_id, &batch.id, "errors.jsonl");
+            self.objects.put(&key, errors, "application/jsonl").await?;
+            Some(key)
+        };
+        let status = match batch.end_reason.as_deref() {
+            Some("cancelled") => BatchStatus::Cancelled,
+            Some("expired") => BatchStatus::Expired,
+            _ => BatchStatus::Completed,
+        };
+        let at = Utc::now();
+        let mut ended = batch.clone();
+        ended.status = status;
+        match status {
+            BatchStatus::Cancelled => ended.times.cancelled_at = Some(at),
+            BatchStatus::Expired => ended.times.expired_at = Some(at),
+            _ => ended.times.completed_at = Some(at),
+        }
+        let tally = self.store.tally(&batch.id).await?;
+        let output_url = self.objects.presign_get(&output_key, WEBHOOK_URL_TTL).await?;
+        let errors_url = match &errors_key {
+            Some(key) => Some(self.objects.presign_get(key, WEBHOOK_URL_TTL).await?),
+            None => None,
+        };
+        let data = ended.to_json(&tally, Some(output_url), errors_url);
+        let event_type = format!("batch.{}", status.as_str());
+        let ending = Ending {
+            status,
+            at,
+            output_key,
+            errors_key,
+            events: vec![OutboxMessage {
+                exchange: self.topology.events_exchange(),
+                routing_key: event_type.clone(),
+                payload: cloud_event(&event_type, &batch.id, &data),
+            }],
+            webhook: Some((
+                event_type.clone(),
+                json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data}),
+            )),
+        };
+        let done = self.store.finish(&batch, &ending).await?;
+        if done {
+            tracing::info!(batch = %batch.id, status = status.as_str(), "batch ended");
+        }
+        Ok(done)
+    }
+
+    /// One sweep: expire batches past their window, finalise batches left open
+    /// with nothing running, and take over stale finalisations.
+    pub async fn sweep(&self) -> Result<usize, BatcherError> {
+        let mut ended = 0;
+        self.store.expire_due().await?;
+        for id in self.store.ready_to_finalize(100).await? {
+            ended += usize::from(self.try_finalize(&id).await?);
+        }
+        for batch in self.store.reclaim_stale_finalizing(self.stale_after).await? {
+            ended += usize::from(self.finalize(batch).await?);
+        }
+        Ok(ended)
+    }
+
+    /// Sweep every `interval` until `stop`.
+    pub async fn run(&self, interval: Duration, stop: CancellationToken) {
+        let mut pruned_at = tokio::time::Instant::now();
+        loop {
+            if let Err(e) = self.sweep().await {
+                tracing::warn!(error = %e, "sweep failed");
+            }
+            if pruned_at.elapsed() > Duration::from_secs(3600) {
+                let _ = self.store.prune_outbox(Duration::from_secs(24 * 3600)).await;
+                pruned_at = tokio::time::Instant::now();
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}
+
+/// A batch event in CloudEvents 1.0 JSON form.
+pub fn cloud_event(event_type: &str, batch: &BatchId, data: &Value) -> Value {
+    json!({
+        "specversion": "1.0",
+        "id": uuid::Uuid::now_v7().to_string(),
+        "source": "lorry/batches",
+        "type": format!("dev.lorry.{event_type}"),
+        "subject": batch,
+        "time": Utc::now().to_rfc3339(),
+        "datacontenttype": "application/json",
+        "data": data,
+    })
+}

@@ -1,0 +1,29 @@
+//! Lorry's durable core: everything between an accepted batch and its results.
+//!
+//! - [`store`]: Postgres (batches, requests, outbox, webhook deliveries).
+//! - [`broker`]: RabbitMQ topology, connections and publishing with confirms.
+//! - [`objects`]: the S3 object store for `output.jsonl` and `errors.jsonl`.
+//! - [`relay`]: publishes the outbox to RabbitMQ.
+//! - [`worker`]: consumes both lanes, runs requests on an engine [`lorry_engine::Backend`],
+//!   commits results idempotently, acks only after the commit.
+//! - [`finaliser`]: ends batches, writes their output, expires and sweeps.
+//! - [`webhooks`]: signed, retried completion webhooks (Standard Webhooks).
+//! - [`realtime`]: the API side of the real-time lane (publish, await the reply).
+#![forbid(unsafe_code)]
+
+pub mod broker;
+pub mod error;
+pub mod finaliser;
+pub mod ids;
+pub mod model;
+pub mod objects;
+pub mod realtime;
+pub mod relay;
+pub mod store;
+pub mod webhooks;
+pub mod worker;
+
+pub use error::BatcherError;
+
+/// The schema migrations, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");

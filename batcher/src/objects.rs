@@ -1,0 +1,149 @@
+//! The S3 object store: batch outputs and, later, adapters and files.
+
+use std::time::Duration;
+
+use aws_sdk_s3::config::{Credentials, Region};
+use aws_sdk_s3::presigning::PresigningConfig;
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::Client;
+
+use crate::ids::{AccountId, BatchId};
+use crate::BatcherError;
+
+type Result<T> = std::result::Result<T, BatcherError>;
+
+/// Where and how to reach the object store.
+#[derive(Clone)]
+pub struct ObjectStoreConfig {
+    /// An S3-compatible endpoint; `None` means AWS itself.
+    pub endpoint: Option<String>,
+    /// The bucket, created at start-up if missing.
+    pub bucket: String,
+    /// The region.
+    pub region: String,
+    /// Access key id.
+    pub access_key: String,
+    /// Secret access key.
+    pub secret_key: String,
+}
+
+impl std::fmt::Debug for ObjectStoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectStoreConfig")
+            .field("endpoint", &self.endpoint)
+            .field("bucket", &self.bucket)
+            .field("region", &self.region)
+            .field("access_key", &self.access_key)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A bucket on an S3-compatible store; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ObjectStore {
+    client: Client,
+    bucket: String,
+}
+
+fn s3_error(e: impl std::error::Error) -> BatcherError {
+    use std::fmt::Write;
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let _ = write!(message, ": {inner}");
+        source = inner.source();
+    }
+    BatcherError::ObjectStore(message)
+}
+
+impl ObjectStore {
+    /// A client for the configured bucket (no network yet).
+    pub fn new(config: &ObjectStoreConfig) -> Self {
+        let credentials = Credentials::new(&config.access_key, &config.secret_key, None, None, "lorry");
+        let mut builder = aws_sdk_s3::Config::builder()
+            .behavior_version_latest()
+            .region(Region::new(config.region.clone()))
+            .credentials_provider(credentials)
+            .force_path_style(config.endpoint.is_some());
+        if let Some(endpoint) = &config.endpoint {
+            builder = builder.endpoint_url(endpoint);
+        }
+        ObjectStore {
+            client: Client::from_conf(builder.build()),
+            bucket: config.bucket.clone(),
+        }
+    }
+
+    /// Create the bucket unless it exists.
+    pub async fn ensure_bucket(&self) -> Result<()> {
+        if self.ping().await.is_ok() {
+            return Ok(());
+        }
+        match self.client.create_bucket().bucket(&self.bucket).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let exists = e
+                    .as_service_error()
+                    .is_some_and(|s| s.is_bucket_already_owned_by_you() || s.is_bucket_already_exists());
+                if exists {
+                    Ok(())
+                } else {
+                    Err(s3_error(e))
+                }
+            }
+        }
+    }
+
+    /// Whether the bucket is reachable.
+    pub async fn ping(&self) -> Result<()> {
+        self.client.head_bucket().bucket(&self.bucket).send().await.map_err(s3_error)?;
+        Ok(())
+    }
+
+    /// Store an object.
+    pub async fn put(&self, key: &str, body: Vec<u8>, content_type: &str) -> Result<()> {
+        self.client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .content_type(content_type)
+            .body(ByteStream::from(body))
+            .send()
+            .await
+            .map_err(s3_error)?;
+        Ok(())
+    }
+
+    /// Read an object whole.
+    pub async fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let object = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(s3_error)?;
+        let body = object.body.collect().await.map_err(s3_error)?;
+        Ok(body.into_bytes().to_vec())
+    }
+
+    /// A presigned GET URL valid for `ttl`.
+    pub async fn presign_get(&self, key: &str, ttl: Duration) -> Result<String> {
+        let config = PresigningConfig::expires_in(ttl).map_err(s3_error)?;
+        let request = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .presigned(config)
+            .await
+            .map_err(s3_error)?;
+        Ok(request.uri().to_string())
+    }
+}
+
+/// Where a batch's files live: under its account.
+pub fn batch_key(account: &AccountId, batch: &BatchId, file: &str) -> String {
+    format!("accounts/{account}/batches/{batch}/{file}")
+}

@@ -1,0 +1,241 @@
+//! The real-time lane: a single request published to `<p>.rt.<model>` with a
+//! reply queue; the worker answers with the tokens as they come and a final
+//! result. [`RealtimeClient`] is the API's side, [`forward`] the worker's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
+use lorry_engine::{Event, EventStream, Output};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::broker::{self, Publisher, Topology};
+use crate::BatcherError;
+
+/// A real-time request on the broker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RtRequest {
+    /// The served model.
+    pub model: String,
+    /// The validated model input.
+    pub body: Value,
+}
+
+/// One message back to the API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Reply {
+    /// A piece of generated text.
+    Token {
+        /// The text.
+        text: String,
+    },
+    /// The final result.
+    Done {
+        /// The model's output.
+        output: Output,
+    },
+    /// The request failed.
+    Error {
+        /// Stable code.
+        code: String,
+        /// Explanation.
+        message: String,
+    },
+}
+
+impl Reply {
+    /// An error reply.
+    pub fn error(code: &str, message: &str) -> Self {
+        Reply::Error {
+            code: code.to_string(),
+            message: message.to_string(),
+        }
+    }
+
+    /// Whether nothing follows this reply.
+    pub fn is_last(&self) -> bool {
+        !matches!(self, Reply::Token { .. })
+    }
+}
+
+/// Where a worker sends one request's replies.
+pub struct ReplyTo<'a> {
+    /// A confirming channel.
+    pub publisher: &'a Publisher,
+    /// The API's reply queue.
+    pub queue: &'a str,
+    /// The request's correlation id.
+    pub correlation: &'a str,
+}
+
+impl ReplyTo<'_> {
+    /// Send one reply.
+    pub async fn send(&self, reply: &Reply) -> Result<(), BatcherError> {
+        let body = serde_json::to_vec(reply)?;
+        let properties = BasicProperties::default()
+            .with_correlation_id(self.correlation.into())
+            .with_content_type("application/json".into());
+        self.publisher.publish("", self.queue, &body, properties).await
+    }
+}
+
+/// Relay an engine's events as replies until the request ends.
+pub async fn forward(mut events: EventStream, reply: &ReplyTo<'_>) -> Result<(), BatcherError> {
+    while let Some(event) = events.recv().await {
+        let message = match event {
+            Event::Token(text) => Reply::Token { text },
+            Event::Finished(output) => Reply::Done { output },
+            Event::Failed(e) => Reply::error(e.code(), &e.to_string()),
+        };
+        reply.send(&message).await?;
+        if message.is_last() {
+            return Ok(());
+        }
+    }
+    reply.send(&Reply::error("engine_stopped", "the engine stopped")).await
+}
+
+type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Reply>>>>;
+
+struct Link {
+    connection: Connection,
+    publisher: Publisher,
+    reply_queue: String,
+}
+
+/// The API's client for the real-time lane; cheap to clone, connects lazily and
+/// reconnects after the broker drops it.
+#[derive(Clone)]
+pub struct RealtimeClient {
+    amqp_url: String,
+    topology: Topology,
+    max_depth: u32,
+    link: Arc<tokio::sync::Mutex<Option<Arc<Link>>>>,
+    waiters: Waiters,
+}
+
+impl RealtimeClient {
+    /// A client that refuses new requests while more than `max_depth` wait in a lane.
+    pub fn new(amqp_url: &str, topology: Topology, max_depth: u32) -> Self {
+        RealtimeClient {
+            amqp_url: amqp_url.to_string(),
+            topology,
+            max_depth,
+            link: Arc::default(),
+            waiters: Arc::default(),
+        }
+    }
+
+    async fn link(&self) -> Result<Arc<Link>, BatcherError> {
+        let mut guard = self.link.lock().await;
+        if let Some(link) = guard.as_ref().filter(|l| l.connection.status().connected()) {
+            return Ok(Arc::clone(link));
+        }
+        let connection = broker::connect(&self.amqp_url, "lorry-api").await?;
+        let publisher = Publisher::open(&connection).await?;
+        let replies = connection.create_channel().await?;
+        let queue = replies
+            .queue_declare(
+                "",
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let reply_queue = queue.name().to_string();
+        let mut consumer = replies
+            .basic_consume(&reply_queue, "", BasicConsumeOptions::default(), FieldTable::default())
+            .await?;
+        let waiters = Arc::clone(&self.waiters);
+        tokio::spawn(async move {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                let _ = delivery.ack(BasicAckOptions::default()).await;
+                dispatch(&waiters, &delivery);
+            }
+        });
+        let link = Arc::new(Link {
+            connection,
+            publisher,
+            reply_queue,
+        });
+        *guard = Some(Arc::clone(&link));
+        Ok(link)
+    }
+
+    /// Whether the broker is reachable.
+    pub async fn ping(&self) -> Result<(), BatcherError> {
+        self.link().await.map(|_| ())
+    }
+
+    /// Publish a request; its replies arrive on the returned channel. The message
+    /// expires unserved after `timeout`.
+    pub async fn submit(
+        &self,
+        request: &RtRequest,
+        timeout: Duration,
+    ) -> Result<(String, mpsc::UnboundedReceiver<Reply>), BatcherError> {
+        let link = self.link().await?;
+        let queue = self.topology.rt_queue(&request.model);
+        let depth = link
+            .publisher
+            .channel()
+            .queue_declare(
+                &queue,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?
+            .message_count();
+        if depth >= self.max_depth {
+            return Err(BatcherError::Saturated);
+        }
+        let correlation = uuid::Uuid::new_v4().simple().to_string();
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.waiters.lock().expect("waiters lock").insert(correlation.clone(), tx);
+        let properties = broker::json_properties()
+            .with_reply_to(link.reply_queue.as_str().into())
+            .with_correlation_id(correlation.as_str().into())
+            .with_expiration(timeout.as_millis().to_string().into());
+        let body = serde_json::to_vec(request)?;
+        if let Err(e) = link.publisher.publish("", &queue, &body, properties).await {
+            self.forget(&correlation);
+            return Err(e);
+        }
+        Ok((correlation, rx))
+    }
+
+    /// Stop waiting for a request's replies.
+    pub fn forget(&self, correlation: &str) {
+        self.waiters.lock().expect("waiters lock").remove(correlation);
+    }
+}
+
+fn dispatch(waiters: &Waiters, delivery: &lapin::message::Delivery) {
+    let Some(correlation) = delivery.properties.correlation_id().as_ref() else {
+        return;
+    };
+    let Ok(reply) = serde_json::from_slice::<Reply>(&delivery.data) else {
+        return;
+    };
+    let mut waiters = waiters.lock().expect("waiters lock");
+    let last = reply.is_last();
+    if let Some(tx) = waiters.get(correlation.as_str()) {
+        let _ = tx.send(reply);
+    }
+    if last {
+        waiters.remove(correlation.as_str());
+    }
+}

@@ -1,0 +1,376 @@
+//! The worker: consumes the real-time lane before the batch lane, runs each
+//! request on an engine [`Backend`], commits results to Postgres idempotently
+//! on (batch, index), and acks a message only after its results are durable.
+//!
+//! Batch work travels as [`Chunk`]s (ranges of one batch's requests), so that
+//! a 10,000-request batch is ~160 messages rather than 10,000; inside a chunk
+//! every request goes to the engine at once, and results are committed as they
+//! finish, a few dozen rows per statement.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+use lorry_engine::{collect, Backend, Catalog, EngineError, Lane};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{self, Publisher, Topology};
+use crate::finaliser::Finaliser;
+use crate::model::{Chunk, RequestError};
+use crate::realtime::{self, Reply, RtRequest};
+use crate::store::{Claimed, Outcome, Store};
+use crate::BatcherError;
+
+/// How long a stopping worker waits for the work it holds.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// How a worker runs.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The broker.
+    pub amqp_url: String,
+    /// Queue names.
+    pub topology: Topology,
+    /// Batch chunks held at once per model.
+    pub batch_prefetch: u16,
+    /// Real-time requests held at once per model.
+    pub rt_prefetch: u16,
+    /// Commit results once this many are waiting...
+    pub flush_rows: usize,
+    /// ...or once the oldest has waited this long.
+    pub flush_interval: Duration,
+}
+
+/// What processing one chunk did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ChunkReport {
+    /// Requests taken from the store.
+    pub claimed: usize,
+    /// Results written (a redelivered chunk may write fewer than it ran).
+    pub committed: u64,
+    /// Requests the engine could not take; the chunk must be delivered again.
+    pub deferred: usize,
+}
+
+/// A worker; cheap to clone.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Store,
+    finaliser: Finaliser,
+    catalog: Catalog,
+    backends: HashMap<String, Arc<dyn Backend>>,
+    config: WorkerConfig,
+}
+
+impl Worker {
+    /// A worker serving `backends`, whose inputs the `catalog` validates.
+    pub fn new(
+        store: Store,
+        finaliser: Finaliser,
+        catalog: Catalog,
+        backends: Vec<Arc<dyn Backend>>,
+        config: WorkerConfig,
+    ) -> Self {
+        let backends = backends.into_iter().map(|b| (b.model().to_string(), b)).collect();
+        Worker {
+            inner: Arc::new(Inner {
+                store,
+                finaliser,
+                catalog,
+                backends,
+                config,
+            }),
+        }
+    }
+
+    /// The models this worker serves.
+    pub fn models(&self) -> Vec<String> {
+        self.inner.backends.keys().cloned().collect()
+    }
+
+    /// Run one chunk: claim, serve, commit; then finalise the batch if it has ended.
+    pub async fn process_chunk(&self, chunk: &Chunk) -> Result<ChunkReport, BatcherError> {
+        let inner = &self.inner;
+        let (spec, backend) = match (inner.catalog.get(&chunk.model), inner.backends.get(&chunk.model)) {
+            (Some(spec), Some(backend)) => (spec, backend),
+            _ => return Err(BatcherError::UnknownModel(chunk.model.clone())),
+        };
+        let claimed = inner.store.claim(chunk).await?;
+        let mut report = ChunkReport {
+            claimed: claimed.len(),
+            ..Default::default()
+        };
+        let mut ready = Vec::new();
+        let mut running = FuturesUnordered::new();
+        for Claimed { index, body, .. } in claimed {
+            let started = spec
+                .validate(&body)
+                .map_err(EngineError::from)
+                .and_then(|request| backend.submit(request, Lane::Batch));
+            match started {
+                Ok(events) => running.push(async move { (index, collect(events).await) }),
+                Err(EngineError::Stopped) => report.deferred += 1,
+                Err(e) => ready.push(outcome(index, Err(e))),
+            }
+        }
+        let interval = inner.config.flush_interval;
+        let mut last_flush = Instant::now();
+        while !running.is_empty() {
+            tokio::select! {
+                Some((index, result)) = running.next() => match result {
+                    Err(EngineError::Stopped) => report.deferred += 1,
+                    result => ready.push(outcome(index, result)),
+                },
+                _ = tokio::time::sleep_until(last_flush + interval) => {}
+            }
+            if ready.len() >= inner.config.flush_rows || last_flush.elapsed() >= interval {
+                report.committed += inner.store.commit(&chunk.batch_id, &std::mem::take(&mut ready)).await?;
+                last_flush = Instant::now();
+            }
+        }
+        report.committed += inner.store.commit(&chunk.batch_id, &ready).await?;
+        if report.deferred == 0 {
+            inner.finaliser.try_finalize(&chunk.batch_id).await?;
+        }
+        Ok(report)
+    }
+
+    /// End a dead-lettered chunk's unfinished requests with a non-retryable error.
+    pub async fn process_dead_letter(&self, chunk: &Chunk) -> Result<u64, BatcherError> {
+        let error = RequestError {
+            kind: "errored".into(),
+            code: "delivery_limit_exceeded".into(),
+            message: "the request failed on every delivery and was dead-lettered".into(),
+            retryable: false,
+        };
+        let ended = self.inner.store.fail_chunk(chunk, &error).await?;
+        self.inner.finaliser.try_finalize(&chunk.batch_id).await?;
+        Ok(ended)
+    }
+
+    /// Consume until `stop`, reconnecting to the broker whenever the connection drops.
+    pub async fn run(&self, stop: CancellationToken) {
+        let mut backoff = Duration::from_millis(100);
+        while !stop.is_cancelled() {
+            match self.session(&stop).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker lost the broker; reconnecting");
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn session(&self, stop: &CancellationToken) -> Result<(), BatcherError> {
+        let inner = &self.inner;
+        let connection = broker::connect(&inner.config.amqp_url, "lorry-worker").await?;
+        let topology = &inner.config.topology;
+        let models = self.models();
+        let setup = connection.create_channel().await?;
+        topology.declare(&setup, models.iter().map(String::as_str)).await?;
+        let replies = Publisher::open(&connection).await?;
+        let mut consumers = JoinSet::new();
+        for model in &models {
+            let rt = consumer(&connection, &topology.rt_queue(model), inner.config.rt_prefetch, 10).await?;
+            consumers.spawn(self.clone().consume(rt, Kind::RealTime(replies.clone()), stop.clone()));
+            let batch = consumer(&connection, &topology.batch_queue(model), inner.config.batch_prefetch, 0).await?;
+            consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
+        }
+        let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
+        consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
+        // Consumers end on `stop` after their work in hand is settled, or when the connection drops.
+        let mut outcome = Ok(());
+        while let Some(ended) = consumers.join_next().await {
+            if let Ok(Err(e)) = ended {
+                outcome = Err(e);
+                consumers.abort_all();
+            }
+        }
+        let _ = connection.close(200, "worker stopping").await;
+        outcome
+    }
+
+    async fn consume(
+        self,
+        (channel, mut deliveries): (Channel, lapin::Consumer),
+        kind: Kind,
+        stop: CancellationToken,
+    ) -> Result<(), BatcherError> {
+        let mut in_flight = JoinSet::new();
+        let ended = loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => break Ok(()),
+                next = deliveries.next() => next,
+            };
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => break Err(BatcherError::from(e)),
+                None => break Err(BatcherError::BrokerLost("the consumer was cancelled".into())),
+            };
+            let worker = self.clone();
+            let kind = kind.clone();
+            in_flight.spawn(async move { worker.handle(delivery, kind).await });
+            while in_flight.try_join_next().is_some() {}
+        };
+        if ended.is_ok() {
+            // Graceful stop: finish and settle what this consumer holds.
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, async { while in_flight.join_next().await.is_some() {} }).await;
+        }
+        drop(channel);
+        ended
+    }
+
+    async fn handle(&self, delivery: Delivery, kind: Kind) {
+        let settled = match kind {
+            Kind::RealTime(replies) => self.handle_realtime(&delivery, &replies).await,
+            Kind::Batch | Kind::DeadLetter => self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter)).await,
+        };
+        let result = match settled {
+            Settle::Ack => delivery.ack(BasicAckOptions::default()).await,
+            Settle::Retry => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                delivery
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
+            }
+        };
+        if let Err(e) = result {
+            // The channel is gone; the broker will deliver the message again.
+            tracing::debug!(error = %e, "could not settle a delivery");
+        }
+    }
+
+    async fn handle_chunk(&self, delivery: &Delivery, dead: bool) -> Settle {
+        let chunk: Chunk = match serde_json::from_slice(&delivery.data) {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                tracing::error!(error = %e, "dropping a message that is not a chunk");
+                return Settle::Ack;
+            }
+        };
+        let result = if dead {
+            self.process_dead_letter(&chunk).await.map(|_| ChunkReport::default())
+        } else {
+            self.process_chunk(&chunk).await
+        };
+        match result {
+            Ok(report) if report.deferred == 0 => Settle::Ack,
+            Ok(report) => {
+                tracing::warn!(batch = %chunk.batch_id, deferred = report.deferred, "engine refused work; requeueing");
+                Settle::Retry
+            }
+            Err(e) => {
+                tracing::warn!(batch = %chunk.batch_id, error = %e, "chunk failed; requeueing");
+                Settle::Retry
+            }
+        }
+    }
+
+    async fn handle_realtime(&self, delivery: &Delivery, replies: &Publisher) -> Settle {
+        let (Some(reply_to), Some(correlation)) = (
+            delivery.properties.reply_to().as_ref(),
+            delivery.properties.correlation_id().as_ref(),
+        ) else {
+            tracing::error!("dropping a real-time request without reply_to or correlation_id");
+            return Settle::Ack;
+        };
+        let reply = realtime::ReplyTo {
+            publisher: replies,
+            queue: reply_to.as_str(),
+            correlation: correlation.as_str(),
+        };
+        let request: RtRequest = match serde_json::from_slice(&delivery.data) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = reply.send(&Reply::error("malformed_request", &e.to_string())).await;
+                return Settle::Ack;
+            }
+        };
+        let inner = &self.inner;
+        let started = match (inner.catalog.get(&request.model), inner.backends.get(&request.model)) {
+            (Some(spec), Some(backend)) => spec
+                .validate(&request.body)
+                .map_err(EngineError::from)
+                .and_then(|r| backend.submit(r, Lane::RealTime)),
+            _ => Err(EngineError::Model(format!("model {} is not served here", request.model))),
+        };
+        let sent = match started {
+            Ok(events) => realtime::forward(events, &reply).await,
+            Err(e) => reply.send(&Reply::error(e.code(), &e.to_string())).await,
+        };
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "could not answer a real-time request");
+        }
+        Settle::Ack
+    }
+}
+
+#[derive(Clone)]
+enum Kind {
+    RealTime(Publisher),
+    Batch,
+    DeadLetter,
+}
+
+enum Settle {
+    Ack,
+    Retry,
+}
+
+fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Outcome {
+    match result {
+        Ok(output) => Outcome {
+            index,
+            result: Ok(output.body),
+            prompt_tokens: output.usage.prompt_tokens as i32,
+            completion_tokens: output.usage.completion_tokens as i32,
+        },
+        Err(e) => Outcome {
+            index,
+            result: Err(RequestError {
+                kind: "errored".into(),
+                code: e.code().into(),
+                message: e.to_string(),
+                retryable: e.retryable(),
+            }),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+        },
+    }
+}
+
+async fn consumer(
+    connection: &Connection,
+    queue: &str,
+    prefetch: u16,
+    priority: i32,
+) -> Result<(Channel, lapin::Consumer), BatcherError> {
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(prefetch.max(1), BasicQosOptions::default()).await?;
+    let mut args = FieldTable::default();
+    args.insert("x-priority".into(), AMQPValue::LongInt(priority));
+    let consumer = channel
+        .basic_consume(queue, "", BasicConsumeOptions::default(), args)
+        .await?;
+    Ok((channel, consumer))
+}

@@ -1,0 +1,363 @@
+//! Request validation: parse, don't validate.
+//!
+//! A [`ValidRequest`] is made once, at the edge, from a JSON body; everything
+//! past that trusts it. Every refusal is an [`InputError`] with a stable code
+//! and the path of the field at fault, relative to the body.
+
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+use crate::catalog::Task;
+
+/// Why a request body was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InputError {
+    /// Stable machine-readable code, e.g. `unknown_field`.
+    pub code: &'static str,
+    /// The field at fault, as a path relative to the validated value (`messages[0].role`).
+    pub param: String,
+    /// A human-readable explanation.
+    pub message: String,
+}
+
+impl InputError {
+    /// An error about one field.
+    pub fn new(code: &'static str, param: impl Into<String>, message: impl Into<String>) -> Self {
+        InputError {
+            code,
+            param: param.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The same error, with its field path placed under `prefix`.
+    pub fn under(mut self, prefix: &str) -> Self {
+        self.param = join_path(prefix, &self.param);
+        self
+    }
+}
+
+fn join_path(prefix: &str, field: &str) -> String {
+    match (prefix.is_empty(), field.is_empty()) {
+        (true, _) => field.to_string(),
+        (false, true) => prefix.to_string(),
+        (false, false) if field.starts_with('[') => format!("{prefix}{field}"),
+        (false, false) => format!("{prefix}.{field}"),
+    }
+}
+
+/// Reads the fields of one JSON object, refusing wrong types and, at the end, unknown fields.
+pub struct Fields<'a> {
+    path: String,
+    object: &'a Map<String, Value>,
+    seen: Vec<&'a str>,
+}
+
+impl<'a> Fields<'a> {
+    /// Start reading `value`, which must be an object; `path` names it in errors.
+    pub fn new(value: &'a Value, path: &str) -> Result<Self, InputError> {
+        let object = value.as_object().ok_or_else(|| {
+            InputError::new("invalid_type", path, format!("{} must be a JSON object", display(path)))
+        })?;
+        Ok(Fields {
+            path: path.to_string(),
+            object,
+            seen: Vec::new(),
+        })
+    }
+
+    /// The path of a field of this object.
+    pub fn path_of(&self, name: &str) -> String {
+        join_path(&self.path, name)
+    }
+
+    /// The raw value of an optional field (`null` counts as absent).
+    pub fn raw(&mut self, name: &'a str) -> Option<&'a Value> {
+        self.seen.push(name);
+        self.object.get(name).filter(|v| !v.is_null())
+    }
+
+    /// An optional field of type `T`; `expected` describes `T` in errors.
+    pub fn optional<T: DeserializeOwned>(&mut self, name: &'a str, expected: &str) -> Result<Option<T>, InputError> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(value) => T::deserialize(value).map(Some).map_err(|_| {
+                let path = self.path_of(name);
+                InputError::new("invalid_type", path.clone(), format!("{path} must be {expected}"))
+            }),
+        }
+    }
+
+    /// A required field of type `T`.
+    pub fn required<T: DeserializeOwned>(&mut self, name: &'a str, expected: &str) -> Result<T, InputError> {
+        self.optional(name, expected)?.ok_or_else(|| {
+            let path = self.path_of(name);
+            InputError::new("missing_field", path.clone(), format!("{path} is required"))
+        })
+    }
+
+    /// Refuse any field that was not read.
+    pub fn deny_unknown(self) -> Result<(), InputError> {
+        match self.object.keys().find(|k| !self.seen.contains(&k.as_str())) {
+            None => Ok(()),
+            Some(key) => {
+                let path = join_path(&self.path, key);
+                Err(InputError::new("unknown_field", path.clone(), format!("unknown field {path}")))
+            }
+        }
+    }
+}
+
+fn display(path: &str) -> &str {
+    if path.is_empty() {
+        "the body"
+    } else {
+        path
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// What the model is asked to work on.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Prompt {
+    /// A completion prompt.
+    Text(String),
+    /// A chat conversation, rendered with the model's template unless `raw`.
+    Messages(Vec<Message>),
+    /// Plain text (the echo model; later, embedding inputs).
+    Plain(String),
+}
+
+/// Sampling and stopping parameters, already range-checked.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+pub struct Sampling {
+    /// Upper bound on generated tokens.
+    pub max_tokens: Option<u32>,
+    /// 0 means greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass, in (0, 1].
+    pub top_p: Option<f32>,
+    /// Keep only the k most likely tokens.
+    pub top_k: Option<u32>,
+    /// Per-request seed; the same seed gives the same output whatever shares the batch.
+    pub seed: Option<u64>,
+    /// Stop strings, at most four.
+    pub stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token.
+    pub ignore_eos: bool,
+    /// Penalties are accepted for Workers AI compatibility.
+    pub repetition_penalty: Option<f32>,
+    /// See `repetition_penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// See `repetition_penalty`.
+    pub presence_penalty: Option<f32>,
+}
+
+/// A request that passed validation; made only by [`ValidRequest::parse`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ValidRequest {
+    /// The input.
+    pub prompt: Prompt,
+    /// Skip the chat template.
+    pub raw: bool,
+    /// Stream tokens back (real-time lane only).
+    pub stream: bool,
+    /// A LoRA adapter id or name, resolved by the serving layer.
+    pub lora: Option<String>,
+    /// Sampling parameters.
+    pub sampling: Sampling,
+}
+
+/// The largest `max_tokens` a request may ask for.
+pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+impl ValidRequest {
+    /// Validate a request body for a model of the given task.
+    pub fn parse(task: Task, body: &Value) -> Result<ValidRequest, InputError> {
+        let mut f = Fields::new(body, "")?;
+        let prompt_text: Option<String> = f.optional("prompt", "a string")?;
+        let messages = f.raw("messages").map(parse_messages).transpose()?;
+        let text: Option<String> = match task {
+            Task::Echo => f.optional("text", "a string")?,
+            Task::TextGeneration => None,
+        };
+        let prompt = match (prompt_text, messages, text) {
+            (Some(p), None, None) => Prompt::Text(p),
+            (None, Some(m), None) => Prompt::Messages(m),
+            (None, None, Some(t)) => Prompt::Plain(t),
+            (None, None, None) => {
+                return Err(InputError::new("missing_field", "prompt", "one of prompt or messages is required"))
+            }
+            _ => {
+                return Err(InputError::new(
+                    "conflicting_fields",
+                    "messages",
+                    "give exactly one of prompt, messages or text",
+                ))
+            }
+        };
+        let request = ValidRequest {
+            prompt,
+            raw: f.optional("raw", "a boolean")?.unwrap_or(false),
+            stream: f.optional("stream", "a boolean")?.unwrap_or(false),
+            lora: f.optional("lora", "a string")?,
+            sampling: parse_sampling(&mut f)?,
+        };
+        f.deny_unknown()?;
+        Ok(request)
+    }
+
+    /// The prompt's text as one string (chat messages joined by newlines).
+    pub fn prompt_text(&self) -> String {
+        match &self.prompt {
+            Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
+            Prompt::Messages(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+        }
+    }
+}
+
+fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| InputError::new("invalid_type", "messages", "messages must be an array"))?;
+    if items.is_empty() {
+        return Err(InputError::new("empty_messages", "messages", "messages must not be empty"));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let mut f = Fields::new(item, &format!("messages[{i}]"))?;
+            let role: String = f.required("role", "a string")?;
+            if !ROLES.contains(&role.as_str()) {
+                let path = f.path_of("role");
+                return Err(InputError::new(
+                    "invalid_value",
+                    path.clone(),
+                    format!("{path} must be one of {}", ROLES.join(", ")),
+                ));
+            }
+            let content: String = f.required("content", "a string")?;
+            f.deny_unknown()?;
+            Ok(Message { role, content })
+        })
+        .collect()
+}
+
+fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
+    let max_tokens: Option<u32> = f.optional("max_tokens", "a positive integer")?;
+    if let Some(n) = max_tokens {
+        in_range(f, "max_tokens", n as f64, 1.0, MAX_TOKENS_LIMIT as f64)?;
+    }
+    let temperature = ranged(f, "temperature", 0.0, 5.0)?;
+    let top_p = ranged(f, "top_p", 0.0, 1.0)?;
+    if top_p == Some(0.0) {
+        return Err(InputError::new("invalid_value", "top_p", "top_p must be greater than 0"));
+    }
+    let top_k: Option<u32> = f.optional("top_k", "a non-negative integer")?;
+    let seed: Option<u64> = f.optional("seed", "a non-negative integer")?;
+    let stop = match f.raw("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(v) => serde_json::from_value::<Vec<String>>(v.clone())
+            .map_err(|_| InputError::new("invalid_type", "stop", "stop must be a string or an array of strings"))?,
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(InputError::new("invalid_value", "stop", "stop takes at most 4 non-empty strings"));
+    }
+    Ok(Sampling {
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+        ignore_eos: f.optional("ignore_eos", "a boolean")?.unwrap_or(false),
+        repetition_penalty: ranged(f, "repetition_penalty", 0.0, 2.0)?,
+        frequency_penalty: ranged(f, "frequency_penalty", -2.0, 2.0)?,
+        presence_penalty: ranged(f, "presence_penalty", -2.0, 2.0)?,
+    })
+}
+
+fn ranged<'a>(f: &mut Fields<'a>, name: &'a str, lo: f64, hi: f64) -> Result<Option<f32>, InputError> {
+    let value: Option<f64> = f.optional(name, "a number")?;
+    if let Some(v) = value {
+        in_range(f, name, v, lo, hi)?;
+    }
+    Ok(value.map(|v| v as f32))
+}
+
+fn in_range(f: &Fields<'_>, name: &str, value: f64, lo: f64, hi: f64) -> Result<(), InputError> {
+    if (lo..=hi).contains(&value) {
+        return Ok(());
+    }
+    let path = f.path_of(name);
+    Err(InputError::new(
+        "out_of_range",
+        path.clone(),
+        format!("{path} must be between {lo} and {hi}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_prompt_with_sampling_parses() {
+        let req = ValidRequest::parse(
+            Task::TextGeneration,
+            &json!({"prompt": "hi", "max_tokens": 8, "temperature": 0, "stop": "x"}),
+        )
+        .unwrap();
+        assert_eq!(req.prompt, Prompt::Text("hi".into()));
+        assert_eq!(req.sampling.max_tokens, Some(8));
+        assert_eq!(req.sampling.stop, vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn an_unknown_field_is_named() {
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "hi", "bogus": 1})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("unknown_field", "bogus"));
+    }
+
+    #[test]
+    fn a_wrong_type_inside_messages_names_the_path() {
+        let err = ValidRequest::parse(Task::Echo, &json!({"messages": [{"role": "user", "content": 3}]})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("invalid_type", "messages[0].content"));
+        let err = err.under("requests[7].body");
+        assert_eq!(err.param, "requests[7].body.messages[0].content");
+    }
+
+    #[test]
+    fn text_is_only_for_the_echo_model() {
+        assert!(ValidRequest::parse(Task::Echo, &json!({"text": "a"})).is_ok());
+        let err = ValidRequest::parse(Task::TextGeneration, &json!({"text": "a"})).unwrap_err();
+        assert_eq!(err.code, "unknown_field");
+    }
+
+    #[test]
+    fn out_of_range_and_missing_inputs_are_refused() {
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "temperature": 9})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("out_of_range", "temperature"));
+        let err = ValidRequest::parse(Task::Echo, &json!({"max_tokens": 3})).unwrap_err();
+        assert_eq!(err.code, "missing_field");
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "messages": []})).unwrap_err();
+        assert_eq!(err.code, "empty_messages");
+        let err = ValidRequest::parse(Task::Echo, &json!([1])).unwrap_err();
+        assert_eq!(err.code, "invalid_type");
+    }
+}

@@ -1,0 +1,112 @@
+//! Lorry's inference engine, behind the narrow seam the batcher uses.
+//!
+//! The seam follows text-generation-inference's `Backend`: the caller hands a
+//! [`ValidRequest`] to a [`Backend`] and gets back a stream of [`Event`]s. The
+//! caller never sees a batch or a tensor, and this crate knows nothing of HTTP,
+//! Postgres, RabbitMQ or S3.
+//!
+//! Input validation lives here too ([`input`], [`catalog`]), as pure functions,
+//! so that the API can refuse a bad request before it accepts a batch without
+//! loading or running any model.
+
+pub mod catalog;
+pub mod echo;
+pub mod input;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+pub use catalog::{Catalog, ModelSpec, Task, ECHO_MODEL};
+pub use input::{InputError, ValidRequest};
+
+/// Which lane a request arrived on; the real-time lane is always served first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lane {
+    /// Interactive traffic: admitted before anything on the batch lane.
+    RealTime,
+    /// Batch work: fills whatever capacity the real-time lane leaves.
+    Batch,
+}
+
+/// Token accounting for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the prompt, after any chat template.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+}
+
+/// The finished result of one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Output {
+    /// The model's response body, e.g. `{"response": "…"}`.
+    pub body: serde_json::Value,
+    /// Token accounting.
+    pub usage: Usage,
+}
+
+/// What a backend reports while serving one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A piece of generated text, in order.
+    Token(String),
+    /// The request finished; the last event on a successful stream.
+    Finished(Output),
+    /// The request failed; the last event on a failed stream.
+    Failed(EngineError),
+}
+
+/// Errors that end one request (never the process).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// The engine has shut down and accepts no more work; another worker may succeed.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// The request was valid at the edge but the model cannot serve it.
+    #[error("invalid input: {0}")]
+    Input(#[from] InputError),
+    /// The model failed while serving the request.
+    #[error("model failure: {0}")]
+    Model(String),
+}
+
+impl EngineError {
+    /// Whether running the same request again could succeed.
+    pub fn retryable(&self) -> bool {
+        matches!(self, EngineError::Stopped)
+    }
+
+    /// A stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            EngineError::Stopped => "engine_stopped",
+            EngineError::Input(e) => e.code,
+            EngineError::Model(_) => "model_error",
+        }
+    }
+}
+
+/// The events of one request, in order; dropping it cancels the request.
+pub type EventStream = mpsc::UnboundedReceiver<Event>;
+
+/// A model being served; cheap to share between tasks.
+pub trait Backend: Send + Sync + 'static {
+    /// The served model name, e.g. `@lorry/echo`.
+    fn model(&self) -> &str;
+    /// Queue a validated request; its events arrive on the returned stream.
+    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError>;
+}
+
+/// Drain a stream to its final result.
+pub async fn collect(mut events: EventStream) -> Result<Output, EngineError> {
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token(_) => {}
+            Event::Finished(output) => return Ok(output),
+            Event::Failed(error) => return Err(error),
+        }
+    }
+    Err(EngineError::Stopped)
+}

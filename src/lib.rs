@@ -1,0 +1,235 @@
+//! The `lorry` binary's library: settings, start-up and the benchmarks.
+//!
+//! Start-up follows zero-to-production: [`Application::build`] connects,
+//! migrates and binds; [`Application::port`] tells where it listens;
+//! [`Application::run_until_stopped`] serves until SIGTERM, Ctrl-C or
+//! [`Application::stopper`] says stop, then drains.
+
+pub mod bench;
+pub mod settings;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use lorry_api::{ApiConfig, AppState};
+use lorry_batcher::broker::Topology;
+use lorry_batcher::finaliser::Finaliser;
+use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
+use lorry_batcher::realtime::RealtimeClient;
+use lorry_batcher::relay::{self, RelayConfig};
+use lorry_batcher::store::Store;
+use lorry_batcher::webhooks::{WebhookConfig, WebhookSender};
+use lorry_batcher::worker::{Worker, WorkerConfig};
+use lorry_engine::echo::{EchoConfig, EchoEngine};
+use lorry_engine::{Backend, Catalog};
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use settings::{Secret, Settings};
+
+/// Which parts of Lorry a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// API and worker in one process.
+    Serve,
+    /// The HTTP API (and an outbox relay).
+    Api,
+    /// A worker: both lanes, finaliser, sweeper, webhooks (and an outbox relay).
+    Worker,
+}
+
+impl Role {
+    fn has_api(self) -> bool {
+        matches!(self, Role::Serve | Role::Api)
+    }
+
+    fn has_worker(self) -> bool {
+        matches!(self, Role::Serve | Role::Worker)
+    }
+}
+
+/// A built, not yet running, Lorry process.
+pub struct Application {
+    listener: Option<(TcpListener, axum::Router)>,
+    port: Option<u16>,
+    tasks: JoinSet<()>,
+    stop: CancellationToken,
+}
+
+/// Connect to Postgres, create the database if asked, and apply migrations.
+pub async fn open_store(settings: &Settings, create: bool) -> anyhow::Result<Store> {
+    if create {
+        Store::create_database(&settings.database_url).await.context("creating the database")?;
+    }
+    let store = Store::connect(&settings.database_url, 16)
+        .await
+        .context("connecting to Postgres (create the database with `lorry migrate`)")?;
+    store.migrate().await.context("applying migrations")?;
+    Ok(store)
+}
+
+impl Application {
+    /// Connect to every backing service and prepare the role's tasks.
+    pub async fn build(settings: Settings, role: Role) -> anyhow::Result<Self> {
+        let store = open_store(&settings, false).await?;
+        if let Some(token) = &settings.bootstrap_token {
+            store.ensure_account("default", token.expose()).await?;
+        }
+        let objects = ObjectStore::new(&ObjectStoreConfig {
+            endpoint: settings.s3_endpoint.clone(),
+            bucket: settings.s3_bucket.clone(),
+            region: settings.s3_region.clone(),
+            access_key: settings.s3_access_key.clone(),
+            secret_key: settings.s3_secret_key.expose().to_string(),
+        });
+        objects.ensure_bucket().await.context("reaching the S3 bucket")?;
+        let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
+        let catalog = Catalog::builtin();
+        let stop = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let relay = RelayConfig {
+            amqp_url: settings.amqp_url.clone(),
+            topology: topology.clone(),
+            models: catalog.iter().map(|m| m.name.clone()).collect(),
+            batch_size: 500,
+            poll: Duration::from_millis(500),
+        };
+        tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
+        if role.has_worker() {
+            spawn_worker(&settings, &store, &objects, &topology, &catalog, &stop, &mut tasks);
+        }
+        let mut app = Application {
+            listener: None,
+            port: None,
+            tasks,
+            stop,
+        };
+        if role.has_api() {
+            let state = AppState {
+                store,
+                objects,
+                realtime: RealtimeClient::new(&settings.amqp_url, topology.clone(), settings.rt_max_depth),
+                catalog: Arc::new(catalog),
+                config: Arc::new(ApiConfig {
+                    topology,
+                    chunk_size: settings.chunk_size,
+                    max_requests: settings.max_batch_requests,
+                    max_body_bytes: settings.max_body_bytes,
+                    allow_private_webhooks: settings.webhook_allow_private,
+                    realtime_timeout: settings.rt_timeout(),
+                    output_url_ttl: Duration::from_secs(3600),
+                }),
+            };
+            let listener = TcpListener::bind(&settings.listen)
+                .await
+                .with_context(|| format!("binding {}", settings.listen))?;
+            app.port = Some(listener.local_addr()?.port());
+            app.listener = Some((listener, lorry_api::router(state)));
+        }
+        Ok(app)
+    }
+
+    /// The port the API listens on, if this process serves it.
+    pub fn port(&self) -> Option<u16> {
+        self.port
+    }
+
+    /// A token that stops the process when cancelled.
+    pub fn stopper(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Serve until stopped (SIGTERM, Ctrl-C or the stopper), then drain.
+    pub async fn run_until_stopped(mut self) -> anyhow::Result<()> {
+        let stop = self.stop.clone();
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                shutdown_signal().await;
+                stop.cancel();
+            }
+        });
+        if let Some((listener, router)) = self.listener.take() {
+            let graceful = stop.clone();
+            let service = router.into_make_service_with_connect_info::<SocketAddr>();
+            axum::serve(listener, service)
+                .with_graceful_shutdown(async move { graceful.cancelled().await })
+                .await?;
+        } else {
+            stop.cancelled().await;
+        }
+        while self.tasks.join_next().await.is_some() {}
+        Ok(())
+    }
+}
+
+fn spawn_worker(
+    settings: &Settings,
+    store: &Store,
+    objects: &ObjectStore,
+    topology: &Topology,
+    catalog: &Catalog,
+    stop: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) {
+    let echo = EchoEngine::start(EchoConfig {
+        delay: Duration::from_millis(settings.echo_delay_ms),
+    });
+    let backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
+    let finaliser = Finaliser::new(store.clone(), objects.clone(), topology.clone(), Duration::from_secs(60));
+    let worker = Worker::new(
+        store.clone(),
+        finaliser.clone(),
+        catalog.clone(),
+        backends,
+        WorkerConfig {
+            amqp_url: settings.amqp_url.clone(),
+            topology: topology.clone(),
+            batch_prefetch: settings.batch_prefetch,
+            rt_prefetch: 16,
+            flush_rows: 32,
+            flush_interval: Duration::from_millis(50),
+        },
+    );
+    let webhooks = WebhookSender::new(
+        store.clone(),
+        WebhookConfig {
+            min_backoff: Duration::from_millis(settings.webhook_min_backoff_ms),
+            max_backoff: Duration::from_secs(3600),
+            max_attempts: settings.webhook_max_attempts,
+            timeout: Duration::from_secs(10),
+            allow_private: settings.webhook_allow_private,
+        },
+    );
+    let sweep = Duration::from_millis(settings.sweep_interval_ms);
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { worker.run(stop).await }
+    });
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { finaliser.run(sweep, stop).await }
+    });
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { webhooks.run(Duration::from_millis(200), stop).await }
+    });
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

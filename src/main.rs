@@ -1,0 +1,62 @@
+//! `lorry`: the batch inference service's one binary.
+
+use clap::{Parser, Subcommand};
+use lorry::bench::{self, PipelineArgs};
+use lorry::{open_store, Application, Role, Settings};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "lorry", version, about = "Asynchronous batch inference with many LoRA adapters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the API and a worker in one process (local runs).
+    Serve(Settings),
+    /// Run the HTTP API.
+    Api(Settings),
+    /// Run a worker.
+    Worker(Settings),
+    /// Create the database if it is missing and apply migrations.
+    Migrate(Settings),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// One large batch on the echo model against a running stack.
+    Pipeline(PipelineArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let (settings, role) = match cli.command {
+        Command::Serve(s) => (s, Role::Serve),
+        Command::Api(s) => (s, Role::Api),
+        Command::Worker(s) => (s, Role::Worker),
+        Command::Migrate(s) => {
+            open_store(&s, true).await?;
+            tracing::info!("database ready");
+            return Ok(());
+        }
+        Command::Bench(Bench::Pipeline(args)) => {
+            bench::pipeline(&args).await?;
+            return Ok(());
+        }
+    };
+    let app = Application::build(settings, role).await?;
+    if let Some(port) = app.port() {
+        tracing::info!(port, ?role, "listening");
+    }
+    app.run_until_stopped().await
+}

@@ -1,0 +1,108 @@
+//! Typed settings: defaults, overridden by `LORRY_*` environment variables,
+//! overridden by command-line flags.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// A secret that never prints.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret itself; call only where it is used.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret([redacted])")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_string()))
+    }
+}
+
+/// Everything a Lorry process needs to know.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Settings {
+    /// Postgres URL.
+    #[arg(long, env = "LORRY_DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/lorry")]
+    pub database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "LORRY_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub amqp_url: String,
+    /// S3-compatible endpoint; unset means AWS S3.
+    #[arg(long, env = "LORRY_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    /// Bucket for outputs (created at start-up if missing).
+    #[arg(long, env = "LORRY_S3_BUCKET", default_value = "lorry")]
+    pub s3_bucket: String,
+    /// S3 region.
+    #[arg(long, env = "LORRY_S3_REGION", default_value = "us-east-1")]
+    pub s3_region: String,
+    /// S3 access key id.
+    #[arg(long, env = "AWS_ACCESS_KEY_ID", default_value = "")]
+    pub s3_access_key: String,
+    /// S3 secret access key.
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", default_value = "", hide_env_values = true, hide_default_value = true)]
+    pub s3_secret_key: Secret,
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "LORRY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Prefix of every queue and exchange.
+    #[arg(long, env = "LORRY_QUEUE_PREFIX", default_value = "lorry")]
+    pub queue_prefix: String,
+    /// Ensure an account `default` whose API token is this.
+    #[arg(long, env = "LORRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
+    pub bootstrap_token: Option<Secret>,
+    /// Allow webhook targets on loopback and private networks.
+    #[arg(long, env = "LORRY_WEBHOOK_ALLOW_PRIVATE")]
+    pub webhook_allow_private: bool,
+    /// Largest request body in bytes.
+    #[arg(long, env = "LORRY_MAX_BODY_BYTES", default_value_t = 10 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Most requests in one batch.
+    #[arg(long, env = "LORRY_MAX_BATCH_REQUESTS", default_value_t = 50_000)]
+    pub max_batch_requests: usize,
+    /// Requests per batch-lane message.
+    #[arg(long, env = "LORRY_CHUNK_SIZE", default_value_t = 64)]
+    pub chunk_size: usize,
+    /// Deliveries of one message before it is dead-lettered.
+    #[arg(long, env = "LORRY_DELIVERY_LIMIT", default_value_t = 5)]
+    pub delivery_limit: u32,
+    /// Real-time requests waiting per model before new ones get 429.
+    #[arg(long, env = "LORRY_RT_MAX_DEPTH", default_value_t = 64)]
+    pub rt_max_depth: u32,
+    /// Seconds a real-time request may wait for its answer.
+    #[arg(long, env = "LORRY_RT_TIMEOUT_SECS", default_value_t = 60)]
+    pub rt_timeout_secs: u64,
+    /// Batch-lane messages a worker holds at once per model.
+    #[arg(long, env = "LORRY_BATCH_PREFETCH", default_value_t = 4)]
+    pub batch_prefetch: u16,
+    /// Milliseconds between sweeps (expiry, stalled batches).
+    #[arg(long, env = "LORRY_SWEEP_INTERVAL_MS", default_value_t = 1000)]
+    pub sweep_interval_ms: u64,
+    /// Milliseconds before the first webhook retry; later retries double, with jitter.
+    #[arg(long, env = "LORRY_WEBHOOK_MIN_BACKOFF_MS", default_value_t = 1000)]
+    pub webhook_min_backoff_ms: u64,
+    /// Webhook attempts before a delivery is given up.
+    #[arg(long, env = "LORRY_WEBHOOK_MAX_ATTEMPTS", default_value_t = 10)]
+    pub webhook_max_attempts: u32,
+    /// Milliseconds the echo model spends on each request (tests and benchmarks).
+    #[arg(long, env = "LORRY_ECHO_DELAY_MS", default_value_t = 0)]
+    pub echo_delay_ms: u64,
+}
+
+impl Settings {
+    /// The real-time timeout.
+    pub fn rt_timeout(&self) -> Duration {
+        Duration::from_secs(self.rt_timeout_secs)
+    }
+}
