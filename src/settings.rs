@@ -63,7 +63,7 @@ pub struct Settings {
     #[arg(long, env = "LORRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
     pub bootstrap_token: Option<Secret>,
     /// Allow webhook targets on loopback and private networks.
-    #[arg(long, env = "LORRY_WEBHOOK_ALLOW_PRIVATE")]
+    #[arg(long, env = "LORRY_WEBHOOK_ALLOW_PRIVATE", value_parser = clap::builder::BoolishValueParser::new())]
     pub webhook_allow_private: bool,
     /// Largest request body in bytes.
     #[arg(long, env = "LORRY_MAX_BODY_BYTES", default_value_t = 10 * 1024 * 1024)]
@@ -100,7 +100,19 @@ pub struct Settings {
     pub echo_delay_ms: u64,
 }
 
+#[derive(clap::Parser)]
+struct SettingsOnly {
+    #[command(flatten)]
+    settings: Settings,
+}
+
 impl Settings {
+    /// Defaults overridden by the environment (no command line).
+    pub fn from_env() -> Result<Self, clap::Error> {
+        use clap::Parser as _;
+        SettingsOnly::try_parse_from(["lorry"]).map(|s| s.settings)
+    }
+
     /// The real-time timeout.
     pub fn rt_timeout(&self) -> Duration {
         Duration::from_secs(self.rt_timeout_secs)

@@ -1,0 +1,231 @@
+//! `spawn_app()`: a Lorry process on port 0 with its own database, queue
+//! prefix and bucket, against the real Postgres, RabbitMQ and S3, so that
+//! end-to-end tests run in parallel without seeing each other.
+
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use lorry::{Application, Role, Settings};
+use lorry_batcher::store::Store;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+pub const TOKEN: &str = "test-token";
+
+static TRACING: Once = Once::new();
+
+fn init_tracing() {
+    TRACING.call_once(|| {
+        if std::env::var_os("TEST_LOG").is_some() {
+            tracing_subscriber::fmt().with_env_filter("info,lorry=debug").with_test_writer().init();
+        }
+    });
+}
+
+/// Settings for a fresh, isolated deployment.
+pub async fn isolated_settings() -> Settings {
+    let mut settings = Settings::from_env().expect("settings from the environment");
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    let base = std::env::var("LORRY_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
+    settings.database_url = format!("{base}/lorry_test_{unique}");
+    Store::create_database(&settings.database_url).await.expect("creating the test database");
+    settings.queue_prefix = format!("lorry-test-{unique}");
+    settings.s3_bucket = format!("lorry-test-{}", &unique[..20]);
+    if settings.s3_endpoint.is_none() {
+        settings.s3_endpoint = Some("http://127.0.0.1:9310".into());
+    }
+    if settings.s3_access_key.is_empty() {
+        settings.s3_access_key = "lorry".into();
+        settings.s3_secret_key = "lorry-secret-key".parse().unwrap();
+    }
+    settings.listen = "127.0.0.1:0".into();
+    settings.bootstrap_token = Some(TOKEN.parse().unwrap());
+    settings.webhook_allow_private = true;
+    settings.sweep_interval_ms = 200;
+    settings.webhook_min_backoff_ms = 50;
+    settings
+}
+
+/// A running Lorry.
+pub struct TestApp {
+    pub address: String,
+    pub settings: Settings,
+    pub store: Store,
+    pub http: reqwest::Client,
+    stop: CancellationToken,
+    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+/// Start Lorry in this process with `role` and settings adjusted by `tweak`.
+pub async fn spawn_app_with(role: Role, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    init_tracing();
+    let mut settings = isolated_settings().await;
+    tweak(&mut settings);
+    start(settings, role).await
+}
+
+/// API and worker in one process, default settings.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(Role::Serve, |_| {}).await
+}
+
+pub async fn start(settings: Settings, role: Role) -> TestApp {
+    let app = Application::build(settings.clone(), role).await.expect("building the app");
+    let port = app.port().unwrap_or(0);
+    let stop = app.stopper();
+    let handle = tokio::spawn(app.run_until_stopped());
+    let store = Store::connect(&settings.database_url, 4).await.unwrap();
+    TestApp {
+        address: format!("http://127.0.0.1:{port}"),
+        settings,
+        store,
+        http: reqwest::Client::new(),
+        stop,
+        handle: Some(handle),
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.address)
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.http.post(self.url(path)).bearer_auth(TOKEN).json(body).send().await.unwrap()
+    }
+
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.http.get(self.url(path)).bearer_auth(TOKEN).send().await.unwrap()
+    }
+
+    pub async fn get_json(&self, path: &str) -> Value {
+        let response = self.get(path).await;
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    /// Submit a native batch of echo requests; returns the batch object.
+    pub async fn submit_echo(&self, n: usize, extra: Value) -> Value {
+        let requests: Vec<Value> = (0..n)
+            .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
+            .collect();
+        let mut body = json!({"model": "@lorry/echo", "requests": requests});
+        if let (Some(target), Some(more)) = (body.as_object_mut(), extra.as_object()) {
+            target.extend(more.clone());
+        }
+        let response = self.post("/v1/batches", &body).await;
+        assert_eq!(response.status(), 202, "{}", response.text().await.unwrap());
+        response.json().await.unwrap()
+    }
+
+    /// Poll a batch until `done` holds for it, or panic after `limit`.
+    pub async fn wait_for(&self, id: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
+        let started = Instant::now();
+        loop {
+            let batch = self.get_json(&format!("/v1/batches/{id}")).await;
+            if done(&batch) {
+                return batch;
+            }
+            assert!(started.elapsed() < limit, "batch never reached the state awaited: {batch:#}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Poll until the batch has ended.
+    pub async fn wait_until_ended(&self, id: &str, limit: Duration) -> Value {
+        self.wait_for(id, limit, |b| {
+            matches!(b["status"].as_str(), Some("completed" | "cancelled" | "expired" | "failed"))
+        })
+        .await
+    }
+
+    /// Fetch the lines of a presigned URL's JSONL document.
+    pub async fn fetch_jsonl(&self, url: &str) -> Vec<Value> {
+        let response = self.http.get(url).send().await.unwrap();
+        assert!(response.status().is_success(), "GET {url}: {}", response.status());
+        let text = response.text().await.unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+
+    /// Environment for a `lorry` child process of this deployment.
+    pub fn child_env(&self) -> Vec<(String, String)> {
+        let s = &self.settings;
+        vec![
+            ("LORRY_DATABASE_URL".into(), s.database_url.clone()),
+            ("LORRY_AMQP_URL".into(), s.amqp_url.clone()),
+            ("LORRY_S3_ENDPOINT".into(), s.s3_endpoint.clone().unwrap_or_default()),
+            ("LORRY_S3_BUCKET".into(), s.s3_bucket.clone()),
+            ("LORRY_S3_REGION".into(), s.s3_region.clone()),
+            ("AWS_ACCESS_KEY_ID".into(), s.s3_access_key.clone()),
+            ("AWS_SECRET_ACCESS_KEY".into(), s.s3_secret_key.expose().to_string()),
+            ("LORRY_QUEUE_PREFIX".into(), s.queue_prefix.clone()),
+            ("LORRY_SWEEP_INTERVAL_MS".into(), s.sweep_interval_ms.to_string()),
+            ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
+        ]
+    }
+
+    /// Start `lorry worker` as a real process of this deployment.
+    pub fn spawn_worker_process(&self, extra: &[(&str, &str)]) -> Child {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_lorry"));
+        command.arg("worker").envs(self.child_env());
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        if std::env::var_os("TEST_LOG").is_none() {
+            command.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+        command.spawn().expect("starting lorry worker")
+    }
+
+    /// Stop the app and wait for it to drain.
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        if let Some(handle) = self.handle.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(30), handle).await;
+        }
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        // Quorum queues outlive their test unless deleted.
+        let prefix = self.settings.queue_prefix.clone();
+        let url = self.settings.amqp_url.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(delete_topology(&url, &prefix));
+        })
+        .join();
+    }
+}
+
+async fn delete_topology(url: &str, prefix: &str) {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    let Ok(connection) = lorry_batcher::broker::connect(url, "lorry-test-cleanup").await else {
+        return;
+    };
+    let Ok(channel) = connection.create_channel().await else {
+        return;
+    };
+    for queue in ["batch.@lorry/echo", "rt.@lorry/echo", "dlq"] {
+        let _ = channel.queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default()).await;
+    }
+    for exchange in ["events", "dlx"] {
+        let _ = channel
+            .exchange_delete(&format!("{prefix}.{exchange}"), ExchangeDeleteOptions::default())
+            .await;
+    }
+    let _ = connection.close(200, "cleanup").await;
+}
+
+/// Every request of an ended batch appears exactly once in `output.jsonl`, in index order.
+pub fn assert_each_index_once(lines: &[Value], total: usize) {
+    assert_eq!(lines.len(), total, "output.jsonl holds one line per request");
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["index"], json!(i), "line {i} is out of order or duplicated");
+    }
+}

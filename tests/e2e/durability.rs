@@ -1,0 +1,114 @@
+//! Every accepted request ends exactly once, whatever crashes.
+
+use std::time::Duration;
+
+use lorry::Role;
+use serde_json::json;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::common::{assert_each_index_once, spawn_app_with, TestApp};
+
+/// Checks that hold after any crash: one result per request, one completion.
+async fn assert_exactly_once(app: &TestApp, id: &str, total: usize) {
+    let done = app.wait_until_ended(id, Duration::from_secs(120)).await;
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["request_counts"]["succeeded"], json!(total));
+    let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
+    assert_each_index_once(&lines, total);
+    for line in &lines {
+        let i = line["index"].as_i64().unwrap();
+        assert_eq!(line["response"]["body"]["response"], format!("prompt {i}"));
+    }
+    let completions: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1")
+            .bind(id)
+            .fetch_one(app.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(completions, 1, "the batch completed exactly once");
+}
+
+async fn redelivered(app: &TestApp, id: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM requests WHERE batch_id = $1 AND attempts > 1")
+        .bind(id)
+        .fetch_one(app.store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_killed_worker_loses_no_request_and_duplicates_none() {
+    let app = spawn_app_with(Role::Api, |_| {}).await;
+    let slow = [("LORRY_ECHO_DELAY_MS", "2")];
+    let mut worker = app.spawn_worker_process(&slow);
+    let batch = app.submit_echo(2000, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    app.wait_for(id, Duration::from_secs(60), |b| b["request_counts"]["succeeded"].as_i64() >= Some(400))
+        .await;
+
+    worker.kill().expect("SIGKILL the worker");
+    worker.wait().unwrap();
+    let mid = app.get_json(&format!("/v1/batches/{id}")).await;
+    assert_eq!(mid["status"], "in_progress", "the batch cannot finish without a worker");
+    assert!(mid["request_counts"]["succeeded"].as_i64() < Some(2000));
+
+    let mut replacement = app.spawn_worker_process(&slow);
+    assert_exactly_once(&app, id, 2000).await;
+    replacement.kill().unwrap();
+    let _ = replacement.wait();
+    assert!(redelivered(&app, id).await > 0, "the killed worker's requests were delivered again");
+}
+
+/// A TCP proxy in front of RabbitMQ whose connections the test can cut.
+struct Proxy {
+    port: u16,
+    connections: std::sync::Arc<tokio::sync::Mutex<JoinSet<()>>>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connections = std::sync::Arc::new(tokio::sync::Mutex::new(JoinSet::new()));
+        let held = connections.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let upstream = upstream.clone();
+                held.lock().await.spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Proxy { port, connections }
+    }
+
+    /// Drop every connection through the proxy, as a network failure would.
+    async fn cut(&self) -> usize {
+        let mut connections = self.connections.lock().await;
+        let n = connections.len();
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
+        n
+    }
+}
+
+#[tokio::test]
+async fn a_dropped_broker_connection_loses_no_request_and_duplicates_none() {
+    let proxy = Proxy::start("127.0.0.1:5672".into()).await;
+    let app = spawn_app_with(Role::Serve, |s| {
+        s.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+        s.echo_delay_ms = 2;
+    })
+    .await;
+    let batch = app.submit_echo(2000, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    app.wait_for(id, Duration::from_secs(60), |b| b["request_counts"]["succeeded"].as_i64() >= Some(400))
+        .await;
+    let cut = proxy.cut().await;
+    assert!(cut >= 2, "the relay and the worker were connected through the proxy ({cut})");
+    assert_exactly_once(&app, id, 2000).await;
+    assert!(redelivered(&app, id).await > 0, "work held by the dropped connection was delivered again");
+}

@@ -1,0 +1,11 @@
+//! End-to-end tests: real Lorry processes against real Postgres, RabbitMQ and S3.
+//! Each test gets its own database, queue prefix and bucket (see `common`).
+#![allow(dead_code)]
+
+mod common;
+
+mod batches;
+mod durability;
+mod realtime;
+mod webhooks;
+mod workers_ai;

@@ -1,0 +1,72 @@
+//! The real-time lane: answered by a worker over RabbitMQ, streamed, and
+//! refused with 429 when saturated while batches are still accepted.
+
+use std::time::Duration;
+
+use lorry::Role;
+use serde_json::{json, Value};
+
+use crate::common::spawn_app_with;
+
+const RUN: &str = "/client/v4/accounts/default/ai/run/@lorry/echo";
+
+#[tokio::test]
+async fn a_real_time_request_is_answered_and_can_stream() {
+    let app = spawn_app_with(Role::Serve, |_| {}).await;
+    let answer = app.post(RUN, &json!({"messages": [{"role": "user", "content": "hello there"}]})).await;
+    assert_eq!(answer.status(), 200);
+    let answer: Value = answer.json().await.unwrap();
+    assert_eq!(answer["success"], true);
+    assert_eq!(answer["result"]["response"], "hello there");
+    assert_eq!(answer["result"]["usage"]["completion_tokens"], 2);
+
+    let stream = app.post(RUN, &json!({"prompt": "one two three", "stream": true})).await;
+    assert_eq!(stream.headers()["content-type"], "text/event-stream");
+    let text = stream.text().await.unwrap();
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let pieces: String = data
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["response"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(pieces, "one two three");
+}
+
+#[tokio::test]
+async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
+    // No worker: real-time requests wait in the lane until it is full.
+    let app = spawn_app_with(Role::Api, |s| {
+        s.rt_max_depth = 2;
+        s.rt_timeout_secs = 5;
+    })
+    .await;
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let (http, url) = (app.http.clone(), app.url(RUN));
+            tokio::spawn(async move {
+                http.post(url).bearer_auth(crate::common::TOKEN).json(&json!({"prompt": "x"})).send().await
+            })
+        })
+        .collect();
+    let mut refused = None;
+    for _ in 0..100 {
+        let response = app.post(RUN, &json!({"prompt": "one more"})).await;
+        if response.status() == 429 {
+            refused = Some(response);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused = refused.expect("the lane never reported saturation");
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "realtime_lane_saturated");
+
+    let batch = app.submit_echo(5, json!({})).await;
+    assert_eq!(batch["status"], "in_progress");
+    for w in waiting {
+        let response = w.await.unwrap().unwrap();
+        assert!(matches!(response.status().as_u16(), 504 | 429), "{}", response.status());
+    }
+}
