@@ -111,7 +111,12 @@ impl Application {
             let state = AppState {
                 store,
                 objects,
-                realtime: RealtimeClient::new(&settings.amqp_url, topology.clone(), settings.rt_max_depth),
+                realtime: RealtimeClient::new(
+                    &settings.amqp_url,
+                    topology.clone(),
+                    catalog.iter().map(|m| m.name.clone()).collect(),
+                    settings.rt_max_depth,
+                ),
                 catalog: Arc::new(catalog),
                 config: Arc::new(ApiConfig {
                     topology,

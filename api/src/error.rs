@@ -73,7 +73,13 @@ impl ApiError {
 
 impl From<InputError> for ApiError {
     fn from(e: InputError) -> Self {
-        ApiError::invalid(e.code, e.param, e.message)
+        let error = ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message);
+        // An empty path is the body itself: no field to name.
+        if e.param.is_empty() {
+            error
+        } else {
+            error.with_param(e.param)
+        }
     }
 }
 

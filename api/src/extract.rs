@@ -52,7 +52,7 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
             }
         })?;
         let value = serde_json::from_slice(&raw).map_err(|e| {
-            ApiError::invalid("invalid_json", "", format!("the body is not valid JSON: {e}"))
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not valid JSON: {e}"))
         })?;
         Ok(JsonBody { value, raw })
     }

@@ -117,17 +117,20 @@ pub struct RealtimeClient {
     amqp_url: String,
     topology: Topology,
     max_depth: u32,
+    models: Vec<String>,
     link: Arc<tokio::sync::Mutex<Option<Arc<Link>>>>,
     waiters: Waiters,
 }
 
 impl RealtimeClient {
-    /// A client that refuses new requests while more than `max_depth` wait in a lane.
-    pub fn new(amqp_url: &str, topology: Topology, max_depth: u32) -> Self {
+    /// A client for the lanes of `models` that refuses new requests while
+    /// `max_depth` wait in a lane.
+    pub fn new(amqp_url: &str, topology: Topology, models: Vec<String>, max_depth: u32) -> Self {
         RealtimeClient {
             amqp_url: amqp_url.to_string(),
             topology,
             max_depth,
+            models,
             link: Arc::default(),
             waiters: Arc::default(),
         }
@@ -135,11 +138,15 @@ impl RealtimeClient {
 
     async fn link(&self) -> Result<Arc<Link>, BatcherError> {
         let mut guard = self.link.lock().await;
-        if let Some(link) = guard.as_ref().filter(|l| l.connection.status().connected()) {
+        let healthy = |l: &&Arc<Link>| l.connection.status().connected() && l.publisher.channel().status().connected();
+        if let Some(link) = guard.as_ref().filter(healthy) {
             return Ok(Arc::clone(link));
         }
         let connection = broker::connect(&self.amqp_url, "lorry-api").await?;
         let publisher = Publisher::open(&connection).await?;
+        self.topology
+            .declare(publisher.channel(), self.models.iter().map(String::as_str))
+            .await?;
         let replies = connection.create_channel().await?;
         let queue = replies
             .queue_declare(

@@ -192,6 +192,11 @@ impl ValidRequest {
             Task::Echo => f.optional("text", "a string")?,
             Task::TextGeneration => None,
         };
+        let raw = f.optional("raw", "a boolean")?.unwrap_or(false);
+        let stream = f.optional("stream", "a boolean")?.unwrap_or(false);
+        let lora = f.optional("lora", "a string")?;
+        let sampling = parse_sampling(&mut f)?;
+        f.deny_unknown()?;
         let prompt = match (prompt_text, messages, text) {
             (Some(p), None, None) => Prompt::Text(p),
             (None, Some(m), None) => Prompt::Messages(m),
@@ -207,15 +212,13 @@ impl ValidRequest {
                 ))
             }
         };
-        let request = ValidRequest {
+        Ok(ValidRequest {
             prompt,
-            raw: f.optional("raw", "a boolean")?.unwrap_or(false),
-            stream: f.optional("stream", "a boolean")?.unwrap_or(false),
-            lora: f.optional("lora", "a string")?,
-            sampling: parse_sampling(&mut f)?,
-        };
-        f.deny_unknown()?;
-        Ok(request)
+            raw,
+            stream,
+            lora,
+            sampling,
+        })
     }
 
     /// The prompt's text as one string (chat messages joined by newlines).

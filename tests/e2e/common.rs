@@ -52,6 +52,8 @@ pub async fn isolated_settings() -> Settings {
 /// A running Lorry.
 pub struct TestApp {
     pub address: String,
+    /// The broker itself, even when the app reaches it through a proxy.
+    broker_url: String,
     pub settings: Settings,
     pub store: Store,
     pub http: reqwest::Client,
@@ -63,8 +65,11 @@ pub struct TestApp {
 pub async fn spawn_app_with(role: Role, tweak: impl FnOnce(&mut Settings)) -> TestApp {
     init_tracing();
     let mut settings = isolated_settings().await;
+    let broker_url = settings.amqp_url.clone();
     tweak(&mut settings);
-    start(settings, role).await
+    let mut app = start(settings, role).await;
+    app.broker_url = broker_url;
+    app
 }
 
 /// API and worker in one process, default settings.
@@ -80,6 +85,7 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
     let store = Store::connect(&settings.database_url, 4).await.unwrap();
     TestApp {
         address: format!("http://127.0.0.1:{port}"),
+        broker_url: settings.amqp_url.clone(),
         settings,
         store,
         http: reqwest::Client::new(),
@@ -194,7 +200,7 @@ impl Drop for TestApp {
         self.stop.cancel();
         // Quorum queues outlive their test unless deleted.
         let prefix = self.settings.queue_prefix.clone();
-        let url = self.settings.amqp_url.clone();
+        let url = self.broker_url.clone();
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(delete_topology(&url, &prefix));

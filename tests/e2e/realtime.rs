@@ -1,7 +1,10 @@
 //! The real-time lane: answered by a worker over RabbitMQ, streamed, and
 //! refused with 429 when saturated while batches are still accepted.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
 
 use lorry::Role;
 use serde_json::{json, Value};
@@ -49,15 +52,24 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
             })
         })
         .collect();
-    let mut refused = None;
-    for _ in 0..100 {
-        let response = app.post(RUN, &json!({"prompt": "one more"})).await;
-        if response.status() == 429 {
-            refused = Some(response);
-            break;
+    // Wait until both are queued, then one more is refused at once.
+    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-depth").await.unwrap();
+    let queue = format!("{}.rt.@lorry/echo", app.settings.queue_prefix);
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let started = Instant::now();
+    loop {
+        // A failed passive declare closes its channel: use a fresh one each time.
+        let channel = connection.create_channel().await.unwrap();
+        if let Ok(q) = channel.queue_declare(&queue, passive, FieldTable::default()).await {
+            if q.message_count() >= 2 {
+                break;
+            }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(started.elapsed() < Duration::from_secs(4), "the two requests never reached the lane");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let response = app.post(RUN, &json!({"prompt": "one more"})).await;
+    let refused = (response.status() == 429).then_some(response);
     let refused = refused.expect("the lane never reported saturation");
     assert_eq!(refused.headers()["retry-after"], "1");
     let body: Value = refused.json().await.unwrap();
