@@ -68,7 +68,11 @@ async fn one_run(http: &reqwest::Client, args: &PipelineArgs) -> anyhow::Result<
         .context("posting the batch")?;
     let post = started.elapsed();
     if response.status().as_u16() != 202 {
-        bail!("POST answered {}: {}", response.status(), response.text().await?);
+        bail!(
+            "POST answered {}: {}",
+            response.status(),
+            response.text().await?
+        );
     }
     let batch: Value = response.json().await?;
     let id = batch["id"].as_str().context("batch id")?.to_string();
@@ -93,7 +97,9 @@ async fn one_run(http: &reqwest::Client, args: &PipelineArgs) -> anyhow::Result<
         }
         match batch["status"].as_str() {
             Some("completed") => break,
-            Some("failed" | "expired" | "cancelled") => bail!("the batch ended {}", batch["status"]),
+            Some("failed" | "expired" | "cancelled") => {
+                bail!("the batch ended {}", batch["status"])
+            }
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
@@ -108,7 +114,9 @@ async fn one_run(http: &reqwest::Client, args: &PipelineArgs) -> anyhow::Result<
 }
 
 fn print_table(runs: &[PipelineRun]) {
-    println!("| requests | POST (s) | first result (s) | all results (s) | completed (s) | requests/s |");
+    println!(
+        "| requests | POST (s) | first result (s) | all results (s) | completed (s) | requests/s |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         println!(

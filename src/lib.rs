@@ -62,7 +62,9 @@ pub struct Application {
 /// Connect to Postgres, create the database if asked, and apply migrations.
 pub async fn open_store(settings: &Settings, create: bool) -> anyhow::Result<Store> {
     if create {
-        Store::create_database(&settings.database_url).await.context("creating the database")?;
+        Store::create_database(&settings.database_url)
+            .await
+            .context("creating the database")?;
     }
     let store = Store::connect(&settings.database_url, 16)
         .await
@@ -85,7 +87,10 @@ impl Application {
             access_key: settings.s3_access_key.clone(),
             secret_key: settings.s3_secret_key.expose().to_string(),
         });
-        objects.ensure_bucket().await.context("reaching the S3 bucket")?;
+        objects
+            .ensure_bucket()
+            .await
+            .context("reaching the S3 bucket")?;
         let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
         let catalog = Catalog::builtin();
         let stop = CancellationToken::new();
@@ -99,7 +104,9 @@ impl Application {
         };
         tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
         if role.has_worker() {
-            spawn_worker(&settings, &store, &objects, &topology, &catalog, &stop, &mut tasks);
+            spawn_worker(
+                &settings, &store, &objects, &topology, &catalog, &stop, &mut tasks,
+            );
         }
         let mut app = Application {
             listener: None,
@@ -184,7 +191,12 @@ fn spawn_worker(
         delay: Duration::from_millis(settings.echo_delay_ms),
     });
     let backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
-    let finaliser = Finaliser::new(store.clone(), objects.clone(), topology.clone(), Duration::from_secs(60));
+    let finaliser = Finaliser::new(
+        store.clone(),
+        objects.clone(),
+        topology.clone(),
+        Duration::from_secs(60),
+    );
     let worker = Worker::new(
         store.clone(),
         finaliser.clone(),

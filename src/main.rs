@@ -6,7 +6,11 @@ use lorry::{open_store, Application, Role, Settings};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "lorry", version, about = "Asynchronous batch inference with many LoRA adapters")]
+#[command(
+    name = "lorry",
+    version,
+    about = "Asynchronous batch inference with many LoRA adapters"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,7 +40,9 @@ enum Bench {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

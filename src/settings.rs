@@ -33,10 +33,18 @@ impl FromStr for Secret {
 #[derive(clap::Args, Clone, Debug)]
 pub struct Settings {
     /// Postgres URL.
-    #[arg(long, env = "LORRY_DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/lorry")]
+    #[arg(
+        long,
+        env = "LORRY_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/lorry"
+    )]
     pub database_url: String,
     /// RabbitMQ URL.
-    #[arg(long, env = "LORRY_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    #[arg(
+        long,
+        env = "LORRY_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
     pub amqp_url: String,
     /// S3-compatible endpoint; unset means AWS S3.
     #[arg(long, env = "LORRY_S3_ENDPOINT")]
@@ -51,7 +59,13 @@ pub struct Settings {
     #[arg(long, env = "AWS_ACCESS_KEY_ID", default_value = "")]
     pub s3_access_key: String,
     /// S3 secret access key.
-    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", default_value = "", hide_env_values = true, hide_default_value = true)]
+    #[arg(
+        long,
+        env = "AWS_SECRET_ACCESS_KEY",
+        default_value = "",
+        hide_env_values = true,
+        hide_default_value = true
+    )]
     pub s3_secret_key: Secret,
     /// Address the HTTP API listens on.
     #[arg(long, env = "LORRY_LISTEN", default_value = "127.0.0.1:8080")]

@@ -18,5 +18,7 @@ pub async fn rotate(
     Authenticated(account): Authenticated,
 ) -> Result<Json<Value>, ApiError> {
     let secret = state.store.rotate_webhook_secret(&account.id).await?;
-    Ok(Json(json!({"id": account.id, "object": "account", "webhook_secret": secret})))
+    Ok(Json(
+        json!({"id": account.id, "object": "account", "webhook_secret": secret}),
+    ))
 }

@@ -39,7 +39,11 @@ impl ApiError {
     }
 
     /// A 400 about one field.
-    pub fn invalid(code: &'static str, param: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn invalid(
+        code: &'static str,
+        param: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, code, message).with_param(param)
     }
 
@@ -118,7 +122,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
         if let Some(secs) = self.retry_after {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
     }
@@ -156,7 +162,9 @@ impl IntoResponse for CloudflareError {
         body["errors"] = json!([{"code": e.status.as_u16() as u32 * 10, "message": format!("{}: {}", e.code, e.message)}]);
         let mut response = (e.status, Json(body)).into_response();
         if let Some(secs) = e.retry_after {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
     }

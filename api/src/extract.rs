@@ -16,7 +16,8 @@ impl FromRequestParts<AppState> for Authenticated {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let unauthorized = |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
+        let unauthorized =
+            |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
@@ -46,13 +47,21 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let raw = Bytes::from_request(req, state).await.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the request body is over the limit")
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    "the request body is over the limit",
+                )
             } else {
                 ApiError::new(rejection.status(), "unreadable_body", rejection.body_text())
             }
         })?;
         let value = serde_json::from_slice(&raw).map_err(|e| {
-            ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not valid JSON: {e}"))
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("the body is not valid JSON: {e}"),
+            )
         })?;
         Ok(JsonBody { value, raw })
     }

@@ -14,7 +14,11 @@ pub async fn healthz() -> Json<Value> {
 
 /// Postgres, RabbitMQ and S3 are all reachable.
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
-    let (db, broker, s3) = tokio::join!(state.store.ping(), state.realtime.ping(), state.objects.ping());
+    let (db, broker, s3) = tokio::join!(
+        state.store.ping(),
+        state.realtime.ping(),
+        state.objects.ping()
+    );
     let check = |r: &Result<(), lorry_batcher::BatcherError>| match r {
         Ok(()) => json!("ok"),
         Err(e) => json!(e.to_string()),
@@ -24,6 +28,10 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) 
         "status": if ready { "ready" } else { "unavailable" },
         "checks": {"postgres": check(&db), "rabbitmq": check(&broker), "s3": check(&s3)},
     });
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, Json(body))
 }

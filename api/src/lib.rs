@@ -74,8 +74,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/batches/{id}", get(batches::show))
         .route("/v1/batches/{id}/cancel", post(batches::cancel))
         .route("/v1/batches/{id}/results", get(batches::results))
-        .route("/client/v4/accounts/{account_id}/ai/run/{*model}", post(workers_ai::run))
-        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "route_not_found", "no such route") })
+        .route(
+            "/client/v4/accounts/{account_id}/ai/run/{*model}",
+            post(workers_ai::run),
+        )
+        .fallback(|| async {
+            ApiError::new(
+                axum::http::StatusCode::NOT_FOUND,
+                "route_not_found",
+                "no such route",
+            )
+        })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

@@ -48,8 +48,12 @@ pub struct Options {
 /// Look a model up, or refuse with 404 naming `param`.
 pub fn model<'a>(state: &'a AppState, name: &str, param: &str) -> Result<&'a ModelSpec, ApiError> {
     state.catalog.get(name).ok_or_else(|| {
-        ApiError::new(StatusCode::NOT_FOUND, "model_not_found", format!("model {name} is not served here"))
-            .with_param(param)
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("model {name} is not served here"),
+        )
+        .with_param(param)
     })
 }
 
@@ -73,15 +77,27 @@ pub fn validate(
     headers: &HeaderMap,
     raw: &[u8],
 ) -> Result<NewBatch, ApiError> {
-    let Submission { spec, shape, items, options } = submission;
+    let Submission {
+        spec,
+        shape,
+        items,
+        options,
+    } = submission;
     if items.is_empty() {
-        return Err(ApiError::invalid("empty_batch", "requests", "requests must hold at least one request"));
+        return Err(ApiError::invalid(
+            "empty_batch",
+            "requests",
+            "requests must hold at least one request",
+        ));
     }
     if items.len() > state.config.max_requests {
         return Err(ApiError::invalid(
             "too_many_requests",
             "requests",
-            format!("a batch holds at most {} requests", state.config.max_requests),
+            format!(
+                "a batch holds at most {} requests",
+                state.config.max_requests
+            ),
         ));
     }
     let mut seen = HashSet::new();
@@ -109,7 +125,9 @@ pub fn validate(
             body: item.body,
         });
     }
-    let completion_window = options.completion_window.unwrap_or_else(|| DEFAULT_WINDOW.to_string());
+    let completion_window = options
+        .completion_window
+        .unwrap_or_else(|| DEFAULT_WINDOW.to_string());
     let window = parse_window(&completion_window)?;
     let metadata = options.metadata.map(check_metadata).transpose()?;
     let webhook_url = options
@@ -192,7 +210,9 @@ fn check_metadata(value: Value) -> Result<Value, ApiError> {
     for (key, v) in &map {
         let ok = key.len() <= 64 && v.as_str().is_some_and(|s| s.len() <= 512);
         if !ok {
-            return Err(bad("metadata keys are at most 64 characters, values strings of at most 512"));
+            return Err(bad(
+                "metadata keys are at most 64 characters, values strings of at most 512",
+            ));
         }
     }
     Ok(Value::Object(map))
@@ -232,7 +252,10 @@ pub async fn create(state: &AppState, new: NewBatch) -> Result<(Batch, bool), Ap
     }
     match state.store.create_batch(new, outbox).await? {
         Created::New(batch) => Ok((batch, true)),
-        Created::Existing { batch, same_request: true } => Ok((batch, false)),
+        Created::Existing {
+            batch,
+            same_request: true,
+        } => Ok((batch, false)),
         Created::Existing { .. } => Err(ApiError::new(
             StatusCode::CONFLICT,
             "idempotency_key_reused",
@@ -257,8 +280,21 @@ mod tests {
     fn windows_parse_within_bounds() {
         assert_eq!(parse_window("24h").unwrap(), Duration::from_secs(86_400));
         assert_eq!(parse_window("2s").unwrap(), Duration::from_secs(2));
-        for bad in ["", "h", "0s", "8d", "24", "1w", "-1h", "99999999999999999999d"] {
-            assert_eq!(parse_window(bad).unwrap_err().code, "invalid_completion_window", "{bad}");
+        for bad in [
+            "",
+            "h",
+            "0s",
+            "8d",
+            "24",
+            "1w",
+            "-1h",
+            "99999999999999999999d",
+        ] {
+            assert_eq!(
+                parse_window(bad).unwrap_err().code,
+                "invalid_completion_window",
+                "{bad}"
+            );
         }
     }
 

@@ -50,15 +50,30 @@ async fn state(pool: PgPool) -> AppState {
     }
 }
 
-async fn call(state: &AppState, method: &str, uri: &str, token: Option<&str>, body: Vec<u8>) -> (StatusCode, Value) {
-    let mut request = Request::builder().method(method).uri(uri).header("content-type", "application/json");
+async fn call(
+    state: &AppState,
+    method: &str,
+    uri: &str,
+    token: Option<&str>,
+    body: Vec<u8>,
+) -> (StatusCode, Value) {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json");
     if let Some(token) = token {
         request = request.header("authorization", format!("Bearer {token}"));
     }
-    let response = router(state.clone()).oneshot(request.body(Body::from(body)).unwrap()).await.unwrap();
+    let response = router(state.clone())
+        .oneshot(request.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
     let status = response.status();
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 fn batch(requests: Value) -> Value {
@@ -72,54 +87,240 @@ fn with(mut base: Value, key: &str, value: Value) -> Value {
 
 async fn persisted(pool: &PgPool) -> (i64, i64, i64) {
     let count = |table: &'static str| async move {
-        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {table}")).fetch_one(pool).await.unwrap()
+        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(pool)
+            .await
+            .unwrap()
     };
-    (count("batches").await, count("requests").await, count("outbox").await)
+    (
+        count("batches").await,
+        count("requests").await,
+        count("outbox").await,
+    )
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
-async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing_is_persisted(pool: PgPool) {
+async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing_is_persisted(
+    pool: PgPool,
+) {
     let state = state(pool.clone()).await;
     let one = json!([{"body": {"prompt": "x"}}]);
-    let too_many: Vec<Value> = (0..50_001).map(|_| json!({"body": {"prompt": "x"}})).collect();
+    let too_many: Vec<Value> = (0..50_001)
+        .map(|_| json!({"body": {"prompt": "x"}}))
+        .collect();
     let mut huge = b"{\"model\":\"@lorry/echo\",\"requests\":[{\"body\":{\"prompt\":\"".to_vec();
     huge.extend(std::iter::repeat_n(b'a', 10 * 1024 * 1024));
     huge.extend(b"\"}}]}");
     let json_body = |v: Value| serde_json::to_vec(&v).unwrap();
     let cases: Vec<(&str, Vec<u8>, StatusCode, &str, &str)> = vec![
-        ("malformed JSON", b"{\"model\": ".to_vec(), StatusCode::BAD_REQUEST, "invalid_json", ""),
-        ("body not an object", b"[1]".to_vec(), StatusCode::BAD_REQUEST, "invalid_type", ""),
-        ("model of the wrong type", json_body(json!({"model": 5, "requests": one})), StatusCode::BAD_REQUEST, "invalid_type", "model"),
-        ("unknown top-level field", json_body(with(batch(one.clone()), "colour", json!("red"))), StatusCode::BAD_REQUEST, "unknown_field", "colour"),
-        ("unknown field in an item", json_body(batch(json!([{"body": {"prompt": "x"}, "url": "/v1"}]))), StatusCode::BAD_REQUEST, "unknown_field", "requests[0].url"),
-        ("unknown field in a model input", json_body(batch(json!([{"body": {"prompt": "x", "bogus": 1}}]))), StatusCode::BAD_REQUEST, "unknown_field", "requests[0].body.bogus"),
-        ("wrong type in a model input", json_body(batch(json!([{"body": {"prompt": "x"}}, {"body": {"prompt": ["x"]}}]))), StatusCode::BAD_REQUEST, "invalid_type", "requests[1].body.prompt"),
-        ("out-of-range sampling", json_body(batch(json!([{"body": {"prompt": "x", "temperature": 7}}]))), StatusCode::BAD_REQUEST, "out_of_range", "requests[0].body.temperature"),
-        ("a message with a bad role", json_body(batch(json!([{"body": {"messages": [{"role": "robot", "content": "x"}]}}]))), StatusCode::BAD_REQUEST, "invalid_value", "requests[0].body.messages[0].role"),
-        ("an item without a body", json_body(batch(json!([{"custom_id": "a"}]))), StatusCode::BAD_REQUEST, "missing_field", "requests[0].body"),
-        ("no requests field", json_body(json!({"model": "@lorry/echo"})), StatusCode::BAD_REQUEST, "missing_field", "requests"),
-        ("requests not an array", json_body(batch(json!({"a": 1}))), StatusCode::BAD_REQUEST, "invalid_type", "requests"),
-        ("zero requests", json_body(batch(json!([]))), StatusCode::BAD_REQUEST, "empty_batch", "requests"),
-        ("more than 50,000 requests", json_body(batch(Value::Array(too_many))), StatusCode::BAD_REQUEST, "too_many_requests", "requests"),
-        ("body over the limit", huge, StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", ""),
-        ("unknown model", json_body(json!({"model": "@cf/nope", "requests": one})), StatusCode::NOT_FOUND, "model_not_found", "model"),
-        ("duplicate custom_id", json_body(batch(json!([{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]))), StatusCode::BAD_REQUEST, "duplicate_custom_id", "requests[1].custom_id"),
-        ("invalid webhook URL", json_body(with(batch(one.clone()), "webhook", json!({"url": "not a url"}))), StatusCode::BAD_REQUEST, "invalid_webhook_url", "webhook.url"),
-        ("private webhook URL", json_body(with(batch(one.clone()), "webhook", json!({"url": "http://127.0.0.1:8080/hook"}))), StatusCode::BAD_REQUEST, "webhook_url_not_allowed", "webhook.url"),
-        ("unknown webhook field", json_body(with(batch(one.clone()), "webhook", json!({"url": "https://example.com", "secret": "x"}))), StatusCode::BAD_REQUEST, "unknown_field", "webhook.secret"),
-        ("bad completion window", json_body(with(batch(one.clone()), "completion_window", json!("forever"))), StatusCode::BAD_REQUEST, "invalid_completion_window", "completion_window"),
-        ("bad metadata", json_body(with(batch(one.clone()), "metadata", json!({"n": 1}))), StatusCode::BAD_REQUEST, "invalid_metadata", "metadata"),
-        ("file-based batch", json_body(json!({"input_file_id": "file_1", "endpoint": "/v1/chat/completions", "completion_window": "24h"})), StatusCode::BAD_REQUEST, "files_not_supported", "input_file_id"),
+        (
+            "malformed JSON",
+            b"{\"model\": ".to_vec(),
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            "",
+        ),
+        (
+            "body not an object",
+            b"[1]".to_vec(),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "",
+        ),
+        (
+            "model of the wrong type",
+            json_body(json!({"model": 5, "requests": one})),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "model",
+        ),
+        (
+            "unknown top-level field",
+            json_body(with(batch(one.clone()), "colour", json!("red"))),
+            StatusCode::BAD_REQUEST,
+            "unknown_field",
+            "colour",
+        ),
+        (
+            "unknown field in an item",
+            json_body(batch(json!([{"body": {"prompt": "x"}, "url": "/v1"}]))),
+            StatusCode::BAD_REQUEST,
+            "unknown_field",
+            "requests[0].url",
+        ),
+        (
+            "unknown field in a model input",
+            json_body(batch(json!([{"body": {"prompt": "x", "bogus": 1}}]))),
+            StatusCode::BAD_REQUEST,
+            "unknown_field",
+            "requests[0].body.bogus",
+        ),
+        (
+            "wrong type in a model input",
+            json_body(batch(
+                json!([{"body": {"prompt": "x"}}, {"body": {"prompt": ["x"]}}]),
+            )),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "requests[1].body.prompt",
+        ),
+        (
+            "out-of-range sampling",
+            json_body(batch(json!([{"body": {"prompt": "x", "temperature": 7}}]))),
+            StatusCode::BAD_REQUEST,
+            "out_of_range",
+            "requests[0].body.temperature",
+        ),
+        (
+            "a message with a bad role",
+            json_body(batch(
+                json!([{"body": {"messages": [{"role": "robot", "content": "x"}]}}]),
+            )),
+            StatusCode::BAD_REQUEST,
+            "invalid_value",
+            "requests[0].body.messages[0].role",
+        ),
+        (
+            "an item without a body",
+            json_body(batch(json!([{"custom_id": "a"}]))),
+            StatusCode::BAD_REQUEST,
+            "missing_field",
+            "requests[0].body",
+        ),
+        (
+            "no requests field",
+            json_body(json!({"model": "@lorry/echo"})),
+            StatusCode::BAD_REQUEST,
+            "missing_field",
+            "requests",
+        ),
+        (
+            "requests not an array",
+            json_body(batch(json!({"a": 1}))),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "requests",
+        ),
+        (
+            "zero requests",
+            json_body(batch(json!([]))),
+            StatusCode::BAD_REQUEST,
+            "empty_batch",
+            "requests",
+        ),
+        (
+            "more than 50,000 requests",
+            json_body(batch(Value::Array(too_many))),
+            StatusCode::BAD_REQUEST,
+            "too_many_requests",
+            "requests",
+        ),
+        (
+            "body over the limit",
+            huge,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "",
+        ),
+        (
+            "unknown model",
+            json_body(json!({"model": "@cf/nope", "requests": one})),
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            "model",
+        ),
+        (
+            "duplicate custom_id",
+            json_body(batch(
+                json!([{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]),
+            )),
+            StatusCode::BAD_REQUEST,
+            "duplicate_custom_id",
+            "requests[1].custom_id",
+        ),
+        (
+            "invalid webhook URL",
+            json_body(with(
+                batch(one.clone()),
+                "webhook",
+                json!({"url": "not a url"}),
+            )),
+            StatusCode::BAD_REQUEST,
+            "invalid_webhook_url",
+            "webhook.url",
+        ),
+        (
+            "private webhook URL",
+            json_body(with(
+                batch(one.clone()),
+                "webhook",
+                json!({"url": "http://127.0.0.1:8080/hook"}),
+            )),
+            StatusCode::BAD_REQUEST,
+            "webhook_url_not_allowed",
+            "webhook.url",
+        ),
+        (
+            "unknown webhook field",
+            json_body(with(
+                batch(one.clone()),
+                "webhook",
+                json!({"url": "https://example.com", "secret": "x"}),
+            )),
+            StatusCode::BAD_REQUEST,
+            "unknown_field",
+            "webhook.secret",
+        ),
+        (
+            "bad completion window",
+            json_body(with(
+                batch(one.clone()),
+                "completion_window",
+                json!("forever"),
+            )),
+            StatusCode::BAD_REQUEST,
+            "invalid_completion_window",
+            "completion_window",
+        ),
+        (
+            "bad metadata",
+            json_body(with(batch(one.clone()), "metadata", json!({"n": 1}))),
+            StatusCode::BAD_REQUEST,
+            "invalid_metadata",
+            "metadata",
+        ),
+        (
+            "file-based batch",
+            json_body(
+                json!({"input_file_id": "file_1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+            ),
+            StatusCode::BAD_REQUEST,
+            "files_not_supported",
+            "input_file_id",
+        ),
     ];
     for (name, body, status, code, param) in cases {
         let (got, error) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
         assert_eq!(got, status, "{name}: {error}");
         assert_eq!(error["error"]["code"], code, "{name}: {error}");
-        let param = if param.is_empty() { Value::Null } else { json!(param) };
+        let param = if param.is_empty() {
+            Value::Null
+        } else {
+            json!(param)
+        };
         assert_eq!(error["error"]["param"], param, "{name}: {error}");
-        assert!(error["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}"
+        );
     }
-    assert_eq!(persisted(&pool).await, (0, 0, 0), "a refused batch leaves nothing behind");
+    assert_eq!(
+        persisted(&pool).await,
+        (0, 0, 0),
+        "a refused batch leaves nothing behind"
+    );
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
@@ -127,7 +328,10 @@ async fn requests_without_a_valid_token_are_unauthorised(pool: PgPool) {
     let state = state(pool.clone()).await;
     let body = serde_json::to_vec(&batch(json!([{"body": {"prompt": "x"}}]))).unwrap();
     let (status, error) = call(&state, "POST", "/v1/batches", None, body.clone()).await;
-    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("invalid_token")));
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNAUTHORIZED, Some("invalid_token"))
+    );
     let (status, _) = call(&state, "POST", "/v1/batches", Some("wrong"), body).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     let (status, _) = call(&state, "GET", "/v1/account", None, vec![]).await;
@@ -153,7 +357,14 @@ async fn another_accounts_batch_is_not_found_and_cannot_be_cancelled(pool: PgPoo
     }
     let (_, listing) = call(&state, "GET", "/v1/batches", Some(OTHER_TOKEN), vec![]).await;
     assert_eq!(listing["data"], json!([]));
-    let (status, _) = call(&state, "GET", &format!("/v1/batches/{id}"), Some(TOKEN), vec![]).await;
+    let (status, _) = call(
+        &state,
+        "GET",
+        &format!("/v1/batches/{id}"),
+        Some(TOKEN),
+        vec![],
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -161,26 +372,58 @@ async fn another_accounts_batch_is_not_found_and_cannot_be_cancelled(pool: PgPoo
 async fn unknown_ids_bad_cursors_and_ended_batches_are_refused(pool: PgPool) {
     let state = state(pool.clone()).await;
     for id in ["batch_0123456789abcdef0123456789abcdef", "nonsense"] {
-        let (status, error) = call(&state, "GET", &format!("/v1/batches/{id}"), Some(TOKEN), vec![]).await;
-        assert_eq!((status, error["error"]["param"].as_str()), (StatusCode::NOT_FOUND, Some("id")));
+        let (status, error) = call(
+            &state,
+            "GET",
+            &format!("/v1/batches/{id}"),
+            Some(TOKEN),
+            vec![],
+        )
+        .await;
+        assert_eq!(
+            (status, error["error"]["param"].as_str()),
+            (StatusCode::NOT_FOUND, Some("id"))
+        );
     }
     let (status, error) = call(&state, "GET", "/v1/batches?limit=0", Some(TOKEN), vec![]).await;
-    assert_eq!((status, error["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("limit")));
+    assert_eq!(
+        (status, error["error"]["param"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("limit"))
+    );
     let (status, error) = call(&state, "GET", "/v1/batches?after=xyz", Some(TOKEN), vec![]).await;
-    assert_eq!((status, error["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("after")));
+    assert_eq!(
+        (status, error["error"]["param"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("after"))
+    );
 
     let body = serde_json::to_vec(&batch(json!([{"body": {"prompt": "x"}}]))).unwrap();
     let (_, created) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
     let id = created["id"].as_str().unwrap();
-    sqlx::query("UPDATE batches SET status = 'completed' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
-    let (status, error) = call(&state, "POST", &format!("/v1/batches/{id}/cancel"), Some(TOKEN), vec![]).await;
-    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("batch_not_cancellable")));
+    sqlx::query("UPDATE batches SET status = 'completed' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (status, error) = call(
+        &state,
+        "POST",
+        &format!("/v1/batches/{id}/cancel"),
+        Some(TOKEN),
+        vec![],
+    )
+    .await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("batch_not_cancellable"))
+    );
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
 async fn a_batch_is_written_with_one_outbox_message_per_chunk(pool: PgPool) {
     let state = state(pool.clone()).await;
-    let requests: Vec<Value> = (0..130).map(|i| json!({"body": {"prompt": format!("p{i}")}})).collect();
+    let requests: Vec<Value> = (0..130)
+        .map(|i| json!({"body": {"prompt": format!("p{i}")}}))
+        .collect();
     let body = serde_json::to_vec(&batch(Value::Array(requests))).unwrap();
     let (status, created) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
     assert_eq!(status, StatusCode::ACCEPTED);

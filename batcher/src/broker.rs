@@ -9,7 +9,8 @@
 
 use futures::future::try_join_all;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
@@ -64,19 +65,35 @@ impl Topology {
     }
 
     /// Declare the shared exchanges and queues and both lanes of every model (idempotent).
-    pub async fn declare<'a>(&self, channel: &Channel, models: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    pub async fn declare<'a>(
+        &self,
+        channel: &Channel,
+        models: impl IntoIterator<Item = &'a str>,
+    ) -> Result<()> {
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..Default::default()
         };
         channel
-            .exchange_declare(&self.events_exchange(), ExchangeKind::Topic, durable, FieldTable::default())
+            .exchange_declare(
+                &self.events_exchange(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
             .await?;
         channel
-            .exchange_declare(&self.dead_letter_exchange(), ExchangeKind::Direct, durable, FieldTable::default())
+            .exchange_declare(
+                &self.dead_letter_exchange(),
+                ExchangeKind::Direct,
+                durable,
+                FieldTable::default(),
+            )
             .await?;
         let dlq = self.dead_letter_queue();
-        channel.queue_declare(&dlq, durable_queue(), quorum(None)).await?;
+        channel
+            .queue_declare(&dlq, durable_queue(), quorum(None))
+            .await?;
         channel
             .queue_bind(
                 &dlq,
@@ -105,14 +122,29 @@ fn durable_queue() -> QueueDeclareOptions {
 
 fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     if let Some((limit, exchange)) = dead_letter {
         args.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
-        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
-        args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(DEAD_LETTER_KEY.into()));
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(exchange.into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(DEAD_LETTER_KEY.into()),
+        );
         // Dead-letter at least once: a dead-lettered chunk must still end its requests.
-        args.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
-        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        args.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString("at-least-once".into()),
+        );
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
     }
     args
 }
@@ -136,7 +168,9 @@ impl Publisher {
     /// Open a confirming channel on `connection`.
     pub async fn open(connection: &Connection) -> Result<Self> {
         let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Publisher { channel })
     }
 
@@ -150,22 +184,35 @@ impl Publisher {
     pub async fn publish_all(&self, messages: &[OutboxMessage]) -> Result<()> {
         let pending = messages.iter().map(|m| async move {
             let body = serde_json::to_vec(&m.payload)?;
-            self.publish(&m.exchange, &m.routing_key, &body, json_properties()).await
+            self.publish(&m.exchange, &m.routing_key, &body, json_properties())
+                .await
         });
         try_join_all(pending).await?;
         Ok(())
     }
 
     /// Publish one message with `properties` and wait for its confirm.
-    pub async fn publish(&self, exchange: &str, key: &str, body: &[u8], properties: BasicProperties) -> Result<()> {
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<()> {
         let options = BasicPublishOptions {
             mandatory: exchange.is_empty(),
             ..Default::default()
         };
-        let confirm = self.channel.basic_publish(exchange, key, options, body, properties).await?.await?;
+        let confirm = self
+            .channel
+            .basic_publish(exchange, key, options, body, properties)
+            .await?
+            .await?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => Err(BatcherError::NotConfirmed(key.to_string())),
+            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => {
+                Err(BatcherError::NotConfirmed(key.to_string()))
+            }
         }
     }
 }

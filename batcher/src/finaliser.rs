@@ -30,7 +30,12 @@ pub struct Finaliser {
 
 impl Finaliser {
     /// A finaliser that takes over a batch left `finalizing` for `stale_after`.
-    pub fn new(store: Store, objects: ObjectStore, topology: Topology, stale_after: Duration) -> Self {
+    pub fn new(
+        store: Store,
+        objects: ObjectStore,
+        topology: Topology,
+        stale_after: Duration,
+    ) -> Self {
         Finaliser {
             store,
             objects,
@@ -61,7 +66,9 @@ impl Finaliser {
             output.extend_from_slice(&line);
         }
         let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");
-        self.objects.put(&output_key, output, "application/jsonl").await?;
+        self.objects
+            .put(&output_key, output, "application/jsonl")
+            .await?;
         let errors_key = if errors.is_empty() {
             None
         } else {
@@ -83,7 +90,10 @@ impl Finaliser {
             _ => ended.times.completed_at = Some(at),
         }
         let tally = self.store.tally(&batch.id).await?;
-        let output_url = self.objects.presign_get(&output_key, WEBHOOK_URL_TTL).await?;
+        let output_url = self
+            .objects
+            .presign_get(&output_key, WEBHOOK_URL_TTL)
+            .await?;
         let errors_url = match &errors_key {
             Some(key) => Some(self.objects.presign_get(key, WEBHOOK_URL_TTL).await?),
             None => None,
@@ -120,7 +130,11 @@ impl Finaliser {
         for id in self.store.ready_to_finalize(100).await? {
             ended += usize::from(self.try_finalize(&id).await?);
         }
-        for batch in self.store.reclaim_stale_finalizing(self.stale_after).await? {
+        for batch in self
+            .store
+            .reclaim_stale_finalizing(self.stale_after)
+            .await?
+        {
             ended += usize::from(self.finalize(batch).await?);
         }
         Ok(ended)
@@ -134,7 +148,10 @@ impl Finaliser {
                 tracing::warn!(error = %e, "sweep failed");
             }
             if pruned_at.elapsed() > Duration::from_secs(3600) {
-                let _ = self.store.prune_outbox(Duration::from_secs(24 * 3600)).await;
+                let _ = self
+                    .store
+                    .prune_outbox(Duration::from_secs(24 * 3600))
+                    .await;
                 pruned_at = tokio::time::Instant::now();
             }
             tokio::select! {

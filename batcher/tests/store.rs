@@ -24,33 +24,62 @@ async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, B
         webhook_url: None,
         idempotency_key: None,
         request_hash: "h".into(),
-        requests: (0..n).map(|i| NewRequest { custom_id: None, body: json!({"prompt": format!("p{i}")}) }).collect(),
+        requests: (0..n)
+            .map(|i| NewRequest {
+                custom_id: None,
+                body: json!({"prompt": format!("p{i}")}),
+            })
+            .collect(),
     };
-    assert!(matches!(store.create_batch(new, vec![]).await.unwrap(), Created::New(_)));
+    assert!(matches!(
+        store.create_batch(new, vec![]).await.unwrap(),
+        Created::New(_)
+    ));
     (store, id)
 }
 
 fn chunk(id: &BatchId, start: i32, end: i32) -> Chunk {
-    Chunk { batch_id: id.clone(), account_id: AccountId("acct".into()), model: "@lorry/echo".into(), start, end }
+    Chunk {
+        batch_id: id.clone(),
+        account_id: AccountId("acct".into()),
+        model: "@lorry/echo".into(),
+        start,
+        end,
+    }
 }
 
 fn ok(index: i32) -> Outcome {
-    Outcome { index, result: Ok(json!({"response": index})), prompt_tokens: 1, completion_tokens: 1 }
+    Outcome {
+        index,
+        result: Ok(json!({"response": index})),
+        prompt_tokens: 1,
+        completion_tokens: 1,
+    }
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
 async fn a_result_is_committed_once_however_often_it_is_delivered(pool: PgPool) {
     let (store, id) = store_with_batch(pool, 4, Duration::from_secs(3600)).await;
     let first = store.claim(&chunk(&id, 0, 4)).await.unwrap();
-    assert_eq!(first.iter().map(|c| c.index).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(
+        first.iter().map(|c| c.index).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
     // A redelivered chunk takes back what its earlier holder left running.
     let again = store.claim(&chunk(&id, 0, 4)).await.unwrap();
     assert!(again.iter().all(|c| c.attempts == 2));
 
     let outcomes: Vec<Outcome> = (0..4).map(ok).collect();
     assert_eq!(store.commit(&id, &outcomes).await.unwrap(), 4);
-    assert_eq!(store.commit(&id, &outcomes).await.unwrap(), 0, "a second commit writes nothing");
-    assert!(store.claim(&chunk(&id, 0, 4)).await.unwrap().is_empty(), "finished requests are not claimed");
+    assert_eq!(
+        store.commit(&id, &outcomes).await.unwrap(),
+        0,
+        "a second commit writes nothing"
+    );
+    assert!(
+        store.claim(&chunk(&id, 0, 4)).await.unwrap().is_empty(),
+        "finished requests are not claimed"
+    );
     let tally = store.tally(&id).await.unwrap();
     assert_eq!(tally.count(RequestStatus::Succeeded), 4);
     assert_eq!(tally.prompt_tokens, 4);
@@ -61,11 +90,17 @@ async fn only_one_finaliser_wins_and_only_once_every_request_ended(pool: PgPool)
     let (store, id) = store_with_batch(pool, 2, Duration::from_secs(3600)).await;
     store.claim(&chunk(&id, 0, 2)).await.unwrap();
     store.commit(&id, &[ok(0)]).await.unwrap();
-    assert!(store.begin_finalizing(&id).await.unwrap().is_none(), "a request is still running");
+    assert!(
+        store.begin_finalizing(&id).await.unwrap().is_none(),
+        "a request is still running"
+    );
     store.commit(&id, &[ok(1)]).await.unwrap();
     let batch = store.begin_finalizing(&id).await.unwrap().expect("ready");
     assert_eq!(batch.status, BatchStatus::Finalizing);
-    assert!(store.begin_finalizing(&id).await.unwrap().is_none(), "a second finaliser gets nothing");
+    assert!(
+        store.begin_finalizing(&id).await.unwrap().is_none(),
+        "a second finaliser gets nothing"
+    );
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
@@ -76,10 +111,28 @@ async fn cancelling_ends_pending_requests_and_leaves_running_ones(pool: PgPool) 
     let batch = store.cancel_batch(&account, &id).await.unwrap().unwrap();
     assert_eq!(batch.status, BatchStatus::Cancelling);
     let tally = store.tally(&id).await.unwrap();
-    assert_eq!((tally.count(RequestStatus::Running), tally.count(RequestStatus::Canceled)), (1, 2));
-    assert!(store.claim(&chunk(&id, 1, 3)).await.unwrap().is_empty(), "cancelled requests never start");
+    assert_eq!(
+        (
+            tally.count(RequestStatus::Running),
+            tally.count(RequestStatus::Canceled)
+        ),
+        (1, 2)
+    );
+    assert!(
+        store.claim(&chunk(&id, 1, 3)).await.unwrap().is_empty(),
+        "cancelled requests never start"
+    );
     store.commit(&id, &[ok(0)]).await.unwrap();
-    assert_eq!(store.begin_finalizing(&id).await.unwrap().unwrap().end_reason.as_deref(), Some("cancelled"));
+    assert_eq!(
+        store
+            .begin_finalizing(&id)
+            .await
+            .unwrap()
+            .unwrap()
+            .end_reason
+            .as_deref(),
+        Some("cancelled")
+    );
     let other = AccountId("someone".into());
     assert!(store.cancel_batch(&other, &id).await.unwrap().is_none());
 }
@@ -90,9 +143,18 @@ async fn a_batch_past_its_window_expires_only_its_unstarted_requests(pool: PgPoo
     store.claim(&chunk(&id, 0, 1)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(store.expire_due().await.unwrap(), vec![id.clone()]);
-    assert!(store.expire_due().await.unwrap().is_empty(), "expiry happens once");
+    assert!(
+        store.expire_due().await.unwrap().is_empty(),
+        "expiry happens once"
+    );
     let tally = store.tally(&id).await.unwrap();
-    assert_eq!((tally.count(RequestStatus::Running), tally.count(RequestStatus::Expired)), (1, 2));
+    assert_eq!(
+        (
+            tally.count(RequestStatus::Running),
+            tally.count(RequestStatus::Expired)
+        ),
+        (1, 2)
+    );
     let finished = store.finished_requests(&id).await.unwrap();
     assert_eq!(finished[0].error.as_ref().unwrap().code, "batch_expired");
 }
@@ -108,7 +170,16 @@ async fn a_dead_lettered_chunk_ends_its_unfinished_requests_as_errors(pool: PgPo
         message: "dead".into(),
         retryable: false,
     };
-    assert_eq!(store.fail_chunk(&chunk(&id, 0, 3), &error).await.unwrap(), 2);
+    assert_eq!(
+        store.fail_chunk(&chunk(&id, 0, 3), &error).await.unwrap(),
+        2
+    );
     let tally = store.tally(&id).await.unwrap();
-    assert_eq!((tally.count(RequestStatus::Succeeded), tally.count(RequestStatus::Errored)), (1, 2));
+    assert_eq!(
+        (
+            tally.count(RequestStatus::Succeeded),
+            tally.count(RequestStatus::Errored)
+        ),
+        (1, 2)
+    );
 }

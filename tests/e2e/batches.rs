@@ -11,7 +11,10 @@ use crate::common::{assert_each_index_once, spawn_app, spawn_app_with};
 async fn a_native_batch_runs_to_completion_with_output_in_s3() {
     let app = spawn_app().await;
     let batch = app
-        .submit_echo(300, json!({"metadata": {"job": "nightly"}, "completion_window": "1h"}))
+        .submit_echo(
+            300,
+            json!({"metadata": {"job": "nightly"}, "completion_window": "1h"}),
+        )
         .await;
     assert_eq!(batch["object"], "batch");
     assert_eq!(batch["status"], "in_progress");
@@ -32,7 +35,10 @@ async fn a_native_batch_runs_to_completion_with_output_in_s3() {
     assert_each_index_once(&lines, 300);
     assert_eq!(lines[7]["custom_id"], "req-7");
     assert_eq!(lines[7]["status"], "succeeded");
-    assert_eq!(lines[7]["response"], json!({"status_code": 200, "body": {"response": "prompt 7"}}));
+    assert_eq!(
+        lines[7]["response"],
+        json!({"status_code": 200, "body": {"response": "prompt 7"}})
+    );
     assert_eq!(lines[7]["error"], json!(null));
 
     let results = app.get(&format!("/v1/batches/{id}/results")).await;
@@ -46,10 +52,17 @@ async fn results_are_readable_while_the_batch_runs() {
     let batch = app.submit_echo(400, json!({})).await;
     let id = batch["id"].as_str().unwrap();
     let partial = app
-        .wait_for(id, Duration::from_secs(30), |b| b["request_counts"]["succeeded"].as_i64() > Some(0))
+        .wait_for(id, Duration::from_secs(30), |b| {
+            b["request_counts"]["succeeded"].as_i64() > Some(0)
+        })
         .await;
     assert_eq!(partial["status"], "in_progress");
-    let text = app.get(&format!("/v1/batches/{id}/results")).await.text().await.unwrap();
+    let text = app
+        .get(&format!("/v1/batches/{id}/results"))
+        .await
+        .text()
+        .await
+        .unwrap();
     let lines = text.lines().count();
     assert!(lines > 0 && lines < 400, "partial results: {lines} lines");
     app.wait_until_ended(id, Duration::from_secs(60)).await;
@@ -60,7 +73,12 @@ async fn listing_pages_newest_first() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
     let mut ids = Vec::new();
     for _ in 0..3 {
-        ids.push(app.submit_echo(1, json!({})).await["id"].as_str().unwrap().to_string());
+        ids.push(
+            app.submit_echo(1, json!({})).await["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
     }
     let page = app.get_json("/v1/batches?limit=2").await;
     assert_eq!(page["object"], "list");
@@ -68,7 +86,9 @@ async fn listing_pages_newest_first() {
     assert_eq!(page["data"][0]["id"], ids[2].as_str());
     assert_eq!(page["data"][1]["id"], ids[1].as_str());
     let last = page["last_id"].as_str().unwrap();
-    let rest = app.get_json(&format!("/v1/batches?limit=2&after={last}")).await;
+    let rest = app
+        .get_json(&format!("/v1/batches?limit=2&after={last}"))
+        .await;
     assert_eq!(rest["has_more"], false);
     assert_eq!(rest["data"].as_array().unwrap().len(), 1);
     assert_eq!(rest["data"][0]["id"], ids[0].as_str());
@@ -113,17 +133,27 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
     let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 10).await;
     let batch = app.submit_echo(500, json!({})).await;
     let id = batch["id"].as_str().unwrap();
-    app.wait_for(id, Duration::from_secs(30), |b| b["request_counts"]["succeeded"].as_i64() >= Some(20))
+    app.wait_for(id, Duration::from_secs(30), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(20)
+    })
+    .await;
+    let cancelled = app
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
         .await;
-    let cancelled = app.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
     assert_eq!(cancelled.status(), 200);
     let cancelled: serde_json::Value = cancelled.json().await.unwrap();
-    assert!(matches!(cancelled["status"].as_str(), Some("cancelling")), "{cancelled}");
+    assert!(
+        matches!(cancelled["status"].as_str(), Some("cancelling")),
+        "{cancelled}"
+    );
 
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;
     assert_eq!(done["status"], "cancelled");
     let counts = &done["request_counts"];
-    let (ok, canceled) = (counts["succeeded"].as_i64().unwrap(), counts["canceled"].as_i64().unwrap());
+    let (ok, canceled) = (
+        counts["succeeded"].as_i64().unwrap(),
+        counts["canceled"].as_i64().unwrap(),
+    );
     assert!(ok >= 20 && canceled > 0, "{counts}");
     assert_eq!(ok + canceled, 500);
     assert!(done["cancelled_at"].is_i64());
@@ -134,7 +164,9 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
     assert_eq!(errors.len() as i64, canceled);
     assert_eq!(errors[0]["error"]["code"], "batch_cancelled");
 
-    let again = app.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
+    let again = app
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
     assert_eq!(again.status(), 409);
     let again: serde_json::Value = again.json().await.unwrap();
     assert_eq!(again["error"]["code"], "batch_not_cancellable");
@@ -143,12 +175,17 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
 #[tokio::test]
 async fn a_batch_past_its_window_expires_its_unstarted_requests() {
     let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 20).await;
-    let batch = app.submit_echo(300, json!({"completion_window": "1s"})).await;
+    let batch = app
+        .submit_echo(300, json!({"completion_window": "1s"}))
+        .await;
     let id = batch["id"].as_str().unwrap();
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;
     assert_eq!(done["status"], "expired");
     let counts = &done["request_counts"];
-    let (ok, expired) = (counts["succeeded"].as_i64().unwrap(), counts["expired"].as_i64().unwrap());
+    let (ok, expired) = (
+        counts["succeeded"].as_i64().unwrap(),
+        counts["expired"].as_i64().unwrap(),
+    );
     assert!(ok > 0 && expired > 0, "{counts}");
     assert_eq!(ok + expired, 300);
     let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
@@ -165,5 +202,8 @@ async fn readiness_reports_every_backing_service() {
     let ready = app.http.get(app.url("/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), 200);
     let ready: serde_json::Value = ready.json().await.unwrap();
-    assert_eq!(ready["checks"], json!({"postgres": "ok", "rabbitmq": "ok", "s3": "ok"}));
+    assert_eq!(
+        ready["checks"],
+        json!({"postgres": "ok", "rabbitmq": "ok", "s3": "ok"})
+    );
 }

@@ -2,7 +2,6 @@
 //! prefix and bucket, against the real Postgres, RabbitMQ and S3, so that
 //! end-to-end tests run in parallel without seeing each other.
 
-
 use std::process::{Child, Command, Stdio};
 use std::sync::Once;
 use std::time::{Duration, Instant};
@@ -19,7 +18,10 @@ static TRACING: Once = Once::new();
 fn init_tracing() {
     TRACING.call_once(|| {
         if std::env::var_os("TEST_LOG").is_some() {
-            tracing_subscriber::fmt().with_env_filter("info,lorry=debug").with_test_writer().init();
+            tracing_subscriber::fmt()
+                .with_env_filter("info,lorry=debug")
+                .with_test_writer()
+                .init();
         }
     });
 }
@@ -31,7 +33,9 @@ pub async fn isolated_settings() -> Settings {
     let base = std::env::var("LORRY_TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
     settings.database_url = format!("{base}/lorry_test_{unique}");
-    Store::create_database(&settings.database_url).await.expect("creating the test database");
+    Store::create_database(&settings.database_url)
+        .await
+        .expect("creating the test database");
     settings.queue_prefix = format!("lorry-test-{unique}");
     settings.s3_bucket = format!("lorry-test-{}", &unique[..20]);
     if settings.s3_endpoint.is_none() {
@@ -78,7 +82,9 @@ pub async fn spawn_app() -> TestApp {
 }
 
 pub async fn start(settings: Settings, role: Role) -> TestApp {
-    let app = Application::build(settings.clone(), role).await.expect("building the app");
+    let app = Application::build(settings.clone(), role)
+        .await
+        .expect("building the app");
     let port = app.port().unwrap_or(0);
     let stop = app.stopper();
     let handle = tokio::spawn(app.run_until_stopped());
@@ -100,16 +106,31 @@ impl TestApp {
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
-        self.http.post(self.url(path)).bearer_auth(TOKEN).json(body).send().await.unwrap()
+        self.http
+            .post(self.url(path))
+            .bearer_auth(TOKEN)
+            .json(body)
+            .send()
+            .await
+            .unwrap()
     }
 
     pub async fn get(&self, path: &str) -> reqwest::Response {
-        self.http.get(self.url(path)).bearer_auth(TOKEN).send().await.unwrap()
+        self.http
+            .get(self.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
     }
 
     pub async fn get_json(&self, path: &str) -> Value {
         let response = self.get(path).await;
-        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        assert!(
+            response.status().is_success(),
+            "GET {path}: {}",
+            response.status()
+        );
         response.json().await.unwrap()
     }
 
@@ -128,14 +149,22 @@ impl TestApp {
     }
 
     /// Poll a batch until `done` holds for it, or panic after `limit`.
-    pub async fn wait_for(&self, id: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
+    pub async fn wait_for(
+        &self,
+        id: &str,
+        limit: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
         let started = Instant::now();
         loop {
             let batch = self.get_json(&format!("/v1/batches/{id}")).await;
             if done(&batch) {
                 return batch;
             }
-            assert!(started.elapsed() < limit, "batch never reached the state awaited: {batch:#}");
+            assert!(
+                started.elapsed() < limit,
+                "batch never reached the state awaited: {batch:#}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -143,7 +172,10 @@ impl TestApp {
     /// Poll until the batch has ended.
     pub async fn wait_until_ended(&self, id: &str, limit: Duration) -> Value {
         self.wait_for(id, limit, |b| {
-            matches!(b["status"].as_str(), Some("completed" | "cancelled" | "expired" | "failed"))
+            matches!(
+                b["status"].as_str(),
+                Some("completed" | "cancelled" | "expired" | "failed")
+            )
         })
         .await
     }
@@ -151,9 +183,15 @@ impl TestApp {
     /// Fetch the lines of a presigned URL's JSONL document.
     pub async fn fetch_jsonl(&self, url: &str) -> Vec<Value> {
         let response = self.http.get(url).send().await.unwrap();
-        assert!(response.status().is_success(), "GET {url}: {}", response.status());
+        assert!(
+            response.status().is_success(),
+            "GET {url}: {}",
+            response.status()
+        );
         let text = response.text().await.unwrap();
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
     }
 
     /// Environment for a `lorry` child process of this deployment.
@@ -162,13 +200,22 @@ impl TestApp {
         vec![
             ("LORRY_DATABASE_URL".into(), s.database_url.clone()),
             ("LORRY_AMQP_URL".into(), s.amqp_url.clone()),
-            ("LORRY_S3_ENDPOINT".into(), s.s3_endpoint.clone().unwrap_or_default()),
+            (
+                "LORRY_S3_ENDPOINT".into(),
+                s.s3_endpoint.clone().unwrap_or_default(),
+            ),
             ("LORRY_S3_BUCKET".into(), s.s3_bucket.clone()),
             ("LORRY_S3_REGION".into(), s.s3_region.clone()),
             ("AWS_ACCESS_KEY_ID".into(), s.s3_access_key.clone()),
-            ("AWS_SECRET_ACCESS_KEY".into(), s.s3_secret_key.expose().to_string()),
+            (
+                "AWS_SECRET_ACCESS_KEY".into(),
+                s.s3_secret_key.expose().to_string(),
+            ),
             ("LORRY_QUEUE_PREFIX".into(), s.queue_prefix.clone()),
-            ("LORRY_SWEEP_INTERVAL_MS".into(), s.sweep_interval_ms.to_string()),
+            (
+                "LORRY_SWEEP_INTERVAL_MS".into(),
+                s.sweep_interval_ms.to_string(),
+            ),
             ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
         ]
     }
@@ -202,7 +249,10 @@ impl Drop for TestApp {
         let prefix = self.settings.queue_prefix.clone();
         let url = self.broker_url.clone();
         let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             runtime.block_on(delete_topology(&url, &prefix));
         })
         .join();
@@ -218,11 +268,16 @@ async fn delete_topology(url: &str, prefix: &str) {
         return;
     };
     for queue in ["batch.@lorry/echo", "rt.@lorry/echo", "dlq"] {
-        let _ = channel.queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default()).await;
+        let _ = channel
+            .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())
+            .await;
     }
     for exchange in ["events", "dlx"] {
         let _ = channel
-            .exchange_delete(&format!("{prefix}.{exchange}"), ExchangeDeleteOptions::default())
+            .exchange_delete(
+                &format!("{prefix}.{exchange}"),
+                ExchangeDeleteOptions::default(),
+            )
             .await;
     }
     let _ = connection.close(200, "cleanup").await;
@@ -230,8 +285,16 @@ async fn delete_topology(url: &str, prefix: &str) {
 
 /// Every request of an ended batch appears exactly once in `output.jsonl`, in index order.
 pub fn assert_each_index_once(lines: &[Value], total: usize) {
-    assert_eq!(lines.len(), total, "output.jsonl holds one line per request");
+    assert_eq!(
+        lines.len(),
+        total,
+        "output.jsonl holds one line per request"
+    );
     for (i, line) in lines.iter().enumerate() {
-        assert_eq!(line["index"], json!(i), "line {i} is out of order or duplicated");
+        assert_eq!(
+            line["index"],
+            json!(i),
+            "line {i} is out of order or duplicated"
+        );
     }
 }

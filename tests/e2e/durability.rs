@@ -44,20 +44,28 @@ async fn a_killed_worker_loses_no_request_and_duplicates_none() {
     let mut worker = app.spawn_worker_process(&slow);
     let batch = app.submit_echo(2000, json!({})).await;
     let id = batch["id"].as_str().unwrap();
-    app.wait_for(id, Duration::from_secs(60), |b| b["request_counts"]["succeeded"].as_i64() >= Some(400))
-        .await;
+    app.wait_for(id, Duration::from_secs(60), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(400)
+    })
+    .await;
 
     worker.kill().expect("SIGKILL the worker");
     worker.wait().unwrap();
     let mid = app.get_json(&format!("/v1/batches/{id}")).await;
-    assert_eq!(mid["status"], "in_progress", "the batch cannot finish without a worker");
+    assert_eq!(
+        mid["status"], "in_progress",
+        "the batch cannot finish without a worker"
+    );
     assert!(mid["request_counts"]["succeeded"].as_i64() < Some(2000));
 
     let mut replacement = app.spawn_worker_process(&slow);
     assert_exactly_once(&app, id, 2000).await;
     replacement.kill().unwrap();
     let _ = replacement.wait();
-    assert!(redelivered(&app, id).await > 0, "the killed worker's requests were delivered again");
+    assert!(
+        redelivered(&app, id).await > 0,
+        "the killed worker's requests were delivered again"
+    );
 }
 
 /// A TCP proxy in front of RabbitMQ whose connections the test can cut.
@@ -105,10 +113,18 @@ async fn a_dropped_broker_connection_loses_no_request_and_duplicates_none() {
     .await;
     let batch = app.submit_echo(2000, json!({})).await;
     let id = batch["id"].as_str().unwrap();
-    app.wait_for(id, Duration::from_secs(60), |b| b["request_counts"]["succeeded"].as_i64() >= Some(400))
-        .await;
+    app.wait_for(id, Duration::from_secs(60), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(400)
+    })
+    .await;
     let cut = proxy.cut().await;
-    assert!(cut >= 2, "the relay and the worker were connected through the proxy ({cut})");
+    assert!(
+        cut >= 2,
+        "the relay and the worker were connected through the proxy ({cut})"
+    );
     assert_exactly_once(&app, id, 2000).await;
-    assert!(redelivered(&app, id).await > 0, "work held by the dropped connection was delivered again");
+    assert!(
+        redelivered(&app, id).await > 0,
+        "work held by the dropped connection was delivered again"
+    );
 }

@@ -16,17 +16,27 @@ const RUN: &str = "/client/v4/accounts/default/ai/run/@lorry/echo";
 #[tokio::test]
 async fn a_real_time_request_is_answered_and_can_stream() {
     let app = spawn_app_with(Role::Serve, |_| {}).await;
-    let answer = app.post(RUN, &json!({"messages": [{"role": "user", "content": "hello there"}]})).await;
+    let answer = app
+        .post(
+            RUN,
+            &json!({"messages": [{"role": "user", "content": "hello there"}]}),
+        )
+        .await;
     assert_eq!(answer.status(), 200);
     let answer: Value = answer.json().await.unwrap();
     assert_eq!(answer["success"], true);
     assert_eq!(answer["result"]["response"], "hello there");
     assert_eq!(answer["result"]["usage"]["completion_tokens"], 2);
 
-    let stream = app.post(RUN, &json!({"prompt": "one two three", "stream": true})).await;
+    let stream = app
+        .post(RUN, &json!({"prompt": "one two three", "stream": true}))
+        .await;
     assert_eq!(stream.headers()["content-type"], "text/event-stream");
     let text = stream.text().await.unwrap();
-    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
     assert_eq!(data.last(), Some(&"[DONE]"));
     let pieces: String = data
         .iter()
@@ -48,24 +58,39 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
         .map(|_| {
             let (http, url) = (app.http.clone(), app.url(RUN));
             tokio::spawn(async move {
-                http.post(url).bearer_auth(crate::common::TOKEN).json(&json!({"prompt": "x"})).send().await
+                http.post(url)
+                    .bearer_auth(crate::common::TOKEN)
+                    .json(&json!({"prompt": "x"}))
+                    .send()
+                    .await
             })
         })
         .collect();
     // Wait until both are queued, then one more is refused at once.
-    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-depth").await.unwrap();
+    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-depth")
+        .await
+        .unwrap();
     let queue = format!("{}.rt.@lorry/echo", app.settings.queue_prefix);
-    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
     let started = Instant::now();
     loop {
         // A failed passive declare closes its channel: use a fresh one each time.
         let channel = connection.create_channel().await.unwrap();
-        if let Ok(q) = channel.queue_declare(&queue, passive, FieldTable::default()).await {
+        if let Ok(q) = channel
+            .queue_declare(&queue, passive, FieldTable::default())
+            .await
+        {
             if q.message_count() >= 2 {
                 break;
             }
         }
-        assert!(started.elapsed() < Duration::from_secs(4), "the two requests never reached the lane");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "the two requests never reached the lane"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let response = app.post(RUN, &json!({"prompt": "one more"})).await;
@@ -79,6 +104,10 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
     assert_eq!(batch["status"], "in_progress");
     for w in waiting {
         let response = w.await.unwrap().unwrap();
-        assert!(matches!(response.status().as_u16(), 504 | 429), "{}", response.status());
+        assert!(
+            matches!(response.status().as_u16(), 504 | 429),
+            "{}",
+            response.status()
+        );
     }
 }

@@ -8,7 +8,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use futures::StreamExt;
-use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind;
 use lorry::Role;
@@ -16,9 +18,12 @@ use serde_json::{json, Value};
 
 use crate::common::spawn_app_with;
 
+/// One webhook as received: headers and body.
+type Call = (HeaderMap, Vec<u8>);
+
 #[derive(Clone, Default)]
 struct Receiver {
-    calls: Arc<Mutex<Vec<(HeaderMap, Vec<u8>)>>>,
+    calls: Arc<Mutex<Vec<Call>>>,
     failures_left: Arc<Mutex<u32>>,
 }
 
@@ -44,7 +49,10 @@ async fn start_receiver(failures: u32) -> (String, Receiver) {
         }),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://127.0.0.1:{}/hook", listener.local_addr().unwrap().port());
+    let url = format!(
+        "http://127.0.0.1:{}/hook",
+        listener.local_addr().unwrap().port()
+    );
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (url, receiver)
 }
@@ -55,19 +63,52 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
     let (url, receiver) = start_receiver(3).await;
 
     // Subscribe to the events exchange before anything happens.
-    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-events").await.unwrap();
+    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-events")
+        .await
+        .unwrap();
     let channel = connection.create_channel().await.unwrap();
     let exchange = format!("{}.events", app.settings.queue_prefix);
-    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    channel.exchange_declare(&exchange, ExchangeKind::Topic, durable, FieldTable::default()).await.unwrap();
-    let exclusive = QueueDeclareOptions { exclusive: true, ..Default::default() };
-    let queue = channel.queue_declare("", exclusive, FieldTable::default()).await.unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
     channel
-        .queue_bind(queue.name().as_str(), &exchange, "batch.*", QueueBindOptions::default(), FieldTable::default())
+        .exchange_declare(
+            &exchange,
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let queue = channel
+        .queue_declare("", exclusive, FieldTable::default())
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.name().as_str(),
+            &exchange,
+            "batch.*",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let mut events = channel
-        .basic_consume(queue.name().as_str(), "", BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())
+        .basic_consume(
+            queue.name().as_str(),
+            "",
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
 
@@ -77,16 +118,28 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
 
     let started = Instant::now();
     while receiver.calls.lock().unwrap().len() < 4 {
-        assert!(started.elapsed() < Duration::from_secs(30), "the webhook was not retried to success");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the webhook was not retried to success"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let calls = receiver.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 4, "three failures, one success, nothing after");
-    let ids: Vec<&str> = calls.iter().map(|(h, _)| h["webhook-id"].to_str().unwrap()).collect();
-    assert!(ids.iter().all(|i| *i == ids[0]), "one webhook-id on every retry: {ids:?}");
+    let ids: Vec<&str> = calls
+        .iter()
+        .map(|(h, _)| h["webhook-id"].to_str().unwrap())
+        .collect();
+    assert!(
+        ids.iter().all(|i| *i == ids[0]),
+        "one webhook-id on every retry: {ids:?}"
+    );
 
-    let secret = app.get_json("/v1/account").await["webhook_secret"].as_str().unwrap().to_string();
+    let secret = app.get_json("/v1/account").await["webhook_secret"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(secret.starts_with("whsec_"));
     let verifier = standardwebhooks::Webhook::new(&secret).unwrap();
     for (headers, body) in &calls {
@@ -107,7 +160,11 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
     .unwrap();
     assert_eq!(attempts, vec![Some(500), Some(500), Some(500), Some(200)]);
 
-    let event = tokio::time::timeout(Duration::from_secs(10), events.next()).await.unwrap().unwrap().unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), events.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert_eq!(event.routing_key.as_str(), "batch.completed");
     let event: Value = serde_json::from_slice(&event.data).unwrap();
     assert_eq!(event["specversion"], "1.0");
@@ -120,19 +177,25 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
 async fn a_rotated_secret_signs_later_deliveries() {
     let app = spawn_app_with(Role::Serve, |_| {}).await;
     let before = app.get_json("/v1/account").await["webhook_secret"].clone();
-    let rotated = app.post("/v1/account/webhook_secret/rotate", &json!({})).await;
+    let rotated = app
+        .post("/v1/account/webhook_secret/rotate", &json!({}))
+        .await;
     assert_eq!(rotated.status(), 200);
     let rotated: Value = rotated.json().await.unwrap();
     assert_ne!(rotated["webhook_secret"], before);
     let (url, receiver) = start_receiver(0).await;
     let batch = app.submit_echo(1, json!({"webhook": {"url": url}})).await;
-    app.wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(30)).await;
+    app.wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(30))
+        .await;
     let started = Instant::now();
     while receiver.calls.lock().unwrap().is_empty() {
         assert!(started.elapsed() < Duration::from_secs(30));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (headers, body) = receiver.calls.lock().unwrap()[0].clone();
-    let verifier = standardwebhooks::Webhook::new(rotated["webhook_secret"].as_str().unwrap()).unwrap();
-    verifier.verify(&body, &headers).expect("signed with the new secret");
+    let verifier =
+        standardwebhooks::Webhook::new(rotated["webhook_secret"].as_str().unwrap()).unwrap();
+    verifier
+        .verify(&body, &headers)
+        .expect("signed with the new secret");
 }

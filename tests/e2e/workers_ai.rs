@@ -19,7 +19,12 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
             _ => json!({"text": format!("t{i}")}),
         })
         .collect();
-    let queued = app.post(&format!("{RUN}?queueRequest=true"), &json!({"requests": requests})).await;
+    let queued = app
+        .post(
+            &format!("{RUN}?queueRequest=true"),
+            &json!({"requests": requests}),
+        )
+        .await;
     assert_eq!(queued.status(), 200);
     let queued: Value = queued.json().await.unwrap();
     assert_eq!(queued["success"], true);
@@ -31,7 +36,12 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
     let started = Instant::now();
     let mut seen = Vec::new();
     let result = loop {
-        let polled: Value = app.post(RUN, &json!({"request_id": request_id})).await.json().await.unwrap();
+        let polled: Value = app
+            .post(RUN, &json!({"request_id": request_id}))
+            .await
+            .json()
+            .await
+            .unwrap();
         assert_eq!(polled["success"], true, "{polled}");
         if polled["result"]["responses"].is_array() {
             break polled["result"].clone();
@@ -40,10 +50,16 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
         assert!(started.elapsed() < Duration::from_secs(30));
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert!(seen.iter().all(|s| s == "queued" || s == "running"), "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s == "queued" || s == "running"),
+        "{seen:?}"
+    );
     let responses = result["responses"].as_array().unwrap();
     assert_eq!(responses.len(), 100);
-    assert_eq!(responses[0], json!({"id": 0, "result": {"response": "p0"}, "success": true, "external_reference": "ref-0"}));
+    assert_eq!(
+        responses[0],
+        json!({"id": 0, "result": {"response": "p0"}, "success": true, "external_reference": "ref-0"})
+    );
     assert_eq!(responses[1]["result"]["response"], "m1");
     assert_eq!(responses[2]["result"]["response"], "t2");
     assert_eq!(result["usage"]["prompt_tokens"], 100);
@@ -56,27 +72,46 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
 #[tokio::test]
 async fn queue_request_in_the_body_queues_too_and_bad_items_are_named() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
-    let ok = app.post(RUN, &json!({"queueRequest": true, "requests": [{"prompt": "a"}]})).await;
+    let ok = app
+        .post(
+            RUN,
+            &json!({"queueRequest": true, "requests": [{"prompt": "a"}]}),
+        )
+        .await;
     assert_eq!(ok.status(), 200);
     let bad = app
-        .post(RUN, &json!({"queueRequest": true, "requests": [{"prompt": "a"}, {"prompt": 5}]}))
+        .post(
+            RUN,
+            &json!({"queueRequest": true, "requests": [{"prompt": "a"}, {"prompt": 5}]}),
+        )
         .await;
     assert_eq!(bad.status(), 400);
     let bad: Value = bad.json().await.unwrap();
     assert_eq!(bad["success"], false);
     assert_eq!(bad["error"]["code"], "invalid_type");
     assert_eq!(bad["error"]["param"], "requests[1].prompt");
-    assert!(bad["errors"][0]["message"].as_str().unwrap().contains("invalid_type"));
+    assert!(bad["errors"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("invalid_type"));
 }
 
 #[tokio::test]
 async fn another_accounts_path_and_unknown_requests_are_not_found() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
     let other = app
-        .post("/client/v4/accounts/someone-else/ai/run/@lorry/echo?queueRequest=true", &json!({"requests": [{"prompt": "a"}]}))
+        .post(
+            "/client/v4/accounts/someone-else/ai/run/@lorry/echo?queueRequest=true",
+            &json!({"requests": [{"prompt": "a"}]}),
+        )
         .await;
     assert_eq!(other.status(), 404);
-    let unknown = app.post(RUN, &json!({"request_id": "batch_0123456789abcdef0123456789abcdef"})).await;
+    let unknown = app
+        .post(
+            RUN,
+            &json!({"request_id": "batch_0123456789abcdef0123456789abcdef"}),
+        )
+        .await;
     assert_eq!(unknown.status(), 404);
     let unknown: Value = unknown.json().await.unwrap();
     assert_eq!(unknown["error"]["param"], "request_id");
