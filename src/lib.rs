@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use lorry_api::{ApiConfig, AppState};
 use lorry_batcher::broker::Topology;
-use lorry_batcher::finaliser::Finaliser;
+use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
 use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
 use lorry_batcher::realtime::RealtimeClient;
 use lorry_batcher::relay::{self, RelayConfig};
@@ -195,7 +195,10 @@ fn spawn_worker(
         store.clone(),
         objects.clone(),
         topology.clone(),
-        Duration::from_secs(60),
+        FinaliserConfig {
+            stale_after: Duration::from_secs(60),
+            progress_every: Duration::from_millis(settings.progress_interval_ms),
+        },
     );
     let worker = Worker::new(
         store.clone(),

@@ -103,6 +103,9 @@ pub struct Settings {
     /// Milliseconds between sweeps (expiry, stalled batches).
     #[arg(long, env = "LORRY_SWEEP_INTERVAL_MS", default_value_t = 1000)]
     pub sweep_interval_ms: u64,
+    /// Milliseconds between `batch.progress` events (and webhooks) of a running batch.
+    #[arg(long, env = "LORRY_PROGRESS_INTERVAL_MS", default_value_t = 5000)]
+    pub progress_interval_ms: u64,
     /// Milliseconds before the first webhook retry; later retries double, with jitter.
     #[arg(long, env = "LORRY_WEBHOOK_MIN_BACKOFF_MS", default_value_t = 1000)]
     pub webhook_min_backoff_ms: u64,

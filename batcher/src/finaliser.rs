@@ -19,29 +19,72 @@ use crate::BatcherError;
 /// How long a presigned `output_url` in a webhook stays valid.
 pub const WEBHOOK_URL_TTL: Duration = Duration::from_secs(24 * 3600);
 
-/// Ends batches; cheap to clone.
+/// How batches are ended and reported.
+#[derive(Clone, Debug)]
+pub struct FinaliserConfig {
+    /// Take over a batch left `finalizing` this long (its finaliser died).
+    pub stale_after: Duration,
+    /// Report a running batch's progress at most this often.
+    pub progress_every: Duration,
+}
+
+/// Ends batches and reports their progress; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Finaliser {
     store: Store,
     objects: ObjectStore,
     topology: Topology,
-    stale_after: Duration,
+    config: FinaliserConfig,
 }
 
 impl Finaliser {
-    /// A finaliser that takes over a batch left `finalizing` for `stale_after`.
+    /// A finaliser writing to `objects` and announcing on `topology`'s events exchange.
     pub fn new(
         store: Store,
         objects: ObjectStore,
         topology: Topology,
-        stale_after: Duration,
+        config: FinaliserConfig,
     ) -> Self {
         Finaliser {
             store,
             objects,
             topology,
-            stale_after,
+            config,
         }
+    }
+
+    /// Send a `batch.progress` event and webhook if the batch is due one.
+    pub async fn report_progress(&self, id: &BatchId) -> Result<bool, BatcherError> {
+        let Some(batch) = self
+            .store
+            .claim_progress(id, self.config.progress_every)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let tally = self.store.tally(id).await?;
+        let data = batch.to_json(&tally, None, None);
+        let (event, webhook) = self.announcement("batch.progress", &batch.id, data, Utc::now());
+        self.store
+            .announce(&batch, &[event], Some(&webhook))
+            .await?;
+        Ok(true)
+    }
+
+    fn announcement(
+        &self,
+        event_type: &str,
+        id: &BatchId,
+        data: Value,
+        at: chrono::DateTime<Utc>,
+    ) -> (OutboxMessage, (String, Value)) {
+        let event = OutboxMessage {
+            exchange: self.topology.events_exchange(),
+            routing_key: event_type.to_string(),
+            payload: cloud_event(event_type, id, &data),
+        };
+        let webhook = json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data});
+        (event, (event_type.to_string(), webhook))
     }
 
     /// Finalise the batch if all its requests have ended and nobody else is on it.
@@ -99,21 +142,15 @@ impl Finaliser {
             None => None,
         };
         let data = ended.to_json(&tally, Some(output_url), errors_url);
-        let event_type = format!("batch.{}", status.as_str());
+        let (event, webhook) =
+            self.announcement(&format!("batch.{}", status.as_str()), &batch.id, data, at);
         let ending = Ending {
             status,
             at,
             output_key,
             errors_key,
-            events: vec![OutboxMessage {
-                exchange: self.topology.events_exchange(),
-                routing_key: event_type.clone(),
-                payload: cloud_event(&event_type, &batch.id, &data),
-            }],
-            webhook: Some((
-                event_type.clone(),
-                json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data}),
-            )),
+            events: vec![event],
+            webhook: Some(webhook),
         };
         let done = self.store.finish(&batch, &ending).await?;
         if done {
@@ -132,7 +169,7 @@ impl Finaliser {
         }
         for batch in self
             .store
-            .reclaim_stale_finalizing(self.stale_after)
+            .reclaim_stale_finalizing(self.config.stale_after)
             .await?
         {
             ended += usize::from(self.finalize(batch).await?);

@@ -150,6 +150,7 @@ impl Worker {
             }
         }
         report.committed += inner.store.commit(&chunk.batch_id, &ready).await?;
+        inner.finaliser.report_progress(&chunk.batch_id).await?;
         if report.deferred == 0 {
             inner.finaliser.try_finalize(&chunk.batch_id).await?;
         }

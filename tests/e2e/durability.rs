@@ -128,3 +128,57 @@ async fn a_dropped_broker_connection_loses_no_request_and_duplicates_none() {
         "work held by the dropped connection was delivered again"
     );
 }
+
+#[tokio::test]
+async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_end_errored() {
+    use lapin::options::{BasicGetOptions, BasicNackOptions};
+
+    // No worker yet: the relay publishes the chunk, and the test plays a worker
+    // that fails it on every delivery.
+    let app = spawn_app_with(Role::Api, |s| s.delivery_limit = 2).await;
+    let batch = app.submit_echo(3, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-failing-worker")
+        .await
+        .unwrap();
+    let mut channel = connection.create_channel().await.unwrap();
+    let queue = format!("{}.batch.@lorry/echo", app.settings.queue_prefix);
+    let started = std::time::Instant::now();
+    let mut failed = 0;
+    while started.elapsed() < Duration::from_secs(20) {
+        match channel.basic_get(&queue, BasicGetOptions::default()).await {
+            // The queue is not declared yet, which closes the channel.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                channel = connection.create_channel().await.unwrap();
+            }
+            Ok(Some(message)) => {
+                message
+                    .delivery
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                failed += 1;
+            }
+            _ if failed > 2 => break,
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    assert_eq!(
+        failed, 3,
+        "delivered once and redelivered up to the limit of 2"
+    );
+
+    let worker = crate::common::start(app.settings.clone(), Role::Worker).await;
+    let done = app.wait_until_ended(id, Duration::from_secs(30)).await;
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["request_counts"]["errored"], 3);
+    let errors = app.fetch_jsonl(done["errors_url"].as_str().unwrap()).await;
+    assert_eq!(errors.len(), 3);
+    assert_eq!(errors[0]["error"]["code"], "delivery_limit_exceeded");
+    assert_eq!(errors[0]["error"]["retryable"], false);
+    worker.stop().await;
+}

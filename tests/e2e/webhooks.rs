@@ -199,3 +199,46 @@ async fn a_rotated_secret_signs_later_deliveries() {
         .verify(&body, &headers)
         .expect("signed with the new secret");
 }
+
+#[tokio::test]
+async fn a_long_batch_reports_progress_before_it_completes() {
+    let app = spawn_app_with(Role::Serve, |s| {
+        s.echo_delay_ms = 5;
+        s.progress_interval_ms = 300;
+    })
+    .await;
+    let (url, receiver) = start_receiver(0).await;
+    let batch = app.submit_echo(400, json!({"webhook": {"url": url}})).await;
+    app.wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(60))
+        .await;
+    let started = Instant::now();
+    let types = loop {
+        let types: Vec<String> = receiver
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, body)| {
+                serde_json::from_slice::<Value>(body).unwrap()["type"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        if types.iter().any(|t| t == "batch.completed") {
+            break types;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no completion webhook: {types:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let progress = types.iter().filter(|t| *t == "batch.progress").count();
+    assert!(progress >= 1, "progress was reported: {types:?}");
+    assert!(
+        progress <= 2000 / 300 + 2,
+        "progress is throttled: {types:?}"
+    );
+    assert_eq!(types.iter().filter(|t| *t == "batch.completed").count(), 1);
+}

@@ -58,6 +58,26 @@ pub struct Ending {
     pub webhook: Option<(String, Value)>,
 }
 
+async fn announce(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    batch: &Batch,
+    events: &[OutboxMessage],
+    webhook: Option<&(String, Value)>,
+) -> Result<()> {
+    insert_outbox(tx, events).await?;
+    if let (Some(url), Some((event_type, payload))) = (&batch.webhook_url, webhook) {
+        let delivery = NewDelivery {
+            account_id: batch.account_id.clone(),
+            batch_id: batch.id.clone(),
+            event_type: event_type.clone(),
+            url: url.clone(),
+            payload: payload.clone(),
+        };
+        insert_delivery(tx, &delivery).await?;
+    }
+    Ok(())
+}
+
 impl Store {
     /// Take the chunk's unfinished requests. A redelivered chunk takes back the
     /// requests its earlier holder left running.
@@ -210,19 +230,38 @@ impl Store {
             tx.rollback().await?;
             return Ok(false);
         }
-        insert_outbox(&mut tx, &ending.events).await?;
-        if let (Some(url), Some((event_type, payload))) = (&batch.webhook_url, &ending.webhook) {
-            let delivery = NewDelivery {
-                account_id: batch.account_id.clone(),
-                batch_id: batch.id.clone(),
-                event_type: event_type.clone(),
-                url: url.clone(),
-                payload: payload.clone(),
-            };
-            insert_delivery(&mut tx, &delivery).await?;
-        }
+        announce(&mut tx, batch, &ending.events, ending.webhook.as_ref()).await?;
         tx.commit().await?;
         Ok(true)
+    }
+
+    /// Take the right to report a running batch's progress, at most once per `every`
+    /// (and not in its first `every`); `None` if it is not due.
+    pub async fn claim_progress(&self, id: &BatchId, every: Duration) -> Result<Option<Batch>> {
+        let row = sqlx::query(&format!(
+            "UPDATE batches SET progress_at = now()
+             WHERE id = $1 AND status = 'in_progress'
+               AND coalesce(progress_at, created_at) < now() - make_interval(secs => $2)
+             {BATCH_RETURNING}"
+        ))
+        .bind(id.as_str())
+        .bind(every.as_secs_f64())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(batch_from_row).transpose()
+    }
+
+    /// Publish events and send a webhook about a batch, without changing it.
+    pub async fn announce(
+        &self,
+        batch: &Batch,
+        events: &[OutboxMessage],
+        webhook: Option<&(String, Value)>,
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        announce(&mut tx, batch, events, webhook).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Expire open batches past their window: unstarted requests end `expired`,
