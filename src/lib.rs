@@ -98,7 +98,7 @@ impl Application {
         let relay = RelayConfig {
             amqp_url: settings.amqp_url.clone(),
             topology: topology.clone(),
-            models: catalog.iter().map(|m| m.name.clone()).collect(),
+            models: catalog.names(),
             batch_size: 500,
             poll: Duration::from_millis(500),
         };
@@ -121,7 +121,7 @@ impl Application {
                 realtime: RealtimeClient::new(
                     &settings.amqp_url,
                     topology.clone(),
-                    catalog.iter().map(|m| m.name.clone()).collect(),
+                    catalog.names(),
                     settings.rt_max_depth,
                 ),
                 catalog: Arc::new(catalog),

@@ -25,12 +25,22 @@ pub struct ModelSpec {
     pub name: String,
     /// What it does.
     pub task: Task,
+    /// Whether requests may name a LoRA adapter.
+    pub takes_adapters: bool,
 }
 
 impl ModelSpec {
     /// Validate one request body for this model.
     pub fn validate(&self, body: &Value) -> Result<ValidRequest, InputError> {
-        ValidRequest::parse(self.task, body)
+        let request = ValidRequest::parse(self.task, body)?;
+        if request.lora.is_some() && !self.takes_adapters {
+            return Err(InputError::new(
+                "adapters_not_supported",
+                "lora",
+                format!("model {} does not take LoRA adapters", self.name),
+            ));
+        }
+        Ok(request)
     }
 }
 
@@ -47,6 +57,7 @@ impl Catalog {
         catalog.insert(ModelSpec {
             name: ECHO_MODEL.to_string(),
             task: Task::Echo,
+            takes_adapters: false,
         });
         catalog
     }
@@ -61,8 +72,29 @@ impl Catalog {
         self.models.get(name)
     }
 
+    /// All served model names.
+    pub fn names(&self) -> Vec<String> {
+        self.models.keys().cloned().collect()
+    }
+
     /// All served models, by name.
     pub fn iter(&self) -> impl Iterator<Item = &ModelSpec> {
         self.models.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_model_without_adapters_refuses_a_lora() {
+        let catalog = Catalog::builtin();
+        let echo = catalog.get(ECHO_MODEL).unwrap();
+        assert!(echo.validate(&json!({"prompt": "a"})).is_ok());
+        let err = echo.validate(&json!({"prompt": "a", "lora": "mine"})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("adapters_not_supported", "lora"));
     }
 }
