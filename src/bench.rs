@@ -68,11 +68,7 @@ async fn one_run(http: &reqwest::Client, args: &PipelineArgs) -> anyhow::Result<
         .context("posting the batch")?;
     let post = started.elapsed();
     if response.status().as_u16() != 202 {
-        bail!(
-            "POST answered {}: {}",
-            response.status(),
-            response.text().await?
-        );
+        bail!("POST answered {}: {}", response.status(), response.text().await?);
     }
     let batch: Value = response.json().await?;
     let id = batch["id"].as_str().context("batch id")?.to_string();
@@ -114,9 +110,7 @@ async fn one_run(http: &reqwest::Client, args: &PipelineArgs) -> anyhow::Result<
 }
 
 fn print_table(runs: &[PipelineRun]) {
-    println!(
-        "| requests | POST (s) | first result (s) | all results (s) | completed (s) | requests/s |"
-    );
+    println!("| requests | POST (s) | first result (s) | all results (s) | completed (s) | requests/s |");
     println!("|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         println!(
@@ -130,6 +124,10 @@ fn print_table(runs: &[PipelineRun]) {
         );
     }
     println!();
-    println!("POST: validation and one transaction (batch, requests, outbox). first result: relay, broker, first chunk.");
-    println!("all results: serving and committing every chunk. completed: output.jsonl to S3 and the final transaction.");
+    println!(
+        "POST: validation and one transaction (batch, requests, outbox). first result: relay, broker, first chunk."
+    );
+    println!(
+        "all results: serving and committing every chunk. completed: output.jsonl to S3 and the final transaction."
+    );
 }

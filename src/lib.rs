@@ -87,10 +87,7 @@ impl Application {
             access_key: settings.s3_access_key.clone(),
             secret_key: settings.s3_secret_key.expose().to_string(),
         });
-        objects
-            .ensure_bucket()
-            .await
-            .context("reaching the S3 bucket")?;
+        objects.ensure_bucket().await.context("reaching the S3 bucket")?;
         let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
         let catalog = Catalog::builtin();
         let stop = CancellationToken::new();
@@ -104,9 +101,7 @@ impl Application {
         };
         tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
         if role.has_worker() {
-            spawn_worker(
-                &settings, &store, &objects, &topology, &catalog, &stop, &mut tasks,
-            );
+            spawn_worker(&settings, &store, &objects, &topology, &catalog, &stop, &mut tasks);
         }
         let mut app = Application {
             listener: None,

@@ -38,11 +38,7 @@ pub async fn owned_batch(
 ) -> Result<Batch, ApiError> {
     let missing = || ApiError::not_found("batch_not_found", param, "batch");
     let id = BatchId::parse(raw_id).ok_or_else(missing)?;
-    state
-        .store
-        .batch(&account.0.id, &id)
-        .await?
-        .ok_or_else(missing)
+    state.store.batch(&account.0.id, &id).await?.ok_or_else(missing)
 }
 
 /// `POST /v1/batches`.
@@ -86,11 +82,7 @@ pub async fn create(
     } else {
         state.store.tally(&batch.id).await?
     };
-    let mut response = (
-        StatusCode::ACCEPTED,
-        Json(batch_json(&state, &batch, &tally).await?),
-    )
-        .into_response();
+    let mut response = (StatusCode::ACCEPTED, Json(batch_json(&state, &batch, &tally).await?)).into_response();
     if !created {
         response
             .headers_mut()
@@ -100,9 +92,9 @@ pub async fn create(
 }
 
 fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
-    let list = requests.as_array().ok_or_else(|| {
-        ApiError::invalid("invalid_type", "requests", "requests must be an array")
-    })?;
+    let list = requests
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
     list.iter()
         .enumerate()
         .map(|(i, item)| {
@@ -153,24 +145,16 @@ pub async fn list(
             .parse::<i64>()
             .ok()
             .filter(|n| (1..=100).contains(n))
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "invalid_value",
-                    "limit",
-                    "limit must be an integer from 1 to 100",
-                )
-            })?,
+            .ok_or_else(|| ApiError::invalid("invalid_value", "limit", "limit must be an integer from 1 to 100"))?,
     };
     let after = match query.get("after") {
         None => None,
-        Some(raw) => Some(BatchId::parse(raw).ok_or_else(|| {
-            ApiError::invalid("invalid_value", "after", "after must be a batch id")
-        })?),
+        Some(raw) => Some(
+            BatchId::parse(raw)
+                .ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a batch id"))?,
+        ),
     };
-    let page = state
-        .store
-        .list_batches(&account.0.id, limit, after.as_ref())
-        .await?;
+    let page = state.store.list_batches(&account.0.id, limit, after.as_ref()).await?;
     let ids: Vec<&BatchId> = page.batches.iter().map(|b| &b.id).collect();
     let mut tallies = state.store.tallies(&ids).await?;
     let mut data = Vec::with_capacity(page.batches.len());
@@ -203,10 +187,7 @@ pub async fn cancel(
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "batch_not_cancellable",
-            format!(
-                "the batch is {} and can no longer be cancelled",
-                batch.status.as_str()
-            ),
+            format!("the batch is {} and can no longer be cancelled", batch.status.as_str()),
         )
         .with_param("id"));
     }
@@ -224,8 +205,7 @@ pub async fn results(
     let finished = state.store.finished_requests(&batch.id).await?;
     let mut body = Vec::with_capacity(finished.len() * 128);
     for request in &finished {
-        serde_json::to_writer(&mut body, &request.result_line(&batch.id))
-            .map_err(lorry_batcher::BatcherError::from)?;
+        serde_json::to_writer(&mut body, &request.result_line(&batch.id)).map_err(lorry_batcher::BatcherError::from)?;
         body.push(b'\n');
     }
     Ok(([(header::CONTENT_TYPE, "application/jsonl")], body).into_response())

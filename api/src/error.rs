@@ -39,11 +39,7 @@ impl ApiError {
     }
 
     /// A 400 about one field.
-    pub fn invalid(
-        code: &'static str,
-        param: impl Into<String>,
-        message: impl Into<String>,
-    ) -> Self {
+    pub fn invalid(code: &'static str, param: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, code, message).with_param(param)
     }
 
@@ -159,7 +155,8 @@ impl IntoResponse for CloudflareError {
         body["success"] = json!(false);
         body["result"] = serde_json::Value::Null;
         body["messages"] = json!([]);
-        body["errors"] = json!([{"code": e.status.as_u16() as u32 * 10, "message": format!("{}: {}", e.code, e.message)}]);
+        body["errors"] =
+            json!([{"code": e.status.as_u16() as u32 * 10, "message": format!("{}: {}", e.code, e.message)}]);
         let mut response = (e.status, Json(body)).into_response();
         if let Some(secs) = e.retry_after {
             response

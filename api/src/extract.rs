@@ -16,8 +16,7 @@ impl FromRequestParts<AppState> for Authenticated {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let unauthorized =
-            |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
+        let unauthorized = |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
         let token = parts
             .headers
             .get(header::AUTHORIZATION)

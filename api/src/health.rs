@@ -14,11 +14,7 @@ pub async fn healthz() -> Json<Value> {
 
 /// Postgres, RabbitMQ and S3 are all reachable.
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
-    let (db, broker, s3) = tokio::join!(
-        state.store.ping(),
-        state.realtime.ping(),
-        state.objects.ping()
-    );
+    let (db, broker, s3) = tokio::join!(state.store.ping(), state.realtime.ping(), state.objects.ping());
     let check = |r: &Result<(), lorry_batcher::BatcherError>| match r {
         Ok(()) => json!("ok"),
         Err(e) => json!(e.to_string()),

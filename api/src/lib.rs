@@ -78,13 +78,7 @@ pub fn router(state: AppState) -> Router {
             "/client/v4/accounts/{account_id}/ai/run/{*model}",
             post(workers_ai::run),
         )
-        .fallback(|| async {
-            ApiError::new(
-                axum::http::StatusCode::NOT_FOUND,
-                "route_not_found",
-                "no such route",
-            )
-        })
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "route_not_found", "no such route") })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

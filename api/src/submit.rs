@@ -94,10 +94,7 @@ pub fn validate(
         return Err(ApiError::invalid(
             "too_many_requests",
             "requests",
-            format!(
-                "a batch holds at most {} requests",
-                state.config.max_requests
-            ),
+            format!("a batch holds at most {} requests", state.config.max_requests),
         ));
     }
     let mut seen = HashSet::new();
@@ -125,9 +122,7 @@ pub fn validate(
             body: item.body,
         });
     }
-    let completion_window = options
-        .completion_window
-        .unwrap_or_else(|| DEFAULT_WINDOW.to_string());
+    let completion_window = options.completion_window.unwrap_or_else(|| DEFAULT_WINDOW.to_string());
     let window = parse_window(&completion_window)?;
     let metadata = options.metadata.map(check_metadata).transpose()?;
     let webhook_url = options
@@ -280,16 +275,7 @@ mod tests {
     fn windows_parse_within_bounds() {
         assert_eq!(parse_window("24h").unwrap(), Duration::from_secs(86_400));
         assert_eq!(parse_window("2s").unwrap(), Duration::from_secs(2));
-        for bad in [
-            "",
-            "h",
-            "0s",
-            "8d",
-            "24",
-            "1w",
-            "-1h",
-            "99999999999999999999d",
-        ] {
+        for bad in ["", "h", "0s", "8d", "24", "1w", "-1h", "99999999999999999999d"] {
             assert_eq!(
                 parse_window(bad).unwrap_err().code,
                 "invalid_completion_window",

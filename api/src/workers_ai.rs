@@ -51,12 +51,7 @@ pub async fn run(
         None | Some("false") => false,
         Some("true") => true,
         Some(_) => {
-            return Err(ApiError::invalid(
-                "invalid_value",
-                "queueRequest",
-                "queueRequest must be true or false",
-            )
-            .into())
+            return Err(ApiError::invalid("invalid_value", "queueRequest", "queueRequest must be true or false").into())
         }
     };
     let object = body
@@ -70,12 +65,7 @@ pub async fn run(
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => {
-            return Err(ApiError::invalid(
-                "invalid_type",
-                "queueRequest",
-                "queueRequest must be a boolean",
-            )
-            .into())
+            return Err(ApiError::invalid("invalid_type", "queueRequest", "queueRequest must be a boolean").into())
         }
     };
     if queued_in_query || queued_in_body {
@@ -97,16 +87,12 @@ async fn queue(
 ) -> Result<Response, CloudflareError> {
     let mut f = Fields::new(&body.value, "")?;
     f.raw("queueRequest");
-    let requests = f.raw("requests").ok_or_else(|| {
-        ApiError::invalid(
-            "missing_field",
-            "requests",
-            "a queued request needs requests: [...]",
-        )
-    })?;
-    let list = requests.as_array().ok_or_else(|| {
-        ApiError::invalid("invalid_type", "requests", "requests must be an array")
-    })?;
+    let requests = f
+        .raw("requests")
+        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "a queued request needs requests: [...]"))?;
+    let list = requests
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
     let options = Options {
         webhook_url: submit::webhook_url(&mut f)?,
         ..Options::default()
@@ -118,10 +104,7 @@ async fn queue(
         .map(|(i, item)| {
             let path = format!("requests[{i}]");
             let mut input = item.clone();
-            let reference = match input
-                .as_object_mut()
-                .and_then(|m| m.remove("external_reference"))
-            {
+            let reference = match input.as_object_mut().and_then(|m| m.remove("external_reference")) {
                 None | Some(Value::Null) => None,
                 Some(Value::String(s)) => Some(s),
                 Some(_) => {
@@ -149,17 +132,10 @@ async fn queue(
     };
     let new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
     let (batch, _) = submit::create(state, new).await?;
-    Ok(
-        envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model}))
-            .into_response(),
-    )
+    Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
 }
 
-async fn poll(
-    state: &AppState,
-    account: &Authenticated,
-    body: &Value,
-) -> Result<Response, CloudflareError> {
+async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result<Response, CloudflareError> {
     let mut f = Fields::new(body, "")?;
     let request_id: String = f.required("request_id", "a string")?;
     f.raw("queueRequest");
@@ -199,11 +175,7 @@ async fn poll(
     Ok(envelope(result).into_response())
 }
 
-async fn realtime(
-    state: &AppState,
-    model: &str,
-    input: Value,
-) -> Result<Response, CloudflareError> {
+async fn realtime(state: &AppState, model: &str, input: Value) -> Result<Response, CloudflareError> {
     let spec = submit::model(state, model, "model")?;
     let valid = spec.validate(&input)?;
     let request = RtRequest {
@@ -248,18 +220,11 @@ async fn final_output(mut replies: mpsc::UnboundedReceiver<Reply>) -> Result<Out
             Reply::Error { code, message } => return Err(engine_failure(code, message)),
         }
     }
-    Err(engine_failure(
-        "engine_stopped".into(),
-        "the worker went away".into(),
-    ))
+    Err(engine_failure("engine_stopped".into(), "the worker went away".into()))
 }
 
 fn engine_failure(code: String, message: String) -> ApiError {
-    let mut error = ApiError::new(
-        axum::http::StatusCode::BAD_GATEWAY,
-        "inference_failed",
-        message,
-    );
+    let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
     error.param = Some(code);
     error
 }
@@ -275,16 +240,11 @@ fn stream_replies(
             return None;
         }
         let event = match replies.recv().await {
-            Some(Reply::Token { text }) => {
-                Event::default().data(json!({"response": text}).to_string())
-            }
+            Some(Reply::Token { text }) => Event::default().data(json!({"response": text}).to_string()),
             Some(Reply::Done { output }) => {
                 let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
                 return Some((
-                    stream::iter(vec![
-                        Event::default().data(usage),
-                        Event::default().data("[DONE]"),
-                    ]),
+                    stream::iter(vec![Event::default().data(usage), Event::default().data("[DONE]")]),
                     (replies, true),
                 ));
             }

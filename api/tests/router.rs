@@ -50,13 +50,7 @@ async fn state(pool: PgPool) -> AppState {
     }
 }
 
-async fn call(
-    state: &AppState,
-    method: &str,
-    uri: &str,
-    token: Option<&str>,
-    body: Vec<u8>,
-) -> (StatusCode, Value) {
+async fn call(state: &AppState, method: &str, uri: &str, token: Option<&str>, body: Vec<u8>) -> (StatusCode, Value) {
     let mut request = Request::builder()
         .method(method)
         .uri(uri)
@@ -70,10 +64,7 @@ async fn call(
         .unwrap();
     let status = response.status();
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
 fn batch(requests: Value) -> Value {
@@ -92,22 +83,14 @@ async fn persisted(pool: &PgPool) -> (i64, i64, i64) {
             .await
             .unwrap()
     };
-    (
-        count("batches").await,
-        count("requests").await,
-        count("outbox").await,
-    )
+    (count("batches").await, count("requests").await, count("outbox").await)
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
-async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing_is_persisted(
-    pool: PgPool,
-) {
+async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing_is_persisted(pool: PgPool) {
     let state = state(pool.clone()).await;
     let one = json!([{"body": {"prompt": "x"}}]);
-    let too_many: Vec<Value> = (0..50_001)
-        .map(|_| json!({"body": {"prompt": "x"}}))
-        .collect();
+    let too_many: Vec<Value> = (0..50_001).map(|_| json!({"body": {"prompt": "x"}})).collect();
     let mut huge = b"{\"model\":\"@lorry/echo\",\"requests\":[{\"body\":{\"prompt\":\"".to_vec();
     huge.extend(std::iter::repeat_n(b'a', 10 * 1024 * 1024));
     huge.extend(b"\"}}]}");
@@ -157,9 +140,7 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
         ),
         (
             "wrong type in a model input",
-            json_body(batch(
-                json!([{"body": {"prompt": "x"}}, {"body": {"prompt": ["x"]}}]),
-            )),
+            json_body(batch(json!([{"body": {"prompt": "x"}}, {"body": {"prompt": ["x"]}}]))),
             StatusCode::BAD_REQUEST,
             "invalid_type",
             "requests[1].body.prompt",
@@ -240,11 +221,7 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
         ),
         (
             "invalid webhook URL",
-            json_body(with(
-                batch(one.clone()),
-                "webhook",
-                json!({"url": "not a url"}),
-            )),
+            json_body(with(batch(one.clone()), "webhook", json!({"url": "not a url"}))),
             StatusCode::BAD_REQUEST,
             "invalid_webhook_url",
             "webhook.url",
@@ -273,11 +250,7 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
         ),
         (
             "bad completion window",
-            json_body(with(
-                batch(one.clone()),
-                "completion_window",
-                json!("forever"),
-            )),
+            json_body(with(batch(one.clone()), "completion_window", json!("forever"))),
             StatusCode::BAD_REQUEST,
             "invalid_completion_window",
             "completion_window",
@@ -303,16 +276,10 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
         let (got, error) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
         assert_eq!(got, status, "{name}: {error}");
         assert_eq!(error["error"]["code"], code, "{name}: {error}");
-        let param = if param.is_empty() {
-            Value::Null
-        } else {
-            json!(param)
-        };
+        let param = if param.is_empty() { Value::Null } else { json!(param) };
         assert_eq!(error["error"]["param"], param, "{name}: {error}");
         assert!(
-            error["error"]["message"]
-                .as_str()
-                .is_some_and(|m| !m.is_empty()),
+            error["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
             "{name}"
         );
     }
@@ -357,14 +324,7 @@ async fn another_accounts_batch_is_not_found_and_cannot_be_cancelled(pool: PgPoo
     }
     let (_, listing) = call(&state, "GET", "/v1/batches", Some(OTHER_TOKEN), vec![]).await;
     assert_eq!(listing["data"], json!([]));
-    let (status, _) = call(
-        &state,
-        "GET",
-        &format!("/v1/batches/{id}"),
-        Some(TOKEN),
-        vec![],
-    )
-    .await;
+    let (status, _) = call(&state, "GET", &format!("/v1/batches/{id}"), Some(TOKEN), vec![]).await;
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -372,14 +332,7 @@ async fn another_accounts_batch_is_not_found_and_cannot_be_cancelled(pool: PgPoo
 async fn unknown_ids_bad_cursors_and_ended_batches_are_refused(pool: PgPool) {
     let state = state(pool.clone()).await;
     for id in ["batch_0123456789abcdef0123456789abcdef", "nonsense"] {
-        let (status, error) = call(
-            &state,
-            "GET",
-            &format!("/v1/batches/{id}"),
-            Some(TOKEN),
-            vec![],
-        )
-        .await;
+        let (status, error) = call(&state, "GET", &format!("/v1/batches/{id}"), Some(TOKEN), vec![]).await;
         assert_eq!(
             (status, error["error"]["param"].as_str()),
             (StatusCode::NOT_FOUND, Some("id"))
@@ -404,14 +357,7 @@ async fn unknown_ids_bad_cursors_and_ended_batches_are_refused(pool: PgPool) {
         .execute(&pool)
         .await
         .unwrap();
-    let (status, error) = call(
-        &state,
-        "POST",
-        &format!("/v1/batches/{id}/cancel"),
-        Some(TOKEN),
-        vec![],
-    )
-    .await;
+    let (status, error) = call(&state, "POST", &format!("/v1/batches/{id}/cancel"), Some(TOKEN), vec![]).await;
     assert_eq!(
         (status, error["error"]["code"].as_str()),
         (StatusCode::CONFLICT, Some("batch_not_cancellable"))
@@ -421,19 +367,16 @@ async fn unknown_ids_bad_cursors_and_ended_batches_are_refused(pool: PgPool) {
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
 async fn a_batch_is_written_with_one_outbox_message_per_chunk(pool: PgPool) {
     let state = state(pool.clone()).await;
-    let requests: Vec<Value> = (0..130)
-        .map(|i| json!({"body": {"prompt": format!("p{i}")}}))
-        .collect();
+    let requests: Vec<Value> = (0..130).map(|i| json!({"body": {"prompt": format!("p{i}")}})).collect();
     let body = serde_json::to_vec(&batch(Value::Array(requests))).unwrap();
     let (status, created) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
     assert_eq!(status, StatusCode::ACCEPTED);
     assert_eq!(created["request_counts"]["pending"], 130);
     assert_eq!(persisted(&pool).await, (1, 130, 3));
-    let ranges: Vec<(i32, i32)> = sqlx::query_as(
-        "SELECT (payload->>'start')::int, (payload->>'end')::int FROM outbox ORDER BY id",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let ranges: Vec<(i32, i32)> =
+        sqlx::query_as("SELECT (payload->>'start')::int, (payload->>'end')::int FROM outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(ranges, vec![(0, 64), (64, 128), (128, 130)]);
 }

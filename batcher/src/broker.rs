@@ -9,8 +9,7 @@
 
 use futures::future::try_join_all;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
@@ -65,11 +64,7 @@ impl Topology {
     }
 
     /// Declare the shared exchanges and queues and both lanes of every model (idempotent).
-    pub async fn declare<'a>(
-        &self,
-        channel: &Channel,
-        models: impl IntoIterator<Item = &'a str>,
-    ) -> Result<()> {
+    pub async fn declare<'a>(&self, channel: &Channel, models: impl IntoIterator<Item = &'a str>) -> Result<()> {
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..Default::default()
@@ -91,9 +86,7 @@ impl Topology {
             )
             .await?;
         let dlq = self.dead_letter_queue();
-        channel
-            .queue_declare(&dlq, durable_queue(), quorum(None))
-            .await?;
+        channel.queue_declare(&dlq, durable_queue(), quorum(None)).await?;
         channel
             .queue_bind(
                 &dlq,
@@ -122,16 +115,10 @@ fn durable_queue() -> QueueDeclareOptions {
 
 fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
     if let Some((limit, exchange)) = dead_letter {
         args.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString(exchange.into()),
-        );
+        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
         args.insert(
             "x-dead-letter-routing-key".into(),
             AMQPValue::LongString(DEAD_LETTER_KEY.into()),
@@ -141,10 +128,7 @@ fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
             "x-dead-letter-strategy".into(),
             AMQPValue::LongString("at-least-once".into()),
         );
-        args.insert(
-            "x-overflow".into(),
-            AMQPValue::LongString("reject-publish".into()),
-        );
+        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
     }
     args
 }
@@ -168,9 +152,7 @@ impl Publisher {
     /// Open a confirming channel on `connection`.
     pub async fn open(connection: &Connection) -> Result<Self> {
         let channel = connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
         Ok(Publisher { channel })
     }
 
@@ -192,13 +174,7 @@ impl Publisher {
     }
 
     /// Publish one message with `properties` and wait for its confirm.
-    pub async fn publish(
-        &self,
-        exchange: &str,
-        key: &str,
-        body: &[u8],
-        properties: BasicProperties,
-    ) -> Result<()> {
+    pub async fn publish(&self, exchange: &str, key: &str, body: &[u8], properties: BasicProperties) -> Result<()> {
         let options = BasicPublishOptions {
             mandatory: exchange.is_empty(),
             ..Default::default()
@@ -210,9 +186,7 @@ impl Publisher {
             .await?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => {
-                Err(BatcherError::NotConfirmed(key.to_string()))
-            }
+            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => Err(BatcherError::NotConfirmed(key.to_string())),
         }
     }
 }

@@ -39,12 +39,7 @@ pub struct Finaliser {
 
 impl Finaliser {
     /// A finaliser writing to `objects` and announcing on `topology`'s events exchange.
-    pub fn new(
-        store: Store,
-        objects: ObjectStore,
-        topology: Topology,
-        config: FinaliserConfig,
-    ) -> Self {
+    pub fn new(store: Store, objects: ObjectStore, topology: Topology, config: FinaliserConfig) -> Self {
         Finaliser {
             store,
             objects,
@@ -55,19 +50,13 @@ impl Finaliser {
 
     /// Send a `batch.progress` event and webhook if the batch is due one.
     pub async fn report_progress(&self, id: &BatchId) -> Result<bool, BatcherError> {
-        let Some(batch) = self
-            .store
-            .claim_progress(id, self.config.progress_every)
-            .await?
-        else {
+        let Some(batch) = self.store.claim_progress(id, self.config.progress_every).await? else {
             return Ok(false);
         };
         let tally = self.store.tally(id).await?;
         let data = batch.to_json(&tally, None, None);
         let (event, webhook) = self.announcement("batch.progress", &batch.id, data, Utc::now());
-        self.store
-            .announce(&batch, &[event], Some(&webhook))
-            .await?;
+        self.store.announce(&batch, &[event], Some(&webhook)).await?;
         Ok(true)
     }
 
@@ -109,9 +98,7 @@ impl Finaliser {
             output.extend_from_slice(&line);
         }
         let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");
-        self.objects
-            .put(&output_key, output, "application/jsonl")
-            .await?;
+        self.objects.put(&output_key, output, "application/jsonl").await?;
         let errors_key = if errors.is_empty() {
             None
         } else {
@@ -133,17 +120,13 @@ impl Finaliser {
             _ => ended.times.completed_at = Some(at),
         }
         let tally = self.store.tally(&batch.id).await?;
-        let output_url = self
-            .objects
-            .presign_get(&output_key, WEBHOOK_URL_TTL)
-            .await?;
+        let output_url = self.objects.presign_get(&output_key, WEBHOOK_URL_TTL).await?;
         let errors_url = match &errors_key {
             Some(key) => Some(self.objects.presign_get(key, WEBHOOK_URL_TTL).await?),
             None => None,
         };
         let data = ended.to_json(&tally, Some(output_url), errors_url);
-        let (event, webhook) =
-            self.announcement(&format!("batch.{}", status.as_str()), &batch.id, data, at);
+        let (event, webhook) = self.announcement(&format!("batch.{}", status.as_str()), &batch.id, data, at);
         let ending = Ending {
             status,
             at,
@@ -167,11 +150,7 @@ impl Finaliser {
         for id in self.store.ready_to_finalize(100).await? {
             ended += usize::from(self.try_finalize(&id).await?);
         }
-        for batch in self
-            .store
-            .reclaim_stale_finalizing(self.config.stale_after)
-            .await?
-        {
+        for batch in self.store.reclaim_stale_finalizing(self.config.stale_after).await? {
             ended += usize::from(self.finalize(batch).await?);
         }
         Ok(ended)
@@ -185,10 +164,7 @@ impl Finaliser {
                 tracing::warn!(error = %e, "sweep failed");
             }
             if pruned_at.elapsed() > Duration::from_secs(3600) {
-                let _ = self
-                    .store
-                    .prune_outbox(Duration::from_secs(24 * 3600))
-                    .await;
+                let _ = self.store.prune_outbox(Duration::from_secs(24 * 3600)).await;
                 pruned_at = tokio::time::Instant::now();
             }
             tokio::select! {

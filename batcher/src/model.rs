@@ -54,10 +54,7 @@ impl BatchStatus {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            BatchStatus::Failed
-                | BatchStatus::Completed
-                | BatchStatus::Expired
-                | BatchStatus::Cancelled
+            BatchStatus::Failed | BatchStatus::Completed | BatchStatus::Expired | BatchStatus::Cancelled
         )
     }
 }
@@ -156,10 +153,7 @@ impl Tally {
             + self.count(RequestStatus::Expired);
         let mut counts = serde_json::Map::new();
         counts.insert("total".into(), json!(self.counts.values().sum::<i64>()));
-        counts.insert(
-            "completed".into(),
-            json!(self.count(RequestStatus::Succeeded)),
-        );
+        counts.insert("completed".into(), json!(self.count(RequestStatus::Succeeded)));
         counts.insert("failed".into(), json!(failed));
         for status in RequestStatus::ALL {
             counts.insert(status.as_str().into(), json!(self.count(status)));
@@ -228,12 +222,7 @@ fn unix(t: Option<DateTime<Utc>>) -> Value {
 
 impl Batch {
     /// The batch object clients see (OpenAI's shape plus Lorry's counts).
-    pub fn to_json(
-        &self,
-        tally: &Tally,
-        output_url: Option<String>,
-        errors_url: Option<String>,
-    ) -> Value {
+    pub fn to_json(&self, tally: &Tally, output_url: Option<String>, errors_url: Option<String>) -> Value {
         let t = &self.times;
         json!({
             "id": self.id,
@@ -314,10 +303,7 @@ impl FinishedRequest {
 /// The error written for requests that end without running.
 pub fn unstarted_error(status: RequestStatus) -> RequestError {
     let (code, message) = match status {
-        RequestStatus::Canceled => (
-            "batch_cancelled",
-            "the batch was cancelled before this request started",
-        ),
+        RequestStatus::Canceled => ("batch_cancelled", "the batch was cancelled before this request started"),
         _ => (
             "batch_expired",
             "the completion window passed before this request started",
@@ -355,10 +341,7 @@ mod tests {
         for s in RequestStatus::ALL {
             assert_eq!(RequestStatus::parse(s.as_str()), Some(s));
         }
-        assert_eq!(
-            BatchStatus::parse("in_progress"),
-            Some(BatchStatus::InProgress)
-        );
+        assert_eq!(BatchStatus::parse("in_progress"), Some(BatchStatus::InProgress));
         assert_eq!(BatchStatus::parse("done"), None);
     }
 

@@ -59,8 +59,7 @@ fn s3_error(e: impl std::error::Error) -> BatcherError {
 impl ObjectStore {
     /// A client for the configured bucket (no network yet).
     pub fn new(config: &ObjectStoreConfig) -> Self {
-        let credentials =
-            Credentials::new(&config.access_key, &config.secret_key, None, None, "lorry");
+        let credentials = Credentials::new(&config.access_key, &config.secret_key, None, None, "lorry");
         let mut builder = aws_sdk_s3::Config::builder()
             .behavior_version_latest()
             .region(Region::new(config.region.clone()))
@@ -80,18 +79,12 @@ impl ObjectStore {
         if self.ping().await.is_ok() {
             return Ok(());
         }
-        match self
-            .client
-            .create_bucket()
-            .bucket(&self.bucket)
-            .send()
-            .await
-        {
+        match self.client.create_bucket().bucket(&self.bucket).send().await {
             Ok(_) => Ok(()),
             Err(e) => {
-                let exists = e.as_service_error().is_some_and(|s| {
-                    s.is_bucket_already_owned_by_you() || s.is_bucket_already_exists()
-                });
+                let exists = e
+                    .as_service_error()
+                    .is_some_and(|s| s.is_bucket_already_owned_by_you() || s.is_bucket_already_exists());
                 if exists {
                     Ok(())
                 } else {

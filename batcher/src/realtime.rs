@@ -82,9 +82,7 @@ impl ReplyTo<'_> {
         let properties = BasicProperties::default()
             .with_correlation_id(self.correlation.into())
             .with_content_type("application/json".into());
-        self.publisher
-            .publish("", self.queue, &body, properties)
-            .await
+        self.publisher.publish("", self.queue, &body, properties).await
     }
 }
 
@@ -101,9 +99,7 @@ pub async fn forward(mut events: EventStream, reply: &ReplyTo<'_>) -> Result<(),
             return Ok(());
         }
     }
-    reply
-        .send(&Reply::error("engine_stopped", "the engine stopped"))
-        .await
+    reply.send(&Reply::error("engine_stopped", "the engine stopped")).await
 }
 
 type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Reply>>>>;
@@ -142,9 +138,7 @@ impl RealtimeClient {
 
     async fn link(&self) -> Result<Arc<Link>, BatcherError> {
         let mut guard = self.link.lock().await;
-        let healthy = |l: &&Arc<Link>| {
-            l.connection.status().connected() && l.publisher.channel().status().connected()
-        };
+        let healthy = |l: &&Arc<Link>| l.connection.status().connected() && l.publisher.channel().status().connected();
         if let Some(link) = guard.as_ref().filter(healthy) {
             return Ok(Arc::clone(link));
         }
@@ -167,12 +161,7 @@ impl RealtimeClient {
             .await?;
         let reply_queue = queue.name().to_string();
         let mut consumer = replies
-            .basic_consume(
-                &reply_queue,
-                "",
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
+            .basic_consume(&reply_queue, "", BasicConsumeOptions::default(), FieldTable::default())
             .await?;
         let waiters = Arc::clone(&self.waiters);
         tokio::spawn(async move {
@@ -240,10 +229,7 @@ impl RealtimeClient {
 
     /// Stop waiting for a request's replies.
     pub fn forget(&self, correlation: &str) {
-        self.waiters
-            .lock()
-            .expect("waiters lock")
-            .remove(correlation);
+        self.waiters.lock().expect("waiters lock").remove(correlation);
     }
 }
 

@@ -31,17 +31,14 @@ pub struct RelayConfig {
 }
 
 /// Publish everything unsent; returns how many messages went out.
-pub async fn drain(
-    store: &Store,
-    publisher: &Publisher,
-    batch_size: i64,
-) -> Result<usize, BatcherError> {
+pub async fn drain(store: &Store, publisher: &Publisher, batch_size: i64) -> Result<usize, BatcherError> {
     let mut total = 0;
     loop {
         let sent = store
-            .relay_outbox(batch_size, |messages| async move {
-                publisher.publish_all(&messages).await
-            })
+            .relay_outbox(
+                batch_size,
+                |messages| async move { publisher.publish_all(&messages).await },
+            )
             .await?;
         total += sent;
         if sent == 0 {
@@ -68,19 +65,12 @@ pub async fn run(store: Store, config: RelayConfig, stop: CancellationToken) {
     }
 }
 
-async fn session(
-    store: &Store,
-    config: &RelayConfig,
-    stop: &CancellationToken,
-) -> Result<(), BatcherError> {
+async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) -> Result<(), BatcherError> {
     let connection = broker::connect(&config.amqp_url, "lorry-relay").await?;
     let publisher = Publisher::open(&connection).await?;
     config
         .topology
-        .declare(
-            publisher.channel(),
-            config.models.iter().map(String::as_str),
-        )
+        .declare(publisher.channel(), config.models.iter().map(String::as_str))
         .await?;
     let mut listener = PgListener::connect_with(store.pool()).await?;
     listener.listen(OUTBOX_CHANNEL).await?;

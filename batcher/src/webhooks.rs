@@ -46,8 +46,7 @@ pub enum UrlProblem {
 /// Check a webhook target at submission.
 pub fn check_url(raw: &str, allow_private: bool) -> Result<Url, UrlProblem> {
     let url = Url::parse(raw).map_err(|_| UrlProblem::Invalid)?;
-    if !matches!(url.scheme(), "http" | "https") || url.username() != "" || url.password().is_some()
-    {
+    if !matches!(url.scheme(), "http" | "https") || url.username() != "" || url.password().is_some() {
         return Err(UrlProblem::Invalid);
     }
     let private = match url.host() {
@@ -78,21 +77,14 @@ fn is_private(ip: IpAddr) -> bool {
                 || v6.is_unspecified()
                 || (first & 0xfe00) == 0xfc00
                 || (first & 0xffc0) == 0xfe80
-                || v6
-                    .to_ipv4_mapped()
-                    .is_some_and(|v4| is_private(IpAddr::V4(v4)))
+                || v6.to_ipv4_mapped().is_some_and(|v4| is_private(IpAddr::V4(v4)))
         }
     }
 }
 
 /// The Standard Webhooks signature header value: `v1,<base64 HMAC-SHA256>` over
 /// `"{id}.{timestamp}.{body}"`, keyed with the base64 part of `whsec_…`.
-pub fn sign(
-    secret: &str,
-    id: &str,
-    timestamp: i64,
-    body: &[u8],
-) -> Result<String, base64::DecodeError> {
+pub fn sign(secret: &str, id: &str, timestamp: i64, body: &[u8]) -> Result<String, base64::DecodeError> {
     let key = BASE64.decode(secret.strip_prefix("whsec_").unwrap_or(secret))?;
     let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes keys of any length");
     mac.update(format!("{id}.{timestamp}.").as_bytes());
@@ -126,11 +118,7 @@ impl WebhookSender {
             .user_agent(concat!("lorry/", env!("CARGO_PKG_VERSION")))
             .build()
             .expect("building the webhook HTTP client");
-        WebhookSender {
-            store,
-            http,
-            config,
-        }
+        WebhookSender { store, http, config }
     }
 
     /// The delay before retry number `attempt` (1-based), or `None` once attempts are spent.
@@ -167,11 +155,7 @@ impl WebhookSender {
                     error,
                     permanent,
                 } => {
-                    let retry = if permanent {
-                        None
-                    } else {
-                        self.retry_delay(made)
-                    };
+                    let retry = if permanent { None } else { self.retry_delay(made) };
                     let retry_at = retry.map(|d| chrono::Utc::now() + d);
                     tracing::info!(id = %delivery.id, attempt = made, error, "webhook attempt failed");
                     self.store
@@ -223,9 +207,7 @@ impl WebhookSender {
             .send()
             .await;
         match sent {
-            Ok(response) if response.status().is_success() => {
-                Attempt::Delivered(response.status().as_u16())
-            }
+            Ok(response) if response.status().is_success() => Attempt::Delivered(response.status().as_u16()),
             Ok(response) => Attempt::Failed {
                 status: Some(response.status().as_u16()),
                 error: format!("receiver answered {}", response.status()),
@@ -247,9 +229,7 @@ impl WebhookSender {
         }
         let host = url.host_str().unwrap_or_default();
         let port = url.port_or_known_default().unwrap_or(443);
-        let addrs = tokio::net::lookup_host((host, port))
-            .await
-            .map_err(|e| e.to_string())?;
+        let addrs = tokio::net::lookup_host((host, port)).await.map_err(|e| e.to_string())?;
         for addr in addrs {
             if is_private(addr.ip()) {
                 return Err(format!("{host} resolves to a private address"));
@@ -298,25 +278,13 @@ mod tests {
 
     #[test]
     fn private_targets_are_refused_unless_allowed() {
-        assert_eq!(
-            check_url("http://127.0.0.1:9/x", false),
-            Err(UrlProblem::Private)
-        );
-        assert_eq!(
-            check_url("http://localhost/x", false),
-            Err(UrlProblem::Private)
-        );
+        assert_eq!(check_url("http://127.0.0.1:9/x", false), Err(UrlProblem::Private));
+        assert_eq!(check_url("http://localhost/x", false), Err(UrlProblem::Private));
         assert_eq!(check_url("http://[::1]/x", false), Err(UrlProblem::Private));
-        assert_eq!(
-            check_url("http://10.1.2.3/x", false),
-            Err(UrlProblem::Private)
-        );
+        assert_eq!(check_url("http://10.1.2.3/x", false), Err(UrlProblem::Private));
         assert!(check_url("http://127.0.0.1:9/x", true).is_ok());
         assert!(check_url("https://example.com/hook", false).is_ok());
-        assert_eq!(
-            check_url("ftp://example.com", true),
-            Err(UrlProblem::Invalid)
-        );
+        assert_eq!(check_url("ftp://example.com", true), Err(UrlProblem::Invalid));
         assert_eq!(check_url("not a url", true), Err(UrlProblem::Invalid));
     }
 }

@@ -83,10 +83,7 @@ impl Worker {
         backends: Vec<Arc<dyn Backend>>,
         config: WorkerConfig,
     ) -> Self {
-        let backends = backends
-            .into_iter()
-            .map(|b| (b.model().to_string(), b))
-            .collect();
+        let backends = backends.into_iter().map(|b| (b.model().to_string(), b)).collect();
         Worker {
             inner: Arc::new(Inner {
                 store,
@@ -106,10 +103,7 @@ impl Worker {
     /// Run one chunk: claim, serve, commit; then finalise the batch if it has ended.
     pub async fn process_chunk(&self, chunk: &Chunk) -> Result<ChunkReport, BatcherError> {
         let inner = &self.inner;
-        let (spec, backend) = match (
-            inner.catalog.get(&chunk.model),
-            inner.backends.get(&chunk.model),
-        ) {
+        let (spec, backend) = match (inner.catalog.get(&chunk.model), inner.backends.get(&chunk.model)) {
             (Some(spec), Some(backend)) => (spec, backend),
             _ => return Err(BatcherError::UnknownModel(chunk.model.clone())),
         };
@@ -142,10 +136,7 @@ impl Worker {
                 _ = tokio::time::sleep_until(last_flush + interval) => {}
             }
             if ready.len() >= inner.config.flush_rows || last_flush.elapsed() >= interval {
-                report.committed += inner
-                    .store
-                    .commit(&chunk.batch_id, &std::mem::take(&mut ready))
-                    .await?;
+                report.committed += inner.store.commit(&chunk.batch_id, &std::mem::take(&mut ready)).await?;
                 last_flush = Instant::now();
             }
         }
@@ -194,24 +185,12 @@ impl Worker {
         let topology = &inner.config.topology;
         let models = self.models();
         let setup = connection.create_channel().await?;
-        topology
-            .declare(&setup, models.iter().map(String::as_str))
-            .await?;
+        topology.declare(&setup, models.iter().map(String::as_str)).await?;
         let replies = Publisher::open(&connection).await?;
         let mut consumers = JoinSet::new();
         for model in &models {
-            let rt = consumer(
-                &connection,
-                &topology.rt_queue(model),
-                inner.config.rt_prefetch,
-                10,
-            )
-            .await?;
-            consumers.spawn(self.clone().consume(
-                rt,
-                Kind::RealTime(replies.clone()),
-                stop.clone(),
-            ));
+            let rt = consumer(&connection, &topology.rt_queue(model), inner.config.rt_prefetch, 10).await?;
+            consumers.spawn(self.clone().consume(rt, Kind::RealTime(replies.clone()), stop.clone()));
             let batch = consumer(
                 &connection,
                 &topology.batch_queue(model),
@@ -250,11 +229,7 @@ impl Worker {
             let delivery = match next {
                 Some(Ok(delivery)) => delivery,
                 Some(Err(e)) => break Err(BatcherError::from(e)),
-                None => {
-                    break Err(BatcherError::BrokerLost(
-                        "the consumer was cancelled".into(),
-                    ))
-                }
+                None => break Err(BatcherError::BrokerLost("the consumer was cancelled".into())),
             };
             let worker = self.clone();
             let kind = kind.clone();
@@ -263,10 +238,8 @@ impl Worker {
         };
         if ended.is_ok() {
             // Graceful stop: finish and settle what this consumer holds.
-            let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
-                while in_flight.join_next().await.is_some() {}
-            })
-            .await;
+            let _ =
+                tokio::time::timeout(SHUTDOWN_GRACE, async { while in_flight.join_next().await.is_some() {} }).await;
         }
         drop(channel);
         ended
@@ -275,10 +248,7 @@ impl Worker {
     async fn handle(&self, delivery: Delivery, kind: Kind) {
         let settled = match kind {
             Kind::RealTime(replies) => self.handle_realtime(&delivery, &replies).await,
-            Kind::Batch | Kind::DeadLetter => {
-                self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter))
-                    .await
-            }
+            Kind::Batch | Kind::DeadLetter => self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter)).await,
         };
         let result = match settled {
             Settle::Ack => delivery.ack(BasicAckOptions::default()).await,
@@ -307,9 +277,7 @@ impl Worker {
             }
         };
         let result = if dead {
-            self.process_dead_letter(&chunk)
-                .await
-                .map(|_| ChunkReport::default())
+            self.process_dead_letter(&chunk).await.map(|_| ChunkReport::default())
         } else {
             self.process_chunk(&chunk).await
         };
@@ -342,17 +310,12 @@ impl Worker {
         let request: RtRequest = match serde_json::from_slice(&delivery.data) {
             Ok(r) => r,
             Err(e) => {
-                let _ = reply
-                    .send(&Reply::error("malformed_request", &e.to_string()))
-                    .await;
+                let _ = reply.send(&Reply::error("malformed_request", &e.to_string())).await;
                 return Settle::Ack;
             }
         };
         let inner = &self.inner;
-        let started = match (
-            inner.catalog.get(&request.model),
-            inner.backends.get(&request.model),
-        ) {
+        let started = match (inner.catalog.get(&request.model), inner.backends.get(&request.model)) {
             (Some(spec), Some(backend)) => spec
                 .validate(&request.body)
                 .map_err(EngineError::from)
@@ -414,9 +377,7 @@ async fn consumer(
     priority: i32,
 ) -> Result<(Channel, lapin::Consumer), BatcherError> {
     let channel = connection.create_channel().await?;
-    channel
-        .basic_qos(prefetch.max(1), BasicQosOptions::default())
-        .await?;
+    channel.basic_qos(prefetch.max(1), BasicQosOptions::default()).await?;
     let mut args = FieldTable::default();
     args.insert("x-priority".into(), AMQPValue::LongInt(priority));
     let consumer = channel

@@ -61,10 +61,7 @@ fn ok(index: i32) -> Outcome {
 async fn a_result_is_committed_once_however_often_it_is_delivered(pool: PgPool) {
     let (store, id) = store_with_batch(pool, 4, Duration::from_secs(3600)).await;
     let first = store.claim(&chunk(&id, 0, 4)).await.unwrap();
-    assert_eq!(
-        first.iter().map(|c| c.index).collect::<Vec<_>>(),
-        vec![0, 1, 2, 3]
-    );
+    assert_eq!(first.iter().map(|c| c.index).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
     // A redelivered chunk takes back what its earlier holder left running.
     let again = store.claim(&chunk(&id, 0, 4)).await.unwrap();
     assert!(again.iter().all(|c| c.attempts == 2));
@@ -143,16 +140,10 @@ async fn a_batch_past_its_window_expires_only_its_unstarted_requests(pool: PgPoo
     store.claim(&chunk(&id, 0, 1)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(store.expire_due().await.unwrap(), vec![id.clone()]);
-    assert!(
-        store.expire_due().await.unwrap().is_empty(),
-        "expiry happens once"
-    );
+    assert!(store.expire_due().await.unwrap().is_empty(), "expiry happens once");
     let tally = store.tally(&id).await.unwrap();
     assert_eq!(
-        (
-            tally.count(RequestStatus::Running),
-            tally.count(RequestStatus::Expired)
-        ),
+        (tally.count(RequestStatus::Running), tally.count(RequestStatus::Expired)),
         (1, 2)
     );
     let finished = store.finished_requests(&id).await.unwrap();
@@ -170,10 +161,7 @@ async fn a_dead_lettered_chunk_ends_its_unfinished_requests_as_errors(pool: PgPo
         message: "dead".into(),
         retryable: false,
     };
-    assert_eq!(
-        store.fail_chunk(&chunk(&id, 0, 3), &error).await.unwrap(),
-        2
-    );
+    assert_eq!(store.fail_chunk(&chunk(&id, 0, 3), &error).await.unwrap(), 2);
     let tally = store.tally(&id).await.unwrap();
     assert_eq!(
         (

@@ -59,10 +59,7 @@ impl Drop for StopOnDrop {
 fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, Queues> {
     // A panic while holding the lock cannot leave the queues inconsistent: every
     // critical section is a single push or pop.
-    shared
-        .queues
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    shared.queues.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl EchoEngine {
@@ -95,11 +92,7 @@ fn next_job(shared: &Shared) -> Option<Job> {
         if queues.stopped {
             return None;
         }
-        if let Some(job) = queues
-            .realtime
-            .pop_front()
-            .or_else(|| queues.batch.pop_front())
-        {
+        if let Some(job) = queues.realtime.pop_front().or_else(|| queues.batch.pop_front()) {
             return Some(job);
         }
         queues = shared.ready.wait(queues).unwrap_or_else(|p| p.into_inner());
@@ -186,7 +179,8 @@ mod tests {
     #[tokio::test]
     async fn echo_returns_the_last_message() {
         let engine = EchoEngine::start(EchoConfig::default());
-        let body = json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hello there"}]});
+        let body =
+            json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hello there"}]});
         let out = collect(engine.submit(request(body), Lane::Batch).unwrap())
             .await
             .unwrap();
@@ -204,10 +198,7 @@ mod tests {
     async fn streaming_yields_tokens_before_the_result() {
         let engine = EchoEngine::start(EchoConfig::default());
         let mut events = engine
-            .submit(
-                request(json!({"prompt": "a b c", "stream": true})),
-                Lane::RealTime,
-            )
+            .submit(request(json!({"prompt": "a b c", "stream": true})), Lane::RealTime)
             .unwrap();
         let mut tokens = String::new();
         while let Some(event) = events.recv().await {
@@ -235,9 +226,7 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        let rt = engine
-            .submit(request(json!({"prompt": "rt"})), Lane::RealTime)
-            .unwrap();
+        let rt = engine.submit(request(json!({"prompt": "rt"})), Lane::RealTime).unwrap();
         collect(rt).await.unwrap();
         // The first batch job may already have started; the last cannot have finished.
         let mut last = batch.into_iter().last().unwrap();

@@ -57,13 +57,9 @@ pub struct Fields<'a> {
 impl<'a> Fields<'a> {
     /// Start reading `value`, which must be an object; `path` names it in errors.
     pub fn new(value: &'a Value, path: &str) -> Result<Self, InputError> {
-        let object = value.as_object().ok_or_else(|| {
-            InputError::new(
-                "invalid_type",
-                path,
-                format!("{} must be a JSON object", display(path)),
-            )
-        })?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| InputError::new("invalid_type", path, format!("{} must be a JSON object", display(path))))?;
         Ok(Fields {
             path: path.to_string(),
             object,
@@ -83,30 +79,18 @@ impl<'a> Fields<'a> {
     }
 
     /// An optional field of type `T`; `expected` describes `T` in errors.
-    pub fn optional<T: DeserializeOwned>(
-        &mut self,
-        name: &'a str,
-        expected: &str,
-    ) -> Result<Option<T>, InputError> {
+    pub fn optional<T: DeserializeOwned>(&mut self, name: &'a str, expected: &str) -> Result<Option<T>, InputError> {
         match self.raw(name) {
             None => Ok(None),
             Some(value) => T::deserialize(value).map(Some).map_err(|_| {
                 let path = self.path_of(name);
-                InputError::new(
-                    "invalid_type",
-                    path.clone(),
-                    format!("{path} must be {expected}"),
-                )
+                InputError::new("invalid_type", path.clone(), format!("{path} must be {expected}"))
             }),
         }
     }
 
     /// A required field of type `T`.
-    pub fn required<T: DeserializeOwned>(
-        &mut self,
-        name: &'a str,
-        expected: &str,
-    ) -> Result<T, InputError> {
+    pub fn required<T: DeserializeOwned>(&mut self, name: &'a str, expected: &str) -> Result<T, InputError> {
         self.optional(name, expected)?.ok_or_else(|| {
             let path = self.path_of(name);
             InputError::new("missing_field", path.clone(), format!("{path} is required"))
@@ -115,11 +99,7 @@ impl<'a> Fields<'a> {
 
     /// Refuse any field that was not read.
     pub fn deny_unknown(self) -> Result<(), InputError> {
-        match self
-            .object
-            .keys()
-            .find(|k| !self.seen.contains(&k.as_str()))
-        {
+        match self.object.keys().find(|k| !self.seen.contains(&k.as_str())) {
             None => Ok(()),
             Some(key) => {
                 let path = join_path(&self.path, key);
@@ -253,11 +233,7 @@ impl ValidRequest {
     pub fn prompt_text(&self) -> String {
         match &self.prompt {
             Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
-            Prompt::Messages(m) => m
-                .iter()
-                .map(|m| m.content.as_str())
-                .collect::<Vec<_>>()
-                .join("\n"),
+            Prompt::Messages(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
         }
     }
 }
@@ -313,13 +289,8 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
     let stop = match f.raw("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(v) => serde_json::from_value::<Vec<String>>(v.clone()).map_err(|_| {
-            InputError::new(
-                "invalid_type",
-                "stop",
-                "stop must be a string or an array of strings",
-            )
-        })?,
+        Some(v) => serde_json::from_value::<Vec<String>>(v.clone())
+            .map_err(|_| InputError::new("invalid_type", "stop", "stop must be a string or an array of strings"))?,
     };
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(InputError::new(
@@ -342,12 +313,7 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
     })
 }
 
-fn ranged<'a>(
-    f: &mut Fields<'a>,
-    name: &'a str,
-    lo: f64,
-    hi: f64,
-) -> Result<Option<f32>, InputError> {
+fn ranged<'a>(f: &mut Fields<'a>, name: &'a str, lo: f64, hi: f64) -> Result<Option<f32>, InputError> {
     let value: Option<f64> = f.optional(name, "a number")?;
     if let Some(v) = value {
         in_range(f, name, v, lo, hi)?;
@@ -387,22 +353,14 @@ mod tests {
 
     #[test]
     fn an_unknown_field_is_named() {
-        let err =
-            ValidRequest::parse(Task::Echo, &json!({"prompt": "hi", "bogus": 1})).unwrap_err();
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "hi", "bogus": 1})).unwrap_err();
         assert_eq!((err.code, err.param.as_str()), ("unknown_field", "bogus"));
     }
 
     #[test]
     fn a_wrong_type_inside_messages_names_the_path() {
-        let err = ValidRequest::parse(
-            Task::Echo,
-            &json!({"messages": [{"role": "user", "content": 3}]}),
-        )
-        .unwrap_err();
-        assert_eq!(
-            (err.code, err.param.as_str()),
-            ("invalid_type", "messages[0].content")
-        );
+        let err = ValidRequest::parse(Task::Echo, &json!({"messages": [{"role": "user", "content": 3}]})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("invalid_type", "messages[0].content"));
         let err = err.under("requests[7].body");
         assert_eq!(err.param, "requests[7].body.messages[0].content");
     }
@@ -416,16 +374,11 @@ mod tests {
 
     #[test]
     fn out_of_range_and_missing_inputs_are_refused() {
-        let err =
-            ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "temperature": 9})).unwrap_err();
-        assert_eq!(
-            (err.code, err.param.as_str()),
-            ("out_of_range", "temperature")
-        );
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "temperature": 9})).unwrap_err();
+        assert_eq!((err.code, err.param.as_str()), ("out_of_range", "temperature"));
         let err = ValidRequest::parse(Task::Echo, &json!({"max_tokens": 3})).unwrap_err();
         assert_eq!(err.code, "missing_field");
-        let err =
-            ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "messages": []})).unwrap_err();
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "messages": []})).unwrap_err();
         assert_eq!(err.code, "empty_messages");
         let err = ValidRequest::parse(Task::Echo, &json!([1])).unwrap_err();
         assert_eq!(err.code, "invalid_type");

@@ -11,10 +11,7 @@ use crate::common::{assert_each_index_once, spawn_app, spawn_app_with};
 async fn a_native_batch_runs_to_completion_with_output_in_s3() {
     let app = spawn_app().await;
     let batch = app
-        .submit_echo(
-            300,
-            json!({"metadata": {"job": "nightly"}, "completion_window": "1h"}),
-        )
+        .submit_echo(300, json!({"metadata": {"job": "nightly"}, "completion_window": "1h"}))
         .await;
     assert_eq!(batch["object"], "batch");
     assert_eq!(batch["status"], "in_progress");
@@ -73,12 +70,7 @@ async fn listing_pages_newest_first() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
     let mut ids = Vec::new();
     for _ in 0..3 {
-        ids.push(
-            app.submit_echo(1, json!({})).await["id"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        ids.push(app.submit_echo(1, json!({})).await["id"].as_str().unwrap().to_string());
     }
     let page = app.get_json("/v1/batches?limit=2").await;
     assert_eq!(page["object"], "list");
@@ -86,9 +78,7 @@ async fn listing_pages_newest_first() {
     assert_eq!(page["data"][0]["id"], ids[2].as_str());
     assert_eq!(page["data"][1]["id"], ids[1].as_str());
     let last = page["last_id"].as_str().unwrap();
-    let rest = app
-        .get_json(&format!("/v1/batches?limit=2&after={last}"))
-        .await;
+    let rest = app.get_json(&format!("/v1/batches?limit=2&after={last}")).await;
     assert_eq!(rest["has_more"], false);
     assert_eq!(rest["data"].as_array().unwrap().len(), 1);
     assert_eq!(rest["data"][0]["id"], ids[0].as_str());
@@ -137,9 +127,7 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
         b["request_counts"]["succeeded"].as_i64() >= Some(20)
     })
     .await;
-    let cancelled = app
-        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
-        .await;
+    let cancelled = app.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
     assert_eq!(cancelled.status(), 200);
     let cancelled: serde_json::Value = cancelled.json().await.unwrap();
     assert!(
@@ -164,9 +152,7 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
     assert_eq!(errors.len() as i64, canceled);
     assert_eq!(errors[0]["error"]["code"], "batch_cancelled");
 
-    let again = app
-        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
-        .await;
+    let again = app.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
     assert_eq!(again.status(), 409);
     let again: serde_json::Value = again.json().await.unwrap();
     assert_eq!(again["error"]["code"], "batch_not_cancellable");
@@ -175,9 +161,7 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
 #[tokio::test]
 async fn a_batch_past_its_window_expires_its_unstarted_requests() {
     let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 20).await;
-    let batch = app
-        .submit_echo(300, json!({"completion_window": "1s"}))
-        .await;
+    let batch = app.submit_echo(300, json!({"completion_window": "1s"})).await;
     let id = batch["id"].as_str().unwrap();
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;
     assert_eq!(done["status"], "expired");
@@ -202,8 +186,5 @@ async fn readiness_reports_every_backing_service() {
     let ready = app.http.get(app.url("/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), 200);
     let ready: serde_json::Value = ready.json().await.unwrap();
-    assert_eq!(
-        ready["checks"],
-        json!({"postgres": "ok", "rabbitmq": "ok", "s3": "ok"})
-    );
+    assert_eq!(ready["checks"], json!({"postgres": "ok", "rabbitmq": "ok", "s3": "ok"}));
 }

@@ -30,8 +30,8 @@ fn init_tracing() {
 pub async fn isolated_settings() -> Settings {
     let mut settings = Settings::from_env().expect("settings from the environment");
     let unique = uuid::Uuid::new_v4().simple().to_string();
-    let base = std::env::var("LORRY_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
+    let base =
+        std::env::var("LORRY_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
     settings.database_url = format!("{base}/lorry_test_{unique}");
     Store::create_database(&settings.database_url)
         .await
@@ -116,21 +116,12 @@ impl TestApp {
     }
 
     pub async fn get(&self, path: &str) -> reqwest::Response {
-        self.http
-            .get(self.url(path))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
+        self.http.get(self.url(path)).bearer_auth(TOKEN).send().await.unwrap()
     }
 
     pub async fn get_json(&self, path: &str) -> Value {
         let response = self.get(path).await;
-        assert!(
-            response.status().is_success(),
-            "GET {path}: {}",
-            response.status()
-        );
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
         response.json().await.unwrap()
     }
 
@@ -149,12 +140,7 @@ impl TestApp {
     }
 
     /// Poll a batch until `done` holds for it, or panic after `limit`.
-    pub async fn wait_for(
-        &self,
-        id: &str,
-        limit: Duration,
-        done: impl Fn(&Value) -> bool,
-    ) -> Value {
+    pub async fn wait_for(&self, id: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
         let started = Instant::now();
         loop {
             let batch = self.get_json(&format!("/v1/batches/{id}")).await;
@@ -183,15 +169,9 @@ impl TestApp {
     /// Fetch the lines of a presigned URL's JSONL document.
     pub async fn fetch_jsonl(&self, url: &str) -> Vec<Value> {
         let response = self.http.get(url).send().await.unwrap();
-        assert!(
-            response.status().is_success(),
-            "GET {url}: {}",
-            response.status()
-        );
+        assert!(response.status().is_success(), "GET {url}: {}", response.status());
         let text = response.text().await.unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
     }
 
     /// Environment for a `lorry` child process of this deployment.
@@ -200,22 +180,13 @@ impl TestApp {
         vec![
             ("LORRY_DATABASE_URL".into(), s.database_url.clone()),
             ("LORRY_AMQP_URL".into(), s.amqp_url.clone()),
-            (
-                "LORRY_S3_ENDPOINT".into(),
-                s.s3_endpoint.clone().unwrap_or_default(),
-            ),
+            ("LORRY_S3_ENDPOINT".into(), s.s3_endpoint.clone().unwrap_or_default()),
             ("LORRY_S3_BUCKET".into(), s.s3_bucket.clone()),
             ("LORRY_S3_REGION".into(), s.s3_region.clone()),
             ("AWS_ACCESS_KEY_ID".into(), s.s3_access_key.clone()),
-            (
-                "AWS_SECRET_ACCESS_KEY".into(),
-                s.s3_secret_key.expose().to_string(),
-            ),
+            ("AWS_SECRET_ACCESS_KEY".into(), s.s3_secret_key.expose().to_string()),
             ("LORRY_QUEUE_PREFIX".into(), s.queue_prefix.clone()),
-            (
-                "LORRY_SWEEP_INTERVAL_MS".into(),
-                s.sweep_interval_ms.to_string(),
-            ),
+            ("LORRY_SWEEP_INTERVAL_MS".into(), s.sweep_interval_ms.to_string()),
             ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
         ]
     }
@@ -274,10 +245,7 @@ async fn delete_topology(url: &str, prefix: &str) {
     }
     for exchange in ["events", "dlx"] {
         let _ = channel
-            .exchange_delete(
-                &format!("{prefix}.{exchange}"),
-                ExchangeDeleteOptions::default(),
-            )
+            .exchange_delete(&format!("{prefix}.{exchange}"), ExchangeDeleteOptions::default())
             .await;
     }
     let _ = connection.close(200, "cleanup").await;
@@ -285,16 +253,8 @@ async fn delete_topology(url: &str, prefix: &str) {
 
 /// Every request of an ended batch appears exactly once in `output.jsonl`, in index order.
 pub fn assert_each_index_once(lines: &[Value], total: usize) {
-    assert_eq!(
-        lines.len(),
-        total,
-        "output.jsonl holds one line per request"
-    );
+    assert_eq!(lines.len(), total, "output.jsonl holds one line per request");
     for (i, line) in lines.iter().enumerate() {
-        assert_eq!(
-            line["index"],
-            json!(i),
-            "line {i} is out of order or duplicated"
-        );
+        assert_eq!(line["index"], json!(i), "line {i} is out of order or duplicated");
     }
 }

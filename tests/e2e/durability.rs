@@ -20,12 +20,13 @@ async fn assert_exactly_once(app: &TestApp, id: &str, total: usize) {
         let i = line["index"].as_i64().unwrap();
         assert_eq!(line["response"]["body"]["response"], format!("prompt {i}"));
     }
-    let completions: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1")
-            .bind(id)
-            .fetch_one(app.store.pool())
-            .await
-            .unwrap();
+    let completions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1",
+    )
+    .bind(id)
+    .fetch_one(app.store.pool())
+    .await
+    .unwrap();
     assert_eq!(completions, 1, "the batch completed exactly once");
 }
 
@@ -52,10 +53,7 @@ async fn a_killed_worker_loses_no_request_and_duplicates_none() {
     worker.kill().expect("SIGKILL the worker");
     worker.wait().unwrap();
     let mid = app.get_json(&format!("/v1/batches/{id}")).await;
-    assert_eq!(
-        mid["status"], "in_progress",
-        "the batch cannot finish without a worker"
-    );
+    assert_eq!(mid["status"], "in_progress", "the batch cannot finish without a worker");
     assert!(mid["request_counts"]["succeeded"].as_i64() < Some(2000));
 
     let mut replacement = app.spawn_worker_process(&slow);
@@ -167,10 +165,7 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
-    assert_eq!(
-        failed, 3,
-        "delivered once and redelivered up to the limit of 2"
-    );
+    assert_eq!(failed, 3, "delivered once and redelivered up to the limit of 2");
 
     let worker = crate::common::start(app.settings.clone(), Role::Worker).await;
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;

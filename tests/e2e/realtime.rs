@@ -17,10 +17,7 @@ const RUN: &str = "/client/v4/accounts/default/ai/run/@lorry/echo";
 async fn a_real_time_request_is_answered_and_can_stream() {
     let app = spawn_app_with(Role::Serve, |_| {}).await;
     let answer = app
-        .post(
-            RUN,
-            &json!({"messages": [{"role": "user", "content": "hello there"}]}),
-        )
+        .post(RUN, &json!({"messages": [{"role": "user", "content": "hello there"}]}))
         .await;
     assert_eq!(answer.status(), 200);
     let answer: Value = answer.json().await.unwrap();
@@ -28,15 +25,10 @@ async fn a_real_time_request_is_answered_and_can_stream() {
     assert_eq!(answer["result"]["response"], "hello there");
     assert_eq!(answer["result"]["usage"]["completion_tokens"], 2);
 
-    let stream = app
-        .post(RUN, &json!({"prompt": "one two three", "stream": true}))
-        .await;
+    let stream = app.post(RUN, &json!({"prompt": "one two three", "stream": true})).await;
     assert_eq!(stream.headers()["content-type"], "text/event-stream");
     let text = stream.text().await.unwrap();
-    let data: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(data.last(), Some(&"[DONE]"));
     let pieces: String = data
         .iter()
@@ -79,10 +71,7 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
     loop {
         // A failed passive declare closes its channel: use a fresh one each time.
         let channel = connection.create_channel().await.unwrap();
-        if let Ok(q) = channel
-            .queue_declare(&queue, passive, FieldTable::default())
-            .await
-        {
+        if let Ok(q) = channel.queue_declare(&queue, passive, FieldTable::default()).await {
             if q.message_count() >= 2 {
                 break;
             }
@@ -104,10 +93,6 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
     assert_eq!(batch["status"], "in_progress");
     for w in waiting {
         let response = w.await.unwrap().unwrap();
-        assert!(
-            matches!(response.status().as_u16(), 504 | 429),
-            "{}",
-            response.status()
-        );
+        assert!(matches!(response.status().as_u16(), 504 | 429), "{}", response.status());
     }
 }

@@ -8,9 +8,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind;
 use lorry::Role;
@@ -49,10 +47,7 @@ async fn start_receiver(failures: u32) -> (String, Receiver) {
         }),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!(
-        "http://127.0.0.1:{}/hook",
-        listener.local_addr().unwrap().port()
-    );
+    let url = format!("http://127.0.0.1:{}/hook", listener.local_addr().unwrap().port());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (url, receiver)
 }
@@ -73,12 +68,7 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
         ..Default::default()
     };
     channel
-        .exchange_declare(
-            &exchange,
-            ExchangeKind::Topic,
-            durable,
-            FieldTable::default(),
-        )
+        .exchange_declare(&exchange, ExchangeKind::Topic, durable, FieldTable::default())
         .await
         .unwrap();
     let exclusive = QueueDeclareOptions {
@@ -127,10 +117,7 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
     tokio::time::sleep(Duration::from_millis(300)).await;
     let calls = receiver.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 4, "three failures, one success, nothing after");
-    let ids: Vec<&str> = calls
-        .iter()
-        .map(|(h, _)| h["webhook-id"].to_str().unwrap())
-        .collect();
+    let ids: Vec<&str> = calls.iter().map(|(h, _)| h["webhook-id"].to_str().unwrap()).collect();
     assert!(
         ids.iter().all(|i| *i == ids[0]),
         "one webhook-id on every retry: {ids:?}"
@@ -151,13 +138,12 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
     assert_eq!(body["data"]["status"], "completed");
     assert_eq!(body["data"]["request_counts"]["succeeded"], 10);
 
-    let attempts: Vec<Option<i32>> = sqlx::query_scalar(
-        "SELECT status_code FROM webhook_attempts WHERE delivery_id = $1 ORDER BY attempt",
-    )
-    .bind(ids[0])
-    .fetch_all(app.store.pool())
-    .await
-    .unwrap();
+    let attempts: Vec<Option<i32>> =
+        sqlx::query_scalar("SELECT status_code FROM webhook_attempts WHERE delivery_id = $1 ORDER BY attempt")
+            .bind(ids[0])
+            .fetch_all(app.store.pool())
+            .await
+            .unwrap();
     assert_eq!(attempts, vec![Some(500), Some(500), Some(500), Some(200)]);
 
     let event = tokio::time::timeout(Duration::from_secs(10), events.next())
@@ -177,9 +163,7 @@ async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signat
 async fn a_rotated_secret_signs_later_deliveries() {
     let app = spawn_app_with(Role::Serve, |_| {}).await;
     let before = app.get_json("/v1/account").await["webhook_secret"].clone();
-    let rotated = app
-        .post("/v1/account/webhook_secret/rotate", &json!({}))
-        .await;
+    let rotated = app.post("/v1/account/webhook_secret/rotate", &json!({})).await;
     assert_eq!(rotated.status(), 200);
     let rotated: Value = rotated.json().await.unwrap();
     assert_ne!(rotated["webhook_secret"], before);
@@ -193,11 +177,8 @@ async fn a_rotated_secret_signs_later_deliveries() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (headers, body) = receiver.calls.lock().unwrap()[0].clone();
-    let verifier =
-        standardwebhooks::Webhook::new(rotated["webhook_secret"].as_str().unwrap()).unwrap();
-    verifier
-        .verify(&body, &headers)
-        .expect("signed with the new secret");
+    let verifier = standardwebhooks::Webhook::new(rotated["webhook_secret"].as_str().unwrap()).unwrap();
+    verifier.verify(&body, &headers).expect("signed with the new secret");
 }
 
 #[tokio::test]
@@ -236,9 +217,6 @@ async fn a_long_batch_reports_progress_before_it_completes() {
     };
     let progress = types.iter().filter(|t| *t == "batch.progress").count();
     assert!(progress >= 1, "progress was reported: {types:?}");
-    assert!(
-        progress <= 2000 / 300 + 2,
-        "progress is throttled: {types:?}"
-    );
+    assert!(progress <= 2000 / 300 + 2, "progress is throttled: {types:?}");
     assert_eq!(types.iter().filter(|t| *t == "batch.completed").count(), 1);
 }

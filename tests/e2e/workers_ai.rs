@@ -20,10 +20,7 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
         })
         .collect();
     let queued = app
-        .post(
-            &format!("{RUN}?queueRequest=true"),
-            &json!({"requests": requests}),
-        )
+        .post(&format!("{RUN}?queueRequest=true"), &json!({"requests": requests}))
         .await;
     assert_eq!(queued.status(), 200);
     let queued: Value = queued.json().await.unwrap();
@@ -50,10 +47,7 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
         assert!(started.elapsed() < Duration::from_secs(30));
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert!(
-        seen.iter().all(|s| s == "queued" || s == "running"),
-        "{seen:?}"
-    );
+    assert!(seen.iter().all(|s| s == "queued" || s == "running"), "{seen:?}");
     let responses = result["responses"].as_array().unwrap();
     assert_eq!(responses.len(), 100);
     assert_eq!(
@@ -73,10 +67,7 @@ async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
 async fn queue_request_in_the_body_queues_too_and_bad_items_are_named() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
     let ok = app
-        .post(
-            RUN,
-            &json!({"queueRequest": true, "requests": [{"prompt": "a"}]}),
-        )
+        .post(RUN, &json!({"queueRequest": true, "requests": [{"prompt": "a"}]}))
         .await;
     assert_eq!(ok.status(), 200);
     let bad = app
@@ -90,10 +81,7 @@ async fn queue_request_in_the_body_queues_too_and_bad_items_are_named() {
     assert_eq!(bad["success"], false);
     assert_eq!(bad["error"]["code"], "invalid_type");
     assert_eq!(bad["error"]["param"], "requests[1].prompt");
-    assert!(bad["errors"][0]["message"]
-        .as_str()
-        .unwrap()
-        .contains("invalid_type"));
+    assert!(bad["errors"][0]["message"].as_str().unwrap().contains("invalid_type"));
 }
 
 #[tokio::test]
@@ -107,10 +95,7 @@ async fn another_accounts_path_and_unknown_requests_are_not_found() {
         .await;
     assert_eq!(other.status(), 404);
     let unknown = app
-        .post(
-            RUN,
-            &json!({"request_id": "batch_0123456789abcdef0123456789abcdef"}),
-        )
+        .post(RUN, &json!({"request_id": "batch_0123456789abcdef0123456789abcdef"}))
         .await;
     assert_eq!(unknown.status(), 404);
     let unknown: Value = unknown.json().await.unwrap();

@@ -11,8 +11,7 @@ use super::outbox::{insert_outbox, OutboxMessage};
 use super::{Result, Store};
 use crate::ids::{AccountId, BatchId};
 use crate::model::{
-    unstarted_error, Batch, BatchStatus, BatchTimes, FinishedRequest, RequestError, RequestStatus,
-    Shape, Tally,
+    unstarted_error, Batch, BatchStatus, BatchTimes, FinishedRequest, RequestError, RequestStatus, Shape, Tally,
 };
 use crate::BatcherError;
 
@@ -115,9 +114,7 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
 }
 
 fn corrupt(what: &str, value: &str) -> BatcherError {
-    BatcherError::Database(sqlx::Error::Decode(
-        format!("unexpected {what} {value:?}").into(),
-    ))
+    BatcherError::Database(sqlx::Error::Decode(format!("unexpected {what} {value:?}").into()))
 }
 
 pub(super) fn finished_from_row(row: &PgRow) -> Result<FinishedRequest> {
@@ -128,9 +125,7 @@ pub(super) fn finished_from_row(row: &PgRow) -> Result<FinishedRequest> {
         custom_id: row.try_get("custom_id")?,
         status: RequestStatus::parse(&status).ok_or_else(|| corrupt("request status", &status))?,
         response: row.try_get("response")?,
-        error: error
-            .map(serde_json::from_value::<RequestError>)
-            .transpose()?,
+        error: error.map(serde_json::from_value::<RequestError>).transpose()?,
         prompt_tokens: row.try_get("prompt_tokens")?,
         completion_tokens: row.try_get("completion_tokens")?,
     })
@@ -202,22 +197,15 @@ impl Store {
 
     /// A batch by id alone (workers).
     pub async fn batch_by_id(&self, id: &BatchId) -> Result<Option<Batch>> {
-        let row = sqlx::query(&format!(
-            "SELECT {BATCH_COLUMNS} FROM batches WHERE id = $1"
-        ))
-        .bind(id.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = sqlx::query(&format!("SELECT {BATCH_COLUMNS} FROM batches WHERE id = $1"))
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(batch_from_row).transpose()
     }
 
     /// The account's batches, newest first, older than `after`.
-    pub async fn list_batches(
-        &self,
-        account: &AccountId,
-        limit: i64,
-        after: Option<&BatchId>,
-    ) -> Result<Page> {
+    pub async fn list_batches(&self, account: &AccountId, limit: i64, after: Option<&BatchId>) -> Result<Page> {
         let rows = sqlx::query(&format!(
             "SELECT {BATCH_COLUMNS} FROM batches WHERE account_id = $1 AND ($2::text IS NULL OR id < $2)
              ORDER BY id DESC LIMIT $3"
@@ -227,10 +215,7 @@ impl Store {
         .bind(limit + 1)
         .fetch_all(&self.pool)
         .await?;
-        let mut batches = rows
-            .iter()
-            .map(batch_from_row)
-            .collect::<Result<Vec<_>>>()?;
+        let mut batches = rows.iter().map(batch_from_row).collect::<Result<Vec<_>>>()?;
         let has_more = batches.len() as i64 > limit;
         batches.truncate(limit as usize);
         Ok(Page { batches, has_more })
@@ -253,8 +238,7 @@ impl Store {
             let status: String = row.try_get("status")?;
             let id = BatchId::parse(&id).ok_or_else(|| corrupt("batch id", &id))?;
             let tally = tallies.entry(id).or_default();
-            let status =
-                RequestStatus::parse(&status).ok_or_else(|| corrupt("request status", &status))?;
+            let status = RequestStatus::parse(&status).ok_or_else(|| corrupt("request status", &status))?;
             tally.counts.insert(status, row.try_get("n")?);
             tally.prompt_tokens += row.try_get::<i64, _>("pt")?;
             tally.completion_tokens += row.try_get::<i64, _>("ct")?;

@@ -47,10 +47,7 @@ pub fn new_webhook_secret() -> String {
     use base64::Engine as _;
     let mut key = [0u8; 24];
     rand::thread_rng().fill_bytes(&mut key);
-    format!(
-        "whsec_{}",
-        base64::engine::general_purpose::STANDARD.encode(key)
-    )
+    format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(key))
 }
 
 impl Store {
@@ -80,11 +77,10 @@ impl Store {
         let options: PgConnectOptions = url.parse()?;
         let name = options.get_database().unwrap_or("postgres").to_string();
         let mut admin = options.database("postgres").connect().await?;
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-                .bind(&name)
-                .fetch_one(&mut admin)
-                .await?;
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&name)
+            .fetch_one(&mut admin)
+            .await?;
         if !exists {
             let quoted = name.replace('"', "\"\"");
             sqlx::query(&format!("CREATE DATABASE \"{quoted}\""))

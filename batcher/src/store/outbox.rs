@@ -24,10 +24,7 @@ pub struct OutboxMessage {
     pub payload: Value,
 }
 
-pub(super) async fn insert_outbox(
-    tx: &mut Transaction<'_, Postgres>,
-    messages: &[OutboxMessage],
-) -> Result<()> {
+pub(super) async fn insert_outbox(tx: &mut Transaction<'_, Postgres>, messages: &[OutboxMessage]) -> Result<()> {
     if messages.is_empty() {
         return Ok(());
     }
@@ -74,10 +71,7 @@ pub(crate) struct NewDelivery {
     pub payload: Value,
 }
 
-pub(super) async fn insert_delivery(
-    tx: &mut Transaction<'_, Postgres>,
-    d: &NewDelivery,
-) -> Result<()> {
+pub(super) async fn insert_delivery(tx: &mut Transaction<'_, Postgres>, d: &NewDelivery) -> Result<()> {
     sqlx::query(
         "INSERT INTO webhook_deliveries (id, account_id, batch_id, event_type, url, payload)
          VALUES ($1, $2, $3, $4, $5, $6)",
@@ -132,11 +126,10 @@ impl Store {
 
     /// Forget outbox rows sent longer ago than `age`.
     pub async fn prune_outbox(&self, age: Duration) -> Result<u64> {
-        let done =
-            sqlx::query("DELETE FROM outbox WHERE sent_at < now() - make_interval(secs => $1)")
-                .bind(age.as_secs_f64())
-                .execute(&self.pool)
-                .await?;
+        let done = sqlx::query("DELETE FROM outbox WHERE sent_at < now() - make_interval(secs => $1)")
+            .bind(age.as_secs_f64())
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected())
     }
 
@@ -158,9 +151,8 @@ impl Store {
             .map(|r| {
                 let id: String = r.try_get("id")?;
                 Ok(DueDelivery {
-                    id: DeliveryId::parse(&id).ok_or_else(|| {
-                        sqlx::Error::Decode(format!("bad delivery id {id}").into())
-                    })?,
+                    id: DeliveryId::parse(&id)
+                        .ok_or_else(|| sqlx::Error::Decode(format!("bad delivery id {id}").into()))?,
                     url: r.try_get("url")?,
                     payload: r.try_get("payload")?,
                     attempts: r.try_get("attempts")?,
