@@ -66,6 +66,43 @@ async fn a_killed_worker_loses_no_request_and_duplicates_none() {
     );
 }
 
+#[tokio::test]
+async fn a_worker_stopped_with_sigterm_settles_the_work_it_holds() {
+    let app = spawn_app_with(Role::Api, |_| {}).await;
+    let slow = [("LORRY_ECHO_DELAY_MS", "2")];
+    let mut worker = app.spawn_worker_process(&slow);
+    let batch = app.submit_echo(2000, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    app.wait_for(id, Duration::from_secs(60), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(200)
+    })
+    .await;
+
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = worker.wait().unwrap();
+    assert!(status.success(), "the worker exits cleanly on SIGTERM: {status}");
+    let running: i64 = sqlx::query_scalar("SELECT count(*) FROM requests WHERE batch_id = $1 AND status = 'running'")
+        .bind(id)
+        .fetch_one(app.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(running, 0, "nothing is left half-done");
+
+    let mut replacement = app.spawn_worker_process(&[]);
+    assert_exactly_once(&app, id, 2000).await;
+    replacement.kill().unwrap();
+    let _ = replacement.wait();
+    assert_eq!(
+        redelivered(&app, id).await,
+        0,
+        "a graceful stop hands back nothing to redo"
+    );
+}
+
 /// A TCP proxy in front of RabbitMQ whose connections the test can cut.
 struct Proxy {
     port: u16,
