@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use lorry::bench::{self, PipelineArgs};
 use lorry::{open_store, Application, Role, Settings};
+use lorry_engine::fixtures::{self, Fixture};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -26,6 +27,13 @@ enum Command {
     Worker(Settings),
     /// Create the database if it is missing and apply migrations.
     Migrate(Settings),
+    /// Write a small random-weight model in Hugging Face layout (seeded, reproducible).
+    Fixtures {
+        /// tiny-llama, tiny-qwen2 or bench.
+        name: String,
+        /// Where to write it.
+        dir: std::path::PathBuf,
+    },
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
@@ -51,6 +59,12 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate(s) => {
             open_store(&s, true).await?;
             tracing::info!("database ready");
+            return Ok(());
+        }
+        Command::Fixtures { name, dir } => {
+            let fixture = Fixture::parse(&name)
+                .ok_or_else(|| anyhow::anyhow!("unknown fixture {name}; one of {}", Fixture::NAMES.join(", ")))?;
+            fixtures::write(fixture, &dir)?;
             return Ok(());
         }
         Command::Bench(Bench::Pipeline(args)) => {

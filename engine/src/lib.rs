@@ -11,7 +11,9 @@
 
 pub mod catalog;
 pub mod echo;
+pub mod fixtures;
 pub mod input;
+pub mod models;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;

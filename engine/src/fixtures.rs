@@ -1,0 +1,270 @@
+//! `lorry fixtures`: small random-weight models in Hugging Face layout
+//! (`config.json`, `model.safetensors`, `tokenizer.json`,
+//! `tokenizer_config.json`), seeded and reproducible bit for bit, so that tests
+//! and reference data need no model hub.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::models::ModelError;
+
+/// The models `lorry fixtures` can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fixture {
+    /// A two-layer Llama with grouped-query attention and `llama3` rope scaling.
+    TinyLlama,
+    /// A two-layer Qwen2: q/k/v biases, tied embeddings, four query heads per KV head.
+    TinyQwen2,
+    /// The ~156M-parameter Llama the benchmarks use.
+    Bench,
+}
+
+impl Fixture {
+    /// Parse the name used on the command line.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "tiny-llama" => Some(Fixture::TinyLlama),
+            "tiny-qwen2" => Some(Fixture::TinyQwen2),
+            "bench" => Some(Fixture::Bench),
+            _ => None,
+        }
+    }
+
+    /// The names `parse` accepts.
+    pub const NAMES: [&'static str; 3] = ["tiny-llama", "tiny-qwen2", "bench"];
+
+    fn config(self) -> Value {
+        let common = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "torch_dtype": "float32",
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": true,
+        });
+        let specific = match self {
+            Fixture::TinyLlama => json!({
+                "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 288,
+                "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": false,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            }),
+            Fixture::TinyQwen2 => json!({
+                "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 288,
+                "max_position_embeddings": 512, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+                "rms_norm_eps": 1e-6, "use_sliding_window": false,
+            }),
+            Fixture::Bench => json!({
+                "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
+                "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": false,
+            }),
+        };
+        let mut config = common;
+        if let (Some(c), Some(s)) = (config.as_object_mut(), specific.as_object()) {
+            c.extend(s.clone());
+        }
+        config
+    }
+}
+
+/// SplitMix64: a tiny, portable generator, so fixtures are identical everywhere.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1).
+    fn uniform(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box–Muller).
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+fn seed_for(name: &str) -> u64 {
+    // FNV-1a over the tensor name: each tensor's values do not depend on the others.
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn random(name: &str, shape: &[usize], mean: f64, std: f64) -> candle_core::Result<Tensor> {
+    let mut rng = SplitMix(seed_for(name));
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| (mean + std * rng.normal()) as f32).collect();
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>> {
+    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let (h, inter, vocab) = (get("hidden_size"), get("intermediate_size"), get("vocab_size"));
+    let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
+    let d = h / heads;
+    let qwen2 = config["model_type"] == "qwen2";
+    let mut w = HashMap::new();
+    let mut add = |name: String, shape: &[usize], mean: f64, std: f64| -> candle_core::Result<()> {
+        let t = random(&name, shape, mean, std)?;
+        w.insert(name, t);
+        Ok(())
+    };
+    let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
+    add("model.embed_tokens.weight".into(), &[vocab, h], 0.0, 1.0)?;
+    for i in 0..get("num_hidden_layers") {
+        let p = format!("model.layers.{i}");
+        // Twice the usual scale: random layers then change the residual stream enough
+        // that greedy output depends on the context rather than repeating one token.
+        let linear_std = |fan_in: usize| 2.0 / (fan_in as f64).sqrt();
+        for (proj, out) in [("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)] {
+            add(format!("{p}.self_attn.{proj}.weight"), &[out, h], 0.0, linear_std(h))?;
+            if qwen2 {
+                add(format!("{p}.self_attn.{proj}.bias"), &[out], 0.0, 0.1)?;
+            }
+        }
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            &[h, heads * d],
+            0.0,
+            linear_std(heads * d),
+        )?;
+        add(format!("{p}.mlp.gate_proj.weight"), &[inter, h], 0.0, linear_std(h))?;
+        add(format!("{p}.mlp.up_proj.weight"), &[inter, h], 0.0, linear_std(h))?;
+        add(format!("{p}.mlp.down_proj.weight"), &[h, inter], 0.0, linear_std(inter))?;
+        add(format!("{p}.input_layernorm.weight"), &[h], 1.0, 0.1)?;
+        add(format!("{p}.post_attention_layernorm.weight"), &[h], 1.0, 0.1)?;
+    }
+    add("model.norm.weight".into(), &[h], 1.0, 0.1)?;
+    if !tied {
+        add("lm_head.weight".into(), &[vocab, h], 0.0, 1.0 / (h as f64).sqrt())?;
+    }
+    Ok(w)
+}
+
+/// GPT-2's byte-to-character table for byte-level BPE.
+fn bytes_to_unicode() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    let mut table = vec!['\0'; 256];
+    for (b, c) in printable.into_iter().zip(chars) {
+        table[b as usize] = char::from_u32(c).unwrap_or('?');
+    }
+    table
+}
+
+/// Special tokens, then one token per byte: a byte-level BPE without merges.
+fn tokenizer_json() -> Value {
+    let specials = ["<s>", "</s>", "<pad>"];
+    let mut vocab = serde_json::Map::new();
+    for (i, s) in specials.iter().enumerate() {
+        vocab.insert((*s).to_string(), json!(i));
+    }
+    for (b, c) in bytes_to_unicode().into_iter().enumerate() {
+        vocab.insert(c.to_string(), json!(specials.len() + b));
+    }
+    let added: Vec<Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| json!({"id": i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []},
+    })
+}
+
+const CHAT_TEMPLATE: &str = "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+
+fn write_json(path: &Path, value: &Value) -> Result<(), ModelError> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| ModelError::Config(e.to_string()))?;
+    std::fs::write(path, text).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Write a fixture model into `dir` (created if missing).
+pub fn write(fixture: Fixture, dir: &Path) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let config = fixture.config();
+    write_json(&dir.join("config.json"), &config)?;
+    candle_core::safetensors::save(&llama_weights(&config)?, dir.join("model.safetensors"))?;
+    write_json(&dir.join("tokenizer.json"), &tokenizer_json())?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+            "add_bos_token": false, "model_max_length": config["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+        }),
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_generator_is_reproducible_and_roughly_normal() {
+        let a = random("x", &[1000], 0.0, 1.0).unwrap().to_vec1::<f32>().unwrap();
+        let b = random("x", &[1000], 0.0, 1.0).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a, b);
+        let mean = a.iter().sum::<f32>() / 1000.0;
+        let var = a.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / 1000.0;
+        assert!(mean.abs() < 0.1 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+    }
+
+    #[test]
+    fn byte_level_table_covers_every_byte_once() {
+        let table = bytes_to_unicode();
+        let unique: std::collections::HashSet<char> = table.iter().copied().collect();
+        assert_eq!(unique.len(), 256);
+        assert_eq!(table[b'A' as usize], 'A');
+        assert_eq!(table[b' ' as usize], 'Ġ');
+    }
+}

@@ -1,0 +1,530 @@
+//! Llama-family decoders: Llama 2/3/3.1/3.2 (with `llama3` rope scaling),
+//! Mistral, and Qwen2 (q/k/v biases).
+//!
+//! Follows "LLaMA: Open and Efficient Foundation Language Models" (Touvron et
+//! al., 2023) and "Llama 2" (Touvron et al., 2023), as implemented by Hugging
+//! Face transformers' `modeling_llama.py` and `modeling_qwen2.py`: RMSNorm
+//! pre-normalisation, rotary position embeddings in the "rotate half" layout,
+//! grouped-query attention, and a SiLU-gated MLP.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{embedding, linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use serde::Deserialize;
+
+use super::ModelError;
+
+type Result<T> = std::result::Result<T, ModelError>;
+
+/// `rope_scaling` (or the newer `rope_parameters`) as written in `config.json`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct RopeScalingFile {
+    /// `llama3`, `default`, … (older files say `type`).
+    #[serde(alias = "type")]
+    pub rope_type: Option<String>,
+    /// Scale factor.
+    pub factor: Option<f64>,
+    /// `llama3`: low-frequency factor.
+    pub low_freq_factor: Option<f64>,
+    /// `llama3`: high-frequency factor.
+    pub high_freq_factor: Option<f64>,
+    /// `llama3`: the context length the model was trained with.
+    pub original_max_position_embeddings: Option<usize>,
+    /// The newer layout keeps `rope_theta` here.
+    pub rope_theta: Option<f64>,
+}
+
+/// `config.json` of a Llama-family checkpoint.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfigFile {
+    /// `llama`, `mistral`, `qwen2`.
+    pub model_type: Option<String>,
+    #[allow(missing_docs)]
+    pub hidden_size: usize,
+    #[allow(missing_docs)]
+    pub intermediate_size: usize,
+    #[allow(missing_docs)]
+    pub num_hidden_layers: usize,
+    #[allow(missing_docs)]
+    pub num_attention_heads: usize,
+    /// Defaults to `num_attention_heads` (no grouping).
+    pub num_key_value_heads: Option<usize>,
+    /// Defaults to `hidden_size / num_attention_heads`.
+    pub head_dim: Option<usize>,
+    #[allow(missing_docs)]
+    pub rms_norm_eps: f64,
+    /// Defaults to 10,000.
+    pub rope_theta: Option<f64>,
+    #[allow(missing_docs)]
+    pub vocab_size: usize,
+    /// Share the embedding matrix with the output head.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Older placement of the rope parameters.
+    pub rope_scaling: Option<RopeScalingFile>,
+    /// Newer placement of the rope parameters.
+    pub rope_parameters: Option<RopeScalingFile>,
+    /// Biases on all four attention projections (Llama's `attention_bias`).
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[allow(missing_docs)]
+    pub max_position_embeddings: usize,
+}
+
+/// How rotary frequencies are scaled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        /// Scale factor.
+        factor: f64,
+        /// Wavelengths longer than `original / low` are scaled fully.
+        low_freq_factor: f64,
+        /// Wavelengths shorter than `original / high` are kept.
+        high_freq_factor: f64,
+        /// Training context length.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The internal configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    #[allow(missing_docs)]
+    pub hidden_size: usize,
+    #[allow(missing_docs)]
+    pub intermediate_size: usize,
+    #[allow(missing_docs)]
+    pub num_layers: usize,
+    #[allow(missing_docs)]
+    pub num_heads: usize,
+    #[allow(missing_docs)]
+    pub num_kv_heads: usize,
+    #[allow(missing_docs)]
+    pub head_dim: usize,
+    #[allow(missing_docs)]
+    pub rms_norm_eps: f64,
+    #[allow(missing_docs)]
+    pub rope_theta: f64,
+    #[allow(missing_docs)]
+    pub rope_scaling: RopeScaling,
+    #[allow(missing_docs)]
+    pub vocab_size: usize,
+    #[allow(missing_docs)]
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k and v.
+    pub qkv_bias: bool,
+    /// Bias on o.
+    pub o_bias: bool,
+    #[allow(missing_docs)]
+    pub max_position_embeddings: usize,
+}
+
+impl LlamaConfigFile {
+    /// Read `config.json` from a checkpoint directory.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|e| ModelError::Config(e.to_string()))
+    }
+
+    /// Check and convert into the internal configuration.
+    pub fn into_config(self) -> Result<Config> {
+        let model_type = self.model_type.as_deref().unwrap_or("llama");
+        if !matches!(model_type, "llama" | "mistral" | "qwen2") {
+            return Err(ModelError::Config(format!(
+                "model_type {model_type:?} is not a Llama-family model"
+            )));
+        }
+        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 && self.head_dim.is_none()
+        {
+            return Err(ModelError::Config(
+                "hidden_size must divide into num_attention_heads".into(),
+            ));
+        }
+        let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
+        if num_kv_heads == 0 || self.num_attention_heads % num_kv_heads != 0 {
+            return Err(ModelError::Config(
+                "num_attention_heads must be a multiple of num_key_value_heads".into(),
+            ));
+        }
+        let rope = self.rope_parameters.or(self.rope_scaling);
+        let rope_theta = rope
+            .as_ref()
+            .and_then(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope {
+            Some(r) if r.rope_type.as_deref() == Some("llama3") => RopeScaling::Llama3 {
+                factor: r.factor.unwrap_or(8.0),
+                low_freq_factor: r.low_freq_factor.unwrap_or(1.0),
+                high_freq_factor: r.high_freq_factor.unwrap_or(4.0),
+                original_max_position_embeddings: r.original_max_position_embeddings.unwrap_or(8192),
+            },
+            Some(r) if matches!(r.rope_type.as_deref(), None | Some("default")) => RopeScaling::None,
+            Some(r) => {
+                return Err(ModelError::Config(format!(
+                    "rope type {:?} is not supported",
+                    r.rope_type
+                )));
+            }
+            None => RopeScaling::None,
+        };
+        let qwen2 = model_type == "qwen2";
+        Ok(Config {
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: self.num_attention_heads,
+            num_kv_heads,
+            head_dim: self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads),
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            vocab_size: self.vocab_size,
+            tie_word_embeddings: self.tie_word_embeddings,
+            qkv_bias: qwen2 || self.attention_bias,
+            o_bias: !qwen2 && self.attention_bias,
+            max_position_embeddings: self.max_position_embeddings,
+        })
+    }
+}
+
+/// The inverse frequencies of the rotary embedding, scaled as configured.
+pub fn inverse_frequencies(cfg: &Config) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let base: Vec<f64> = (0..d)
+        .step_by(2)
+        .map(|i| 1.0 / cfg.rope_theta.powf(i as f64 / d as f64))
+        .collect();
+    let scaled = match cfg.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let original = original_max_position_embeddings as f64;
+            let low_freq_wavelen = original / low_freq_factor;
+            let high_freq_wavelen = original / high_freq_factor;
+            base.into_iter()
+                .map(|freq| {
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < high_freq_wavelen {
+                        freq
+                    } else if wavelen > low_freq_wavelen {
+                        freq / factor
+                    } else {
+                        let smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                })
+                .collect()
+        }
+    };
+    scaled.into_iter().map(|f| f as f32).collect()
+}
+
+/// Precomputed cos/sin tables for every position.
+#[derive(Debug, Clone)]
+struct Rotary {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotary {
+    fn new(cfg: &Config, device: &Device) -> Result<Self> {
+        let inv_freq = inverse_frequencies(cfg);
+        let half = inv_freq.len();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
+        let positions = Tensor::arange(0u32, cfg.max_position_embeddings as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((cfg.max_position_embeddings, 1))?;
+        let freqs = positions.matmul(&inv_freq)?;
+        Ok(Rotary {
+            cos: freqs.cos()?,
+            sin: freqs.sin()?,
+        })
+    }
+
+    /// Rotate `x` of shape (batch, heads, seq, head_dim) for positions `start..start+seq`.
+    fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        let (_b, _h, seq, _d) = x.dims4()?;
+        let cos = self.cos.narrow(0, start, seq)?;
+        let sin = self.sin.narrow(0, start, seq)?;
+        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+    }
+}
+
+/// One layer's cached keys and values, (1, kv_heads, seq, head_dim) each.
+#[derive(Debug, Clone, Default)]
+struct LayerCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+/// The KV cache of one sequence: owned by the caller, never by the model.
+#[derive(Debug, Clone, Default)]
+pub struct SequenceCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+}
+
+impl SequenceCache {
+    /// Tokens cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        Ok(Attention {
+            q_proj: linear_b(h, cfg.num_heads * d, cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: linear_b(h, cfg.num_kv_heads * d, cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: linear_b(h, cfg.num_kv_heads * d, cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: linear_b(cfg.num_heads * d, h, cfg.o_bias, vb.pp("o_proj"))?,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: d,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rotary: &Rotary, start: usize, cache: &mut LayerCache) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            Ok(t.reshape((b, seq, n, self.head_dim))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = rotary.apply(&heads(self.q_proj.forward(x)?, self.num_heads)?, start)?;
+        let k = rotary.apply(&heads(self.k_proj.forward(x)?, self.num_kv_heads)?, start)?;
+        let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let (k, v) = match cache.kv.take() {
+            None => (k, v),
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+        };
+        cache.kv = Some((k.clone(), v.clone()));
+        let groups = self.num_heads / self.num_kv_heads;
+        let k = repeat_kv(&k, groups)?;
+        let v = repeat_kv(&v, groups)?;
+        let total = k.dim(2)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = if seq > 1 {
+            scores.broadcast_add(&causal_mask(seq, start, total, x.device())?)?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, seq, self.num_heads * self.head_dim))?;
+        Ok(self.o_proj.forward(&out)?)
+    }
+}
+
+/// (1, kv, s, d) → (1, kv * groups, s, d), each kv head repeated `groups` times in place.
+fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, s, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .expand((b, kv, groups, s, d))?
+        .reshape((b, kv * groups, s, d))?)
+}
+
+/// Additive mask letting query `i` (at position `start + i`) see keys `0..=start + i`.
+fn causal_mask(seq: usize, start: usize, total: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..seq)
+        .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (1, 1, seq, total), device)?)
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Mlp {
+            gate_proj: linear_no_bias(h, i, vb.pp("gate_proj"))?,
+            up_proj: linear_no_bias(h, i, vb.pp("up_proj"))?,
+            down_proj: linear_no_bias(i, h, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        Ok(self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        Ok(DecoderLayer {
+            input_layernorm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            post_attention_layernorm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rotary: &Rotary, start: usize, cache: &mut LayerCache) -> Result<Tensor> {
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, rotary, start, cache)?;
+        let x = (x + attn)?;
+        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok((x + mlp)?)
+    }
+}
+
+/// A Llama-family causal language model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    config: Config,
+}
+
+impl Llama {
+    /// Load from a `VarBuilder` rooted at the checkpoint (names `model.…`, `lm_head`).
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let model = vb.pp("model");
+        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, model.pp("embed_tokens"))?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| DecoderLayer::load(model.pp("layers").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Llama {
+            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?,
+            rotary: Rotary::new(cfg, vb.device())?,
+            embed_tokens,
+            layers,
+            lm_head,
+            config: cfg.clone(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// A fresh cache for one sequence.
+    pub fn new_cache(&self) -> SequenceCache {
+        SequenceCache {
+            layers: vec![LayerCache::default(); self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Run `tokens` after what `cache` holds; returns the logits at the last position (vocab).
+    pub fn forward(&self, tokens: &[u32], cache: &mut SequenceCache) -> Result<Tensor> {
+        let start = cache.len;
+        if start + tokens.len() > self.config.max_position_embeddings {
+            return Err(ModelError::Config(format!(
+                "{} positions exceed max_position_embeddings {}",
+                start + tokens.len(),
+                self.config.max_position_embeddings
+            )));
+        }
+        let device = self.embed_tokens.embeddings().device();
+        let ids = Tensor::new(tokens, device)?.unsqueeze(0)?;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&x, &self.rotary, start, layer_cache)?;
+        }
+        cache.len += tokens.len();
+        let last = x.narrow(1, tokens.len() - 1, 1)?;
+        let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
+        Ok(logits.flatten_all()?)
+    }
+
+    /// Greedy decoding: `max_new` tokens after `prompt`.
+    pub fn greedy(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        let mut cache = self.new_cache();
+        let mut logits = self.forward(prompt, &mut cache)?;
+        let mut out = Vec::with_capacity(max_new);
+        for _ in 0..max_new {
+            let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            out.push(next);
+            logits = self.forward(&[next], &mut cache)?;
+        }
+        Ok(out)
+    }
+}
+
+/// Every `*.safetensors` file of a checkpoint directory, in name order.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|source| ModelError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let mut files: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Config(format!("no *.safetensors in {}", dir.display())));
+    }
+    Ok(files)
+}
+
+impl Llama {
+    /// Load a Hugging Face checkpoint directory in f32 (f16/bf16 weights are converted).
+    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let cfg = LlamaConfigFile::read(dir)?.into_config()?;
+        let mut tensors = std::collections::HashMap::new();
+        for file in safetensors_files(dir)? {
+            tensors.extend(candle_core::safetensors::load(&file, device)?);
+        }
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        Llama::load(vb, &cfg)
+    }
+}

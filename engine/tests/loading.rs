@@ -1,0 +1,90 @@
+//! Loading checkpoints: config variants, and bad files as typed errors naming
+//! what is wrong, never panics.
+
+use std::path::PathBuf;
+
+use candle_core::Device;
+use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::models::llama::{Llama, LlamaConfigFile, RopeScaling};
+use lorry_engine::models::ModelError;
+
+fn fixture(name: &str, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lorry-loading-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    fixtures::write(Fixture::parse(name).unwrap(), &dir).unwrap();
+    dir
+}
+
+#[test]
+fn llama3_rope_reads_the_same_from_rope_scaling_and_rope_parameters() {
+    let old: LlamaConfigFile = serde_json::from_value(serde_json::json!({
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "rms_norm_eps": 1e-5, "vocab_size": 10, "max_position_embeddings": 128, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    }))
+    .unwrap();
+    let new: LlamaConfigFile = serde_json::from_value(serde_json::json!({
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "rms_norm_eps": 1e-5, "vocab_size": 10, "max_position_embeddings": 128,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    }))
+    .unwrap();
+    let (old, new) = (old.into_config().unwrap(), new.into_config().unwrap());
+    assert_eq!(old, new);
+    assert_eq!(new.rope_theta, 500000.0);
+    assert!(matches!(new.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+    assert_eq!((new.num_kv_heads, new.head_dim), (4, 16));
+}
+
+#[test]
+fn a_missing_tensor_is_an_error_that_names_it() {
+    let dir = fixture("tiny-llama", "missing");
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    tensors.remove("model.layers.1.mlp.up_proj.weight");
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let err = Llama::from_dir(&dir, &Device::Cpu).unwrap_err();
+    assert!(matches!(err, ModelError::Weights(_)));
+    assert!(err.to_string().contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+}
+
+#[test]
+fn a_tensor_of_the_wrong_shape_is_an_error_that_names_it() {
+    let dir = fixture("tiny-llama", "shape");
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let wrong = candle_core::Tensor::zeros((3, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+    tensors.insert("model.layers.0.self_attn.k_proj.weight".into(), wrong);
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let err = Llama::from_dir(&dir, &Device::Cpu).unwrap_err();
+    assert!(
+        err.to_string().contains("model.layers.0.self_attn.k_proj.weight"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_truncated_file_is_an_error_not_a_panic() {
+    let dir = fixture("tiny-qwen2", "truncated");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(matches!(
+        Llama::from_dir(&dir, &Device::Cpu),
+        Err(ModelError::Weights(_))
+    ));
+    std::fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap();
+    assert!(Llama::from_dir(&dir, &Device::Cpu).is_err());
+}
+
+#[test]
+fn an_unsupported_model_type_is_refused() {
+    let dir = fixture("tiny-llama", "type");
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap().replace("\"llama\"", "\"gpt2\"");
+    std::fs::write(&path, text).unwrap();
+    let err = Llama::from_dir(&dir, &Device::Cpu).unwrap_err();
+    assert!(matches!(err, ModelError::Config(_)), "{err}");
+}
