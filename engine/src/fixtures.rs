@@ -18,6 +18,8 @@ pub enum Fixture {
     TinyLlama,
     /// A two-layer Qwen2: q/k/v biases, tied embeddings, four query heads per KV head.
     TinyQwen2,
+    /// A two-layer Gemma: GeGLU, offset RMSNorm, scaled embeddings, a given head_dim.
+    TinyGemma,
     /// The ~156M-parameter Llama the benchmarks use.
     Bench,
 }
@@ -28,13 +30,14 @@ impl Fixture {
         match name {
             "tiny-llama" => Some(Fixture::TinyLlama),
             "tiny-qwen2" => Some(Fixture::TinyQwen2),
+            "tiny-gemma" => Some(Fixture::TinyGemma),
             "bench" => Some(Fixture::Bench),
             _ => None,
         }
     }
 
     /// The names `parse` accepts.
-    pub const NAMES: [&'static str; 3] = ["tiny-llama", "tiny-qwen2", "bench"];
+    pub const NAMES: [&'static str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-gemma", "bench"];
 
     fn config(self) -> Value {
         let common = json!({
@@ -64,6 +67,13 @@ impl Fixture {
                 "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 288,
                 "max_position_embeddings": 512, "rope_theta": 1000000.0, "tie_word_embeddings": true,
                 "rms_norm_eps": 1e-6, "use_sliding_window": false,
+            }),
+            Fixture::TinyGemma => json!({
+                "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 288,
+                "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": true,
+                "rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
             }),
             Fixture::Bench => json!({
                 "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
@@ -121,8 +131,10 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
     let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
     let (h, inter, vocab) = (get("hidden_size"), get("intermediate_size"), get("vocab_size"));
     let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
-    let d = h / heads;
+    let d = config["head_dim"].as_u64().map_or(h / heads, |d| d as usize);
     let qwen2 = config["model_type"] == "qwen2";
+    // Gemma stores RMSNorm weights as offsets from 1.
+    let norm_mean = if config["model_type"] == "gemma" { 0.0 } else { 1.0 };
     let mut w = HashMap::new();
     let mut add = |name: String, shape: &[usize], mean: f64, std: f64| -> candle_core::Result<()> {
         let t = random(&name, shape, mean, std)?;
@@ -130,7 +142,9 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
         Ok(())
     };
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
-    add("model.embed_tokens.weight".into(), &[vocab, h], 0.0, 1.0)?;
+    // Gemma multiplies embeddings by √hidden: start them that much smaller.
+    let embed_std = if norm_mean == 0.0 { 1.0 / (h as f64).sqrt() } else { 1.0 };
+    add("model.embed_tokens.weight".into(), &[vocab, h], 0.0, embed_std)?;
     for i in 0..get("num_hidden_layers") {
         let p = format!("model.layers.{i}");
         // Twice the usual scale: random layers then change the residual stream enough
@@ -151,10 +165,10 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
         add(format!("{p}.mlp.gate_proj.weight"), &[inter, h], 0.0, linear_std(h))?;
         add(format!("{p}.mlp.up_proj.weight"), &[inter, h], 0.0, linear_std(h))?;
         add(format!("{p}.mlp.down_proj.weight"), &[h, inter], 0.0, linear_std(inter))?;
-        add(format!("{p}.input_layernorm.weight"), &[h], 1.0, 0.1)?;
-        add(format!("{p}.post_attention_layernorm.weight"), &[h], 1.0, 0.1)?;
+        add(format!("{p}.input_layernorm.weight"), &[h], norm_mean, 0.1)?;
+        add(format!("{p}.post_attention_layernorm.weight"), &[h], norm_mean, 0.1)?;
     }
-    add("model.norm.weight".into(), &[h], 1.0, 0.1)?;
+    add("model.norm.weight".into(), &[h], norm_mean, 0.1)?;
     if !tied {
         add("lm_head.weight".into(), &[vocab, h], 0.0, 1.0 / (h as f64).sqrt())?;
     }

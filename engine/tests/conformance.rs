@@ -72,3 +72,8 @@ fn tiny_llama_matches_transformers() {
 fn tiny_qwen2_matches_transformers() {
     check("tiny-qwen2");
 }
+
+#[test]
+fn tiny_gemma_matches_transformers() {
+    check("tiny-gemma");
+}

@@ -1,11 +1,14 @@
 //! Llama-family decoders: Llama 2/3/3.1/3.2 (with `llama3` rope scaling),
-//! Mistral, and Qwen2 (q/k/v biases).
+//! Mistral, Qwen2 (q/k/v biases) and Gemma.
 //!
 //! Follows "LLaMA: Open and Efficient Foundation Language Models" (Touvron et
-//! al., 2023) and "Llama 2" (Touvron et al., 2023), as implemented by Hugging
-//! Face transformers' `modeling_llama.py` and `modeling_qwen2.py`: RMSNorm
-//! pre-normalisation, rotary position embeddings in the "rotate half" layout,
-//! grouped-query attention, and a SiLU-gated MLP.
+//! al., 2023), "Llama 2" (Touvron et al., 2023) and "Gemma: Open Models Based
+//! on Gemini Research and Technology" (Gemma Team, 2024), as implemented by
+//! Hugging Face transformers' `modeling_llama.py`, `modeling_qwen2.py` and
+//! `modeling_gemma.py`: RMSNorm pre-normalisation, rotary position embeddings
+//! in the "rotate half" layout, grouped-query attention, and a gated MLP (SiLU;
+//! tanh-approximate GELU for Gemma, which also scales its embeddings by
+//! √hidden and stores RMSNorm weights as offsets from 1).
 
 use std::path::Path;
 
@@ -58,9 +61,12 @@ pub struct LlamaConfigFile {
     pub rope_theta: Option<f64>,
     #[allow(missing_docs)]
     pub vocab_size: usize,
-    /// Share the embedding matrix with the output head.
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
+    /// Share the embedding matrix with the output head (Gemma's default: yes).
+    pub tie_word_embeddings: Option<bool>,
+    /// The MLP activation (`silu`, `gelu_pytorch_tanh`).
+    pub hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`, which wins where both are given.
+    pub hidden_activation: Option<String>,
     /// Older placement of the rope parameters.
     pub rope_scaling: Option<RopeScalingFile>,
     /// Newer placement of the rope parameters.
@@ -90,9 +96,24 @@ pub enum RopeScaling {
     },
 }
 
+/// The gated MLP's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (Llama, Mistral, Qwen2).
+    Silu,
+    /// Tanh-approximate GELU (Gemma).
+    GeluTanh,
+}
+
 /// The internal configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    /// The MLP activation.
+    pub activation: Activation,
+    /// RMSNorm weights are stored as offsets from 1 (Gemma).
+    pub norm_weight_offset: bool,
+    /// Embeddings are scaled by √hidden (Gemma).
+    pub scale_embeddings: bool,
     #[allow(missing_docs)]
     pub hidden_size: usize,
     #[allow(missing_docs)]
@@ -137,7 +158,7 @@ impl LlamaConfigFile {
     /// Check and convert into the internal configuration.
     pub fn into_config(self) -> Result<Config> {
         let model_type = self.model_type.as_deref().unwrap_or("llama");
-        if !matches!(model_type, "llama" | "mistral" | "qwen2") {
+        if !matches!(model_type, "llama" | "mistral" | "qwen2" | "gemma") {
             return Err(ModelError::Config(format!(
                 "model_type {model_type:?} is not a Llama-family model"
             )));
@@ -177,7 +198,17 @@ impl LlamaConfigFile {
             None => RopeScaling::None,
         };
         let qwen2 = model_type == "qwen2";
+        let gemma = model_type == "gemma";
+        let activation = match self.hidden_activation.or(self.hidden_act).as_deref() {
+            None if gemma => Activation::GeluTanh,
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh" | "gelu_tanh" | "gelu") if gemma => Activation::GeluTanh,
+            Some(other) => return Err(ModelError::Config(format!("activation {other:?} is not supported"))),
+        };
         Ok(Config {
+            activation,
+            norm_weight_offset: gemma,
+            scale_embeddings: gemma,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
             num_layers: self.num_hidden_layers,
@@ -188,7 +219,7 @@ impl LlamaConfigFile {
             rope_theta,
             rope_scaling,
             vocab_size: self.vocab_size,
-            tie_word_embeddings: self.tie_word_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma),
             qkv_bias: qwen2 || self.attention_bias,
             o_bias: !qwen2 && self.attention_bias,
             max_position_embeddings: self.max_position_embeddings,
@@ -370,6 +401,7 @@ struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    activation: Activation,
 }
 
 impl Mlp {
@@ -379,13 +411,27 @@ impl Mlp {
             gate_proj: linear_no_bias(h, i, vb.pp("gate_proj"))?,
             up_proj: linear_no_bias(h, i, vb.pp("up_proj"))?,
             down_proj: linear_no_bias(i, h, vb.pp("down_proj"))?,
+            activation: cfg.activation,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        let gate = self.gate_proj.forward(x)?;
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
         Ok(self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)?)
     }
+}
+
+/// RMSNorm; Gemma stores its weight as an offset from 1.
+fn norm(vb: VarBuilder, cfg: &Config) -> Result<RmsNorm> {
+    if !cfg.norm_weight_offset {
+        return Ok(rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb)?);
+    }
+    let weight = (vb.get(cfg.hidden_size, "weight")? + 1.0)?;
+    Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
 }
 
 #[derive(Debug, Clone)]
@@ -399,9 +445,9 @@ struct DecoderLayer {
 impl DecoderLayer {
     fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
         Ok(DecoderLayer {
-            input_layernorm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            input_layernorm: norm(vb.pp("input_layernorm"), cfg)?,
             self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
-            post_attention_layernorm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            post_attention_layernorm: norm(vb.pp("post_attention_layernorm"), cfg)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
         })
     }
@@ -441,7 +487,7 @@ impl Llama {
             linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
         Ok(Llama {
-            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?,
+            norm: norm(model.pp("norm"), cfg)?,
             rotary: Rotary::new(cfg, vb.device())?,
             embed_tokens,
             layers,
@@ -476,6 +522,9 @@ impl Llama {
         let device = self.embed_tokens.embeddings().device();
         let ids = Tensor::new(tokens, device)?.unsqueeze(0)?;
         let mut x = self.embed_tokens.forward(&ids)?;
+        if self.config.scale_embeddings {
+            x = (x * (self.config.hidden_size as f64).sqrt())?;
+        }
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward(&x, &self.rotary, start, layer_cache)?;
         }
