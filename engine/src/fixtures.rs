@@ -20,6 +20,8 @@ pub enum Fixture {
     TinyQwen2,
     /// A two-layer Gemma: GeGLU, offset RMSNorm, scaled embeddings, a given head_dim.
     TinyGemma,
+    /// A two-layer BERT encoder for embeddings.
+    TinyBert,
     /// The ~156M-parameter Llama the benchmarks use.
     Bench,
 }
@@ -31,13 +33,14 @@ impl Fixture {
             "tiny-llama" => Some(Fixture::TinyLlama),
             "tiny-qwen2" => Some(Fixture::TinyQwen2),
             "tiny-gemma" => Some(Fixture::TinyGemma),
+            "tiny-bert" => Some(Fixture::TinyBert),
             "bench" => Some(Fixture::Bench),
             _ => None,
         }
     }
 
     /// The names `parse` accepts.
-    pub const NAMES: [&'static str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-gemma", "bench"];
+    pub const NAMES: [&'static str; 5] = ["tiny-llama", "tiny-qwen2", "tiny-gemma", "tiny-bert", "bench"];
 
     fn config(self) -> Value {
         let common = json!({
@@ -75,6 +78,15 @@ impl Fixture {
                 "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": true,
                 "rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
             }),
+            Fixture::TinyBert => {
+                return json!({
+                    "architectures": ["BertModel"], "model_type": "bert", "torch_dtype": "float32",
+                    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                    "hidden_act": "gelu", "max_position_embeddings": 128, "type_vocab_size": 2, "vocab_size": 288,
+                    "layer_norm_eps": 1e-12, "pad_token_id": 2, "hidden_dropout_prob": 0.0,
+                    "attention_probs_dropout_prob": 0.0, "position_embedding_type": "absolute",
+                })
+            }
             Fixture::Bench => json!({
                 "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
                 "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
@@ -136,11 +148,7 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
     // Gemma stores RMSNorm weights as offsets from 1.
     let norm_mean = if config["model_type"] == "gemma" { 0.0 } else { 1.0 };
     let mut w = HashMap::new();
-    let mut add = |name: String, shape: &[usize], mean: f64, std: f64| -> candle_core::Result<()> {
-        let t = random(&name, shape, mean, std)?;
-        w.insert(name, t);
-        Ok(())
-    };
+    let mut add = |name: String, shape: &[usize], mean: f64, std: f64| put(&mut w, name, shape, mean, std);
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
     // Gemma multiplies embeddings by √hidden: start them that much smaller.
     let embed_std = if norm_mean == 0.0 { 1.0 / (h as f64).sqrt() } else { 1.0 };
@@ -171,6 +179,68 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
     add("model.norm.weight".into(), &[h], norm_mean, 0.1)?;
     if !tied {
         add("lm_head.weight".into(), &[vocab, h], 0.0, 1.0 / (h as f64).sqrt())?;
+    }
+    Ok(w)
+}
+
+fn put(w: &mut HashMap<String, Tensor>, name: String, shape: &[usize], mean: f64, std: f64) -> candle_core::Result<()> {
+    let t = random(&name, shape, mean, std)?;
+    w.insert(name, t);
+    Ok(())
+}
+
+fn bert_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>> {
+    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let (h, inter) = (get("hidden_size"), get("intermediate_size"));
+    let mut w = HashMap::new();
+    put(
+        &mut w,
+        "embeddings.word_embeddings.weight".into(),
+        &[get("vocab_size"), h],
+        0.0,
+        1.0,
+    )?;
+    put(
+        &mut w,
+        "embeddings.position_embeddings.weight".into(),
+        &[get("max_position_embeddings"), h],
+        0.0,
+        0.5,
+    )?;
+    put(
+        &mut w,
+        "embeddings.token_type_embeddings.weight".into(),
+        &[get("type_vocab_size"), h],
+        0.0,
+        0.5,
+    )?;
+    let mut norms = vec!["embeddings.LayerNorm".to_string()];
+    for i in 0..get("num_hidden_layers") {
+        let p = format!("encoder.layer.{i}");
+        let dense = [
+            ("attention.self.query", h, h),
+            ("attention.self.key", h, h),
+            ("attention.self.value", h, h),
+            ("attention.output.dense", h, h),
+            ("intermediate.dense", inter, h),
+            ("output.dense", h, inter),
+        ];
+        for (name, out, fan_in) in dense {
+            put(
+                &mut w,
+                format!("{p}.{name}.weight"),
+                &[out, fan_in],
+                0.0,
+                2.0 / (fan_in as f64).sqrt(),
+            )?;
+            put(&mut w, format!("{p}.{name}.bias"), &[out], 0.0, 0.1)?;
+        }
+        norms.push(format!("{p}.attention.output.LayerNorm"));
+        norms.push(format!("{p}.output.LayerNorm"));
+    }
+    for name in norms {
+        put(&mut w, format!("{name}.weight"), &[h], 1.0, 0.1)?;
+        put(&mut w, format!("{name}.bias"), &[h], 0.0, 0.1)?;
     }
     Ok(w)
 }
@@ -245,7 +315,11 @@ pub fn write(fixture: Fixture, dir: &Path) -> Result<(), ModelError> {
     })?;
     let config = fixture.config();
     write_json(&dir.join("config.json"), &config)?;
-    candle_core::safetensors::save(&llama_weights(&config)?, dir.join("model.safetensors"))?;
+    let weights = match fixture {
+        Fixture::TinyBert => bert_weights(&config)?,
+        _ => llama_weights(&config)?,
+    };
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors"))?;
     write_json(&dir.join("tokenizer.json"), &tokenizer_json())?;
     write_json(
         &dir.join("tokenizer_config.json"),

@@ -77,3 +77,27 @@ fn tiny_qwen2_matches_transformers() {
 fn tiny_gemma_matches_transformers() {
     check("tiny-gemma");
 }
+
+#[test]
+fn tiny_bert_embeddings_match_transformers() {
+    use lorry_engine::models::bert::{Bert, Pooling};
+    let dir = std::env::temp_dir().join(format!("lorry-conformance-tiny-bert-{}", std::process::id()));
+    fixtures::write(Fixture::TinyBert, &dir).unwrap();
+    let model = Bert::from_dir(&dir, &Device::Cpu).unwrap();
+    let expected = reference("tiny-bert");
+    let prompt = ids(&expected["prompt_ids"]);
+    for (pooling, key) in [(Pooling::Cls, "cls"), (Pooling::Mean, "mean")] {
+        let got = model.embed(&prompt, pooling).unwrap();
+        let want: Vec<f32> = expected[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let cosine: f32 = got.iter().zip(&want).map(|(a, b)| a * b).sum();
+        assert!(1.0 - cosine <= 1e-4, "{key} pooling: cosine distance {}", 1.0 - cosine);
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{key} pooling: element error {worst}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

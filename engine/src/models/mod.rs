@@ -4,6 +4,7 @@
 //! models, KV caches live outside the layers, one per sequence, so that many
 //! sequences share one model.
 
+pub mod bert;
 pub mod llama;
 
 /// Errors loading or running a model.

@@ -5,23 +5,42 @@ Usage (from the repository root):
     cargo run -q -- fixtures tiny-llama /tmp/tiny-llama
     .venv/bin/python engine/tests/reference/make_reference.py /tmp/tiny-llama engine/tests/data/tiny-llama.json
 
-It records, for a fixed prompt of token ids: the logits at the prompt's last
-position, and 24 greedily decoded tokens (with the smallest gap between the
-best and second-best logit, so a reader can see no step was a near-tie).
+It records, for a fixed prompt of token ids: for a decoder, the logits at the
+prompt's last position and 24 greedily decoded tokens (with the smallest gap
+between the best and second-best logit, so a reader can see no step was a
+near-tie); for a BERT encoder, the L2-normalised CLS and mean-pooled
+embeddings, pooled as sentence-transformers does.
 """
 
 import json
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 PROMPT = [0, 75, 104, 101, 3, 200, 17, 42, 99, 150, 7, 8, 250, 31, 64, 5, 120, 121, 122, 9]
 NEW_TOKENS = 24
 
 
+def encoder(fixture_dir: str) -> dict:
+    model = AutoModel.from_pretrained(fixture_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT))).last_hidden_state[0]
+    normalise = torch.nn.functional.normalize
+    return {
+        "prompt_ids": PROMPT,
+        "cls": [float(x) for x in normalise(hidden[0], dim=-1)],
+        "mean": [float(x) for x in normalise(hidden.mean(dim=0), dim=-1)],
+    }
+
+
 def main(fixture_dir: str, out_path: str) -> None:
     torch.manual_seed(0)
+    if AutoConfig.from_pretrained(fixture_dir).model_type == "bert":
+        write(out_path, encoder(fixture_dir))
+        return
     model = AutoModelForCausalLM.from_pretrained(
         fixture_dir, torch_dtype=torch.float32, attn_implementation="eager"
     )
@@ -39,16 +58,17 @@ def main(fixture_dir: str, out_path: str) -> None:
             greedy.append(token)
             out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1]
-    import transformers
-
     record = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
         "prompt_ids": PROMPT,
         "last_logits": [float(x) for x in last_logits],
         "greedy_ids": greedy,
         "min_greedy_gap": min_gap,
     }
+    write(out_path, record)
+
+
+def write(out_path: str, record: dict) -> None:
+    record = {"transformers": transformers.__version__, "torch": torch.__version__, **record}
     with open(out_path, "w") as f:
         json.dump(record, f)
         f.write("\n")
