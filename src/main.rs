@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use lorry::bench::{self, PipelineArgs};
+use lorry::offline::{self, EmbedArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
 use tracing_subscriber::EnvFilter;
@@ -27,6 +28,8 @@ enum Command {
     Worker(Settings),
     /// Create the database if it is missing and apply migrations.
     Migrate(Settings),
+    /// Embed every line of a JSONL file with a BERT-family model.
+    Embed(EmbedArgs),
     /// Write a small random-weight model in Hugging Face layout (seeded, reproducible).
     Fixtures {
         /// tiny-llama, tiny-qwen2 or bench.
@@ -59,6 +62,10 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate(s) => {
             open_store(&s, true).await?;
             tracing::info!("database ready");
+            return Ok(());
+        }
+        Command::Embed(args) => {
+            offline::embed(&args)?;
             return Ok(());
         }
         Command::Fixtures { name, dir } => {

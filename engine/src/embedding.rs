@@ -1,0 +1,73 @@
+//! Text in, embedding out: a BERT encoder with its tokenizer, pooled the way
+//! the checkpoint's sentence-transformers configuration says.
+
+use std::path::Path;
+
+use candle_core::Device;
+use tokenizers::{Tokenizer, TruncationParams};
+
+use crate::models::bert::{Bert, Pooling};
+use crate::models::ModelError;
+
+/// An embedding model ready to serve.
+pub struct Embedder {
+    model: Bert,
+    tokenizer: Tokenizer,
+    default_pooling: Pooling,
+}
+
+impl Embedder {
+    /// Load `config.json`, the weights and `tokenizer.json` from a checkpoint directory.
+    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let model = Bert::from_dir(dir, device)?;
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| ModelError::Config(format!("tokenizer.json: {e}")))?;
+        // Inputs longer than the model's positions are cut, as sentence-transformers does.
+        let truncation = TruncationParams {
+            max_length: model.config().max_position_embeddings,
+            ..Default::default()
+        };
+        tokenizer
+            .with_truncation(Some(truncation))
+            .map_err(|e| ModelError::Config(format!("tokenizer.json: {e}")))?;
+        tokenizer.with_padding(None);
+        Ok(Embedder {
+            default_pooling: sentence_transformers_pooling(dir).unwrap_or(Pooling::Mean),
+            model,
+            tokenizer,
+        })
+    }
+
+    /// The pooling used when a request names none.
+    pub fn default_pooling(&self) -> Pooling {
+        self.default_pooling
+    }
+
+    /// Token ids of a text, with the tokenizer's special tokens.
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let encoding = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| ModelError::Config(format!("tokenizing: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The L2-normalised embedding of `text`.
+    pub fn embed(&self, text: &str, pooling: Option<Pooling>) -> Result<Vec<f32>, ModelError> {
+        let ids = self.tokenize(text)?;
+        self.model.embed(&ids, pooling.unwrap_or(self.default_pooling))
+    }
+}
+
+/// `1_Pooling/config.json`, where sentence-transformers checkpoints keep their pooling.
+fn sentence_transformers_pooling(dir: &Path) -> Option<Pooling> {
+    let text = std::fs::read_to_string(dir.join("1_Pooling/config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    if config["pooling_mode_cls_token"] == true {
+        Some(Pooling::Cls)
+    } else if config["pooling_mode_mean_tokens"] == true {
+        Some(Pooling::Mean)
+    } else {
+        None
+    }
+}
