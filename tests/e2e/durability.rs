@@ -38,17 +38,23 @@ async fn redelivered(app: &TestApp, id: &str) -> i64 {
         .unwrap()
 }
 
+/// A 2,000-request batch served by a slowed `lorry worker` process, once `done` requests have succeeded.
+async fn batch_in_flight(app: &TestApp, done: i64) -> (std::process::Child, String) {
+    let worker = app.spawn_worker_process(&[("LORRY_ECHO_DELAY_MS", "2")]);
+    let batch = app.submit_echo(2000, json!({})).await;
+    let id = batch["id"].as_str().unwrap().to_string();
+    app.wait_for(&id, Duration::from_secs(60), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(done)
+    })
+    .await;
+    (worker, id)
+}
+
 #[tokio::test]
 async fn a_killed_worker_loses_no_request_and_duplicates_none() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
-    let slow = [("LORRY_ECHO_DELAY_MS", "2")];
-    let mut worker = app.spawn_worker_process(&slow);
-    let batch = app.submit_echo(2000, json!({})).await;
-    let id = batch["id"].as_str().unwrap();
-    app.wait_for(id, Duration::from_secs(60), |b| {
-        b["request_counts"]["succeeded"].as_i64() >= Some(400)
-    })
-    .await;
+    let (mut worker, id) = batch_in_flight(&app, 400).await;
+    let id = id.as_str();
 
     worker.kill().expect("SIGKILL the worker");
     worker.wait().unwrap();
@@ -56,7 +62,7 @@ async fn a_killed_worker_loses_no_request_and_duplicates_none() {
     assert_eq!(mid["status"], "in_progress", "the batch cannot finish without a worker");
     assert!(mid["request_counts"]["succeeded"].as_i64() < Some(2000));
 
-    let mut replacement = app.spawn_worker_process(&slow);
+    let mut replacement = app.spawn_worker_process(&[("LORRY_ECHO_DELAY_MS", "2")]);
     assert_exactly_once(&app, id, 2000).await;
     replacement.kill().unwrap();
     let _ = replacement.wait();
@@ -69,14 +75,8 @@ async fn a_killed_worker_loses_no_request_and_duplicates_none() {
 #[tokio::test]
 async fn a_worker_stopped_with_sigterm_settles_the_work_it_holds() {
     let app = spawn_app_with(Role::Api, |_| {}).await;
-    let slow = [("LORRY_ECHO_DELAY_MS", "2")];
-    let mut worker = app.spawn_worker_process(&slow);
-    let batch = app.submit_echo(2000, json!({})).await;
-    let id = batch["id"].as_str().unwrap();
-    app.wait_for(id, Duration::from_secs(60), |b| {
-        b["request_counts"]["succeeded"].as_i64() >= Some(200)
-    })
-    .await;
+    let (mut worker, id) = batch_in_flight(&app, 200).await;
+    let id = id.as_str();
 
     let term = std::process::Command::new("kill")
         .args(["-TERM", &worker.id().to_string()])

@@ -1,5 +1,6 @@
 //! The offline modes, run as a user runs them: the `lorry` binary on JSONL files.
 
+use std::path::Path;
 use std::process::Command;
 
 use candle_core::Device;
@@ -14,6 +15,19 @@ fn scratch(tag: &str) -> std::path::PathBuf {
     dir
 }
 
+fn run_embed(model: &Path, input: &Path, output: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_lorry"))
+        .args(["embed", "--model"])
+        .arg(model)
+        .arg("--input")
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn lorry_embed_writes_one_normalised_embedding_per_line_in_order() {
     let dir = scratch("embed");
@@ -26,16 +40,7 @@ fn lorry_embed_writes_one_normalised_embedding_per_line_in_order() {
     )
     .unwrap();
     let output = dir.join("out.jsonl");
-    let status = Command::new(env!("CARGO_BIN_EXE_lorry"))
-        .args(["embed", "--model"])
-        .arg(&model)
-        .arg("--input")
-        .arg(&input)
-        .arg("--output")
-        .arg(&output)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    assert!(run_embed(&model, &input, &output).status.success());
     let lines: Vec<Value> = std::fs::read_to_string(&output)
         .unwrap()
         .lines()
@@ -72,16 +77,7 @@ fn lorry_embed_names_the_bad_line_and_writes_nothing() {
     let input = dir.join("in.jsonl");
     std::fs::write(&input, "{\"id\":1,\"text\":\"fine\"}\n{\"id\":2,\"txt\":\"typo\"}\n").unwrap();
     let output = dir.join("out.jsonl");
-    let result = Command::new(env!("CARGO_BIN_EXE_lorry"))
-        .args(["embed", "--model"])
-        .arg(&model)
-        .arg("--input")
-        .arg(&input)
-        .arg("--output")
-        .arg(&output)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .unwrap();
+    let result = run_embed(&model, &input, &output);
     assert!(!result.status.success());
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("line 2") && stderr.contains("txt"), "{stderr}");
