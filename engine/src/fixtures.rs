@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::models::ModelError;
+use crate::rng::SplitMix;
 
 /// The models `lorry fixtures` can write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,30 +102,6 @@ impl Fixture {
     }
 }
 
-/// SplitMix64: a tiny, portable generator, so fixtures are identical everywhere.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1).
-    fn uniform(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-}
-
 fn seed_for(name: &str) -> u64 {
     // FNV-1a over the tensor name: each tensor's values do not depend on the others.
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
@@ -133,7 +110,7 @@ fn seed_for(name: &str) -> u64 {
 }
 
 fn random(name: &str, shape: &[usize], mean: f64, std: f64) -> candle_core::Result<Tensor> {
-    let mut rng = SplitMix(seed_for(name));
+    let mut rng = SplitMix::new(seed_for(name));
     let n: usize = shape.iter().product();
     let values: Vec<f32> = (0..n).map(|_| (mean + std * rng.normal()) as f32).collect();
     Tensor::from_vec(values, shape, &Device::Cpu)

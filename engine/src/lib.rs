@@ -15,6 +15,8 @@ pub mod embedding;
 pub mod fixtures;
 pub mod input;
 pub mod models;
+pub mod rng;
+pub mod sampling;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;

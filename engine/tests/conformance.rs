@@ -144,3 +144,33 @@ fn all_minilm_l6_v2_matches_sentence_transformers() {
         assert!(1.0 - cosine <= 1e-4, "{text:?}: cosine distance {}", 1.0 - cosine);
     }
 }
+
+#[test]
+fn a_seeded_sampled_generation_repeats_and_stops_at_eos() {
+    use lorry_engine::sampling::{Sampler, SamplingParams};
+    let dir = std::env::temp_dir().join(format!("lorry-conformance-sampling-{}", std::process::id()));
+    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: Some(40),
+        top_p: Some(0.95),
+        seed: 11,
+    };
+    let prompt = [0, 70, 71, 72];
+    let first = model.generate(&prompt, 16, &mut Sampler::new(params), None).unwrap();
+    let again = model.generate(&prompt, 16, &mut Sampler::new(params), None).unwrap();
+    assert_eq!(first, again, "the same seed gives the same tokens");
+    assert_eq!(first.len(), 16);
+    let eos = first[3];
+    let stopped = model
+        .generate(&prompt, 16, &mut Sampler::new(params), Some(eos))
+        .unwrap();
+    let cut = first.iter().position(|&t| t == eos).unwrap() + 1;
+    assert_eq!(
+        stopped,
+        first[..cut].to_vec(),
+        "generation ends at the end-of-sequence token"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -12,11 +12,12 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use super::ModelError;
+use crate::sampling::{Sampler, SamplingParams};
 
 type Result<T> = std::result::Result<T, ModelError>;
 
@@ -536,12 +537,26 @@ impl Llama {
 
     /// Greedy decoding: `max_new` tokens after `prompt`.
     pub fn greedy(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        self.generate(prompt, max_new, &mut Sampler::new(SamplingParams::greedy()), None)
+    }
+
+    /// Up to `max_new` tokens after `prompt`, drawn by `sampler`, ending early after `eos`.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        sampler: &mut Sampler,
+        eos: Option<u32>,
+    ) -> Result<Vec<u32>> {
         let mut cache = self.new_cache();
-        let mut logits = self.forward(prompt, &mut cache)?;
         let mut out = Vec::with_capacity(max_new);
-        for _ in 0..max_new {
-            let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+        let mut logits = self.forward(prompt, &mut cache)?;
+        while out.len() < max_new {
+            let next = sampler.sample(&logits.to_vec1::<f32>()?);
             out.push(next);
+            if Some(next) == eos || out.len() == max_new {
+                break;
+            }
             logits = self.forward(&[next], &mut cache)?;
         }
         Ok(out)
