@@ -14,6 +14,7 @@ pub mod echo;
 pub mod embedding;
 pub mod fixtures;
 pub mod input;
+pub mod kv;
 pub mod models;
 pub mod rng;
 pub mod sampling;
