@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use lorry::bench::{self, PipelineArgs};
-use lorry::offline::{self, EmbedArgs};
+use lorry::offline::{self, EmbedArgs, GenerateArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
 use tracing_subscriber::EnvFilter;
@@ -28,6 +28,8 @@ enum Command {
     Worker(Settings),
     /// Create the database if it is missing and apply migrations.
     Migrate(Settings),
+    /// Generate for every line of a JSONL file with a Llama-family model (offline batch mode).
+    Generate(GenerateArgs),
     /// Embed every line of a JSONL file with a BERT-family model.
     Embed(EmbedArgs),
     /// Write a small random-weight model in Hugging Face layout (seeded, reproducible).
@@ -62,6 +64,10 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate(s) => {
             open_store(&s, true).await?;
             tracing::info!("database ready");
+            return Ok(());
+        }
+        Command::Generate(args) => {
+            offline::generate(&args)?;
             return Ok(());
         }
         Command::Embed(args) => {

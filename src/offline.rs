@@ -6,10 +6,68 @@ use std::path::PathBuf;
 use anyhow::{bail, Context as _};
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
+use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
 use lorry_engine::models::bert::Pooling;
+use lorry_engine::{Task, ValidRequest};
 use serde::Deserialize;
 use serde_json::json;
+
+/// `lorry generate`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// A Llama-family checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// `NAME=DIR`: a LoRA adapter to serve (arrives with multi-LoRA).
+    #[arg(long)]
+    pub adapter: Vec<String>,
+    /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
+    /// "top_p", "top_k", "seed", "stop", "ignore_eos"}` per line.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage"}` per line, in input order.
+    #[arg(long)]
+    pub output: PathBuf,
+}
+
+/// Generate for every line of the input.
+pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    if !args.adapter.is_empty() {
+        bail!("--adapter: LoRA adapters are not served yet; they arrive with multi-LoRA support");
+    }
+    let lines: Vec<serde_json::Value> = read_lines(&args.input)?;
+    let mut requests = Vec::with_capacity(lines.len());
+    for (n, mut line) in lines.into_iter().enumerate() {
+        let object = line
+            .as_object_mut()
+            .with_context(|| format!("request {}: not a JSON object", n + 1))?;
+        let id = object.remove("id").unwrap_or(serde_json::Value::Null);
+        match object.remove("adapter") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(_) => bail!("request {id}: adapters are not served yet; they arrive with multi-LoRA support"),
+        }
+        let request = ValidRequest::parse(Task::TextGeneration, &line)
+            .map_err(|e| anyhow::anyhow!("request {id}: {} ({}: {})", e.message, e.code, e.param))?;
+        requests.push((id, request));
+    }
+    let model =
+        TextModel::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
+    let out = std::fs::File::create(&args.output).with_context(|| format!("creating {}", args.output.display()))?;
+    let mut out = BufWriter::new(out);
+    let bar = progress(requests.len(), "generate");
+    for (id, request) in requests {
+        let g = model.generate(&request).with_context(|| format!("request {id}"))?;
+        let usage = json!({"prompt_tokens": g.prompt_tokens, "completion_tokens": g.token_ids.len()});
+        let line = json!({"id": id, "token_ids": g.token_ids, "text": g.text, "finish_reason": g.finish_reason, "usage": usage});
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+        bar.inc(1);
+    }
+    bar.finish();
+    out.flush()?;
+    Ok(())
+}
 
 /// `lorry embed`.
 #[derive(clap::Args, Debug, Clone)]

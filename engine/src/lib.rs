@@ -10,6 +10,7 @@
 //! loading or running any model.
 
 pub mod catalog;
+pub mod chat;
 pub mod echo;
 pub mod embedding;
 pub mod fixtures;

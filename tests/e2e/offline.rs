@@ -83,3 +83,112 @@ fn lorry_embed_names_the_bad_line_and_writes_nothing() {
     assert!(stderr.contains("line 2") && stderr.contains("txt"), "{stderr}");
     assert!(!output.exists(), "no output is written for a bad input");
 }
+
+fn run_generate(model: &Path, input: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_lorry"))
+        .args(["generate", "--model"])
+        .arg(model)
+        .args(extra)
+        .arg("--input")
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
+    use lorry_engine::chat::TextModel;
+    use lorry_engine::input::{Message, Prompt};
+
+    let dir = scratch("generate");
+    let model_dir = dir.join("model");
+    fixtures::write(Fixture::TinyLlama, &model_dir).unwrap();
+    let model = TextModel::from_dir(&model_dir, &Device::Cpu).unwrap();
+    let raw_ids = model.encode("Hello there").unwrap();
+    let greedy = model.model.greedy(&raw_ids, 12).unwrap();
+    // A stop string: the first character of the greedy text that decodes cleanly, after the first.
+    let full = model.decode(&greedy).unwrap();
+    let (cut, stop) = full
+        .char_indices()
+        .skip(1)
+        .find(|(_, c)| *c != '\u{FFFD}' && !c.is_control())
+        .unwrap();
+    let input = dir.join("in.jsonl");
+    let lines = [
+        serde_json::json!({"id": 1, "prompt": "Hello there", "raw": true, "max_tokens": 12, "ignore_eos": true}),
+        serde_json::json!({"id": 2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+        serde_json::json!({"id": 3, "prompt": "Hello there", "raw": true, "max_tokens": 12, "ignore_eos": true, "stop": [stop.to_string()]}),
+        serde_json::json!({"id": 4, "prompt": "Hello there", "raw": true, "max_tokens": 12}),
+    ];
+    std::fs::write(&input, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let output = dir.join("out.jsonl");
+    let result = run_generate(&model_dir, &input, &output, &[]);
+    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
+    let out: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+
+    assert_eq!(out[0]["token_ids"], serde_json::json!(greedy));
+    assert_eq!(out[0]["text"], full.as_str());
+    assert_eq!(out[0]["finish_reason"], "length");
+    assert_eq!(
+        out[0]["usage"],
+        serde_json::json!({"prompt_tokens": raw_ids.len(), "completion_tokens": 12})
+    );
+
+    let chat = Prompt::Messages(vec![Message {
+        role: "user".into(),
+        content: "Hi".into(),
+    }]);
+    let rendered = model.render(&chat, false).unwrap();
+    assert!(
+        rendered.starts_with("<|user|>\nHi</s>\n") && rendered.ends_with("<|assistant|>\n"),
+        "{rendered:?}"
+    );
+    assert_eq!(out[1]["usage"]["prompt_tokens"], model.encode(&rendered).unwrap().len());
+
+    assert_eq!(out[2]["finish_reason"], "stop");
+    assert_eq!(out[2]["text"], &full[..full.find(stop).unwrap()]);
+    assert!(full.find(stop).unwrap() <= cut);
+
+    // Without ignore_eos, generation ends at the end-of-sequence token.
+    let eos = model.eos_id.unwrap();
+    let until_eos: Vec<u32> = match greedy.iter().position(|&t| t == eos) {
+        Some(i) => greedy[..=i].to_vec(),
+        None => greedy.clone(),
+    };
+    assert_eq!(out[3]["token_ids"], serde_json::json!(until_eos));
+    let ended_by_eos = until_eos.len() < greedy.len() || until_eos.last() == Some(&eos);
+    assert_eq!(out[3]["finish_reason"], if ended_by_eos { "stop" } else { "length" });
+}
+
+#[test]
+fn lorry_generate_refuses_adapters_and_names_bad_requests() {
+    let dir = scratch("generate-bad");
+    let model = dir.join("model");
+    fixtures::write(Fixture::TinyLlama, &model).unwrap();
+    let input = dir.join("in.jsonl");
+    std::fs::write(
+        &input,
+        "{\"id\":1,\"prompt\":\"x\"}\n{\"id\":2,\"prompt\":\"x\",\"temperature\":9}\n",
+    )
+    .unwrap();
+    let output = dir.join("out.jsonl");
+    let result = run_generate(&model, &input, &output, &[]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        stderr.contains("request 2") && stderr.contains("temperature"),
+        "{stderr}"
+    );
+    assert!(!output.exists());
+
+    let adapter = run_generate(&model, &input, &output, &["--adapter", "mine=/nowhere"]);
+    assert!(!adapter.status.success());
+    assert!(String::from_utf8_lossy(&adapter.stderr).contains("multi-LoRA"));
+}
