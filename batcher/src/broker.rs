@@ -15,6 +15,10 @@ use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
 use crate::store::OutboxMessage;
 use crate::BatcherError;
 
@@ -131,6 +135,29 @@ fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
         args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
     }
     args
+}
+
+/// Run `session` until it ends cleanly or `stop` is cancelled, starting it
+/// again after each failure with exponential backoff (100 ms doubling to 5 s).
+pub async fn reconnecting<F, Fut>(what: &str, stop: &CancellationToken, mut session: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let mut backoff = Duration::from_millis(100);
+    while !stop.is_cancelled() {
+        match session().await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "{what} lost the broker or the database; reconnecting");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
 }
 
 /// Open a connection on the tokio runtime, named so operators can find it.

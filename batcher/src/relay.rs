@@ -49,20 +49,7 @@ pub async fn drain(store: &Store, publisher: &Publisher, batch_size: i64) -> Res
 
 /// Run until `stop`, reconnecting after broker or database failures.
 pub async fn run(store: Store, config: RelayConfig, stop: CancellationToken) {
-    let mut backoff = Duration::from_millis(100);
-    while !stop.is_cancelled() {
-        match session(&store, &config, &stop).await {
-            Ok(()) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "outbox relay failed; reconnecting");
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-        }
-    }
+    broker::reconnecting("the outbox relay", &stop, || session(&store, &config, &stop)).await
 }
 
 async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) -> Result<(), BatcherError> {

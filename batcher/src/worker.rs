@@ -163,20 +163,7 @@ impl Worker {
 
     /// Consume until `stop`, reconnecting to the broker whenever the connection drops.
     pub async fn run(&self, stop: CancellationToken) {
-        let mut backoff = Duration::from_millis(100);
-        while !stop.is_cancelled() {
-            match self.session(&stop).await {
-                Ok(()) => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "worker lost the broker; reconnecting");
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
+        broker::reconnecting("the worker", &stop, || self.session(&stop)).await
     }
 
     async fn session(&self, stop: &CancellationToken) -> Result<(), BatcherError> {

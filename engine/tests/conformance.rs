@@ -16,6 +16,22 @@ fn reference(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+fn floats(value: &Value) -> Vec<f32> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// A fixture written to a fresh directory of its own.
+fn fixture_dir(fixture: Fixture, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lorry-conformance-{tag}-{}", std::process::id()));
+    fixtures::write(fixture, &dir).unwrap();
+    dir
+}
+
 fn ids(value: &Value) -> Vec<u32> {
     value
         .as_array()
@@ -26,20 +42,14 @@ fn ids(value: &Value) -> Vec<u32> {
 }
 
 fn check(name: &str) {
-    let dir = std::env::temp_dir().join(format!("lorry-conformance-{name}-{}", std::process::id()));
-    fixtures::write(Fixture::parse(name).unwrap(), &dir).unwrap();
+    let dir = fixture_dir(Fixture::parse(name).unwrap(), name);
     let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
     let expected = reference(name);
     let prompt = ids(&expected["prompt_ids"]);
 
     let mut cache = model.new_cache();
     let logits = model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap();
-    let want: Vec<f32> = expected["last_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
+    let want: Vec<f32> = floats(&expected["last_logits"]);
     assert_eq!(logits.len(), want.len());
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     let worst = logits
@@ -81,19 +91,13 @@ fn tiny_gemma_matches_transformers() {
 #[test]
 fn tiny_bert_embeddings_match_transformers() {
     use lorry_engine::models::bert::{Bert, Pooling};
-    let dir = std::env::temp_dir().join(format!("lorry-conformance-tiny-bert-{}", std::process::id()));
-    fixtures::write(Fixture::TinyBert, &dir).unwrap();
+    let dir = fixture_dir(Fixture::TinyBert, "tiny-bert");
     let model = Bert::from_dir(&dir, &Device::Cpu).unwrap();
     let expected = reference("tiny-bert");
     let prompt = ids(&expected["prompt_ids"]);
     for (pooling, key) in [(Pooling::Cls, "cls"), (Pooling::Mean, "mean")] {
         let got = model.embed(&prompt, pooling).unwrap();
-        let want: Vec<f32> = expected[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+        let want: Vec<f32> = floats(&expected[key]);
         let cosine: f32 = got.iter().zip(&want).map(|(a, b)| a * b).sum();
         assert!(1.0 - cosine <= 1e-4, "{key} pooling: cosine distance {}", 1.0 - cosine);
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -134,12 +138,7 @@ fn all_minilm_l6_v2_matches_sentence_transformers() {
             "tokens of {text:?}"
         );
         let got = embedder.embed(text, None).unwrap();
-        let want: Vec<f32> = expected["embeddings"][i]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+        let want: Vec<f32> = floats(&expected["embeddings"][i]);
         let cosine: f32 = got.iter().zip(&want).map(|(a, b)| a * b).sum();
         assert!(1.0 - cosine <= 1e-4, "{text:?}: cosine distance {}", 1.0 - cosine);
     }
@@ -148,8 +147,7 @@ fn all_minilm_l6_v2_matches_sentence_transformers() {
 #[test]
 fn a_seeded_sampled_generation_repeats_and_stops_at_eos() {
     use lorry_engine::sampling::{Sampler, SamplingParams};
-    let dir = std::env::temp_dir().join(format!("lorry-conformance-sampling-{}", std::process::id()));
-    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    let dir = fixture_dir(Fixture::TinyLlama, "sampling");
     let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
     let params = SamplingParams {
         temperature: 0.8,

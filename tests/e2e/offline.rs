@@ -15,10 +15,12 @@ fn scratch(tag: &str) -> std::path::PathBuf {
     dir
 }
 
-fn run_embed(model: &Path, input: &Path, output: &Path) -> std::process::Output {
+/// Run `lorry <command> --model M [extra] --input I --output O` as a user would.
+fn run_lorry(command: &str, model: &Path, input: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_lorry"))
-        .args(["embed", "--model"])
+        .args([command, "--model"])
         .arg(model)
+        .args(extra)
         .arg("--input")
         .arg(input)
         .arg("--output")
@@ -40,7 +42,7 @@ fn lorry_embed_writes_one_normalised_embedding_per_line_in_order() {
     )
     .unwrap();
     let output = dir.join("out.jsonl");
-    assert!(run_embed(&model, &input, &output).status.success());
+    assert!(run_lorry("embed", &model, &input, &output, &[]).status.success());
     let lines: Vec<Value> = std::fs::read_to_string(&output)
         .unwrap()
         .lines()
@@ -77,25 +79,11 @@ fn lorry_embed_names_the_bad_line_and_writes_nothing() {
     let input = dir.join("in.jsonl");
     std::fs::write(&input, "{\"id\":1,\"text\":\"fine\"}\n{\"id\":2,\"txt\":\"typo\"}\n").unwrap();
     let output = dir.join("out.jsonl");
-    let result = run_embed(&model, &input, &output);
+    let result = run_lorry("embed", &model, &input, &output, &[]);
     assert!(!result.status.success());
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("line 2") && stderr.contains("txt"), "{stderr}");
     assert!(!output.exists(), "no output is written for a bad input");
-}
-
-fn run_generate(model: &Path, input: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_lorry"))
-        .args(["generate", "--model"])
-        .arg(model)
-        .args(extra)
-        .arg("--input")
-        .arg(input)
-        .arg("--output")
-        .arg(output)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .unwrap()
 }
 
 #[test]
@@ -125,7 +113,7 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
     ];
     std::fs::write(&input, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
     let output = dir.join("out.jsonl");
-    let result = run_generate(&model_dir, &input, &output, &[]);
+    let result = run_lorry("generate", &model_dir, &input, &output, &[]);
     assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
     let out: Vec<Value> = std::fs::read_to_string(&output)
         .unwrap()
@@ -179,7 +167,7 @@ fn lorry_generate_refuses_adapters_and_names_bad_requests() {
     )
     .unwrap();
     let output = dir.join("out.jsonl");
-    let result = run_generate(&model, &input, &output, &[]);
+    let result = run_lorry("generate", &model, &input, &output, &[]);
     assert!(!result.status.success());
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(
@@ -188,7 +176,7 @@ fn lorry_generate_refuses_adapters_and_names_bad_requests() {
     );
     assert!(!output.exists());
 
-    let adapter = run_generate(&model, &input, &output, &["--adapter", "mine=/nowhere"]);
+    let adapter = run_lorry("generate", &model, &input, &output, &["--adapter", "mine=/nowhere"]);
     assert!(!adapter.status.success());
     assert!(String::from_utf8_lossy(&adapter.stderr).contains("multi-LoRA"));
 }

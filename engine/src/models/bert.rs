@@ -12,8 +12,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
-use super::llama::safetensors_files;
-use super::ModelError;
+use super::{load_tensors, read_config, ModelError};
 
 type Result<T> = std::result::Result<T, ModelError>;
 
@@ -149,12 +148,7 @@ impl Bert {
 
     /// Load a checkpoint directory (weights under `bert.` or at the root).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let cfg: BertConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config(e.to_string()))?;
+        let cfg: BertConfig = read_config(dir)?;
         if !matches!(cfg.model_type.as_deref(), None | Some("bert")) {
             return Err(ModelError::Config(format!(
                 "model_type {:?} is not BERT",
@@ -167,10 +161,7 @@ impl Bert {
                 cfg.hidden_act
             )));
         }
-        let mut tensors = std::collections::HashMap::new();
-        for file in safetensors_files(dir)? {
-            tensors.extend(candle_core::safetensors::load(&file, device)?);
-        }
+        let tensors = load_tensors(dir, device)?;
         let prefixed = tensors.contains_key("bert.embeddings.word_embeddings.weight");
         let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
         Bert::load(if prefixed { vb.pp("bert") } else { vb }, &cfg)

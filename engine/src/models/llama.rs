@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
-use super::ModelError;
+use super::{load_tensors, read_config, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
 
 type Result<T> = std::result::Result<T, ModelError>;
@@ -146,16 +146,6 @@ pub struct Config {
 }
 
 impl LlamaConfigFile {
-    /// Read `config.json` from a checkpoint directory.
-    pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
-        serde_json::from_str(&text).map_err(|e| ModelError::Config(e.to_string()))
-    }
-
     /// Check and convert into the internal configuration.
     pub fn into_config(self) -> Result<Config> {
         let model_type = self.model_type.as_deref().unwrap_or("llama");
@@ -563,32 +553,11 @@ impl Llama {
     }
 }
 
-/// Every `*.safetensors` file of a checkpoint directory, in name order.
-pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let entries = std::fs::read_dir(dir).map_err(|source| ModelError::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    let mut files: Vec<_> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(ModelError::Config(format!("no *.safetensors in {}", dir.display())));
-    }
-    Ok(files)
-}
-
 impl Llama {
     /// Load a Hugging Face checkpoint directory in f32 (f16/bf16 weights are converted).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
-        let cfg = LlamaConfigFile::read(dir)?.into_config()?;
-        let mut tensors = std::collections::HashMap::new();
-        for file in safetensors_files(dir)? {
-            tensors.extend(candle_core::safetensors::load(&file, device)?);
-        }
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        let cfg = read_config::<LlamaConfigFile>(dir)?.into_config()?;
+        let vb = VarBuilder::from_tensors(load_tensors(dir, device)?, DType::F32, device);
         Llama::load(vb, &cfg)
     }
 }

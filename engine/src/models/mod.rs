@@ -7,6 +7,12 @@
 pub mod bert;
 pub mod llama;
 
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::de::DeserializeOwned;
+
 /// Errors loading or running a model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -24,4 +30,41 @@ pub enum ModelError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Read a checkpoint's `config.json` as `T`.
+pub fn read_config<T: DeserializeOwned>(dir: &Path) -> Result<T, ModelError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(io_error(&path))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Config(e.to_string()))
+}
+
+/// Every `*.safetensors` file of a checkpoint directory, in name order.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let entries = std::fs::read_dir(dir).map_err(io_error(dir))?;
+    let mut files: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Config(format!("no *.safetensors in {}", dir.display())));
+    }
+    Ok(files)
+}
+
+/// Every tensor of a checkpoint directory, its shards merged.
+pub fn load_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>, ModelError> {
+    let mut tensors = HashMap::new();
+    for file in safetensors_files(dir)? {
+        tensors.extend(candle_core::safetensors::load(&file, device)?);
+    }
+    Ok(tensors)
 }
