@@ -1,9 +1,18 @@
-//! `lorry bench pipeline`: one large batch on `@lorry/echo` against a running
-//! stack, timed from the client's side, with where the time went.
+//! Benchmarks that print tables. `lorry bench pipeline`: one large batch on
+//! `@lorry/echo` against a running stack, timed from the client's side.
+//! `lorry bench engine`: decode rates against the machine's rooflines, and
+//! continuous against static batching.
 
 use std::time::{Duration, Instant};
 
+use std::path::PathBuf;
+
 use anyhow::{bail, Context as _};
+use lorry_engine::chat::TextModel;
+use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::scheduler::Policy;
+use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::{collect, Backend, Lane, Task, ValidRequest};
 use serde_json::{json, Value};
 
 /// What to submit and where.
@@ -130,4 +139,197 @@ fn print_table(runs: &[PipelineRun]) {
     println!(
         "all results: serving and committing every chunk. completed: output.jsonl to S3 and the final transaction."
     );
+}
+
+/// `lorry bench engine`: what to measure.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineBenchArgs {
+    /// A Llama-family checkpoint; the `bench` fixture, written to a temporary directory, when absent.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Batch sizes to decode at.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batch: Vec<usize>,
+    /// Prompt length, in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Requests in the continuous-versus-static comparison (0 skips it).
+    #[arg(long, default_value_t = 48)]
+    pub tail_requests: usize,
+    /// Sequences at once in that comparison.
+    #[arg(long, default_value_t = 16)]
+    pub tail_batch: usize,
+}
+
+/// The machine's ceilings, measured in the same run.
+struct Ceilings {
+    /// Bytes per second, reading memory on every core.
+    bandwidth: f64,
+    /// f32 multiply-adds (×2) per second in a large candle matmul.
+    gemm_flops: f64,
+}
+
+fn measure_ceilings() -> anyhow::Result<Ceilings> {
+    use rayon::prelude::*;
+    // 1 GiB: far larger than any cache, like a model's weights.
+    let data = vec![1f32; 1 << 28];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        let sum: f32 = data.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        std::hint::black_box(sum);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    let bandwidth = (data.len() * 4) as f64 / best;
+    drop(data);
+    let n = 2048;
+    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &candle_core::Device::Cpu)?;
+    let b = candle_core::Tensor::randn(0f32, 1.0, (n, n), &candle_core::Device::Cpu)?;
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let start = Instant::now();
+        std::hint::black_box(a.matmul(&b)?);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(Ceilings {
+        bandwidth,
+        gemm_flops: 2.0 * (n * n * n) as f64 / best,
+    })
+}
+
+/// Requests of `prompt_tokens` bytes each (one token a byte on the fixtures' tokenizer), greedy, to `new_tokens`.
+fn bench_requests(count: usize, prompt_tokens: usize, new_tokens: &dyn Fn(usize) -> usize) -> Vec<ValidRequest> {
+    (0..count)
+        .map(|i| {
+            let text: String = format!("{i:04} lorem ipsum dolor sit amet consectetur ")
+                .chars()
+                .cycle()
+                .take(prompt_tokens)
+                .collect();
+            let body = json!({"prompt": text, "raw": true, "max_tokens": new_tokens(i), "ignore_eos": true});
+            ValidRequest::parse(Task::TextGeneration, &body).expect("benchmark requests are valid")
+        })
+        .collect()
+}
+
+/// Serve every request at once; the wall time until the last finishes.
+async fn timed(engine: &TextEngine, requests: &[ValidRequest]) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone(), Lane::Batch))
+        .collect::<Result<_, _>>()?;
+    for stream in streams {
+        collect(stream).await?;
+    }
+    Ok(start.elapsed())
+}
+
+fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
+    EngineConfig {
+        max_seqs,
+        rt_reserved_seqs: 0,
+        rt_reserved_blocks_percent: 0,
+        policy,
+        ..EngineConfig::default()
+    }
+}
+
+/// Decode rates at each batch size against the rooflines, then continuous versus static batching.
+pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => {
+            let dir = std::env::temp_dir().join(format!("lorry-bench-model-{}", std::process::id()));
+            eprintln!("writing the bench fixture to {}", dir.display());
+            fixtures::write(Fixture::Bench, &dir)?;
+            dir
+        }
+    };
+    let model = TextModel::from_dir(&dir, &candle_core::Device::Cpu)?;
+    let config = model.model.config().clone();
+    let params = config.matmul_params() as f64;
+    eprintln!("measuring the machine's ceilings");
+    let ceilings = measure_ceilings()?;
+    println!(
+        "machine: {} threads; memory read {:.1} GB/s; f32 GEMM (candle matmul, 2048^3) {:.1} GFLOP/s",
+        rayon::current_num_threads(),
+        ceilings.bandwidth / 1e9,
+        ceilings.gemm_flops / 1e9
+    );
+    println!(
+        "model: {:.1}M matmul parameters, {:.0} MB of f32 weights read per step\n",
+        params / 1e6,
+        params * 4.0 / 1e6
+    );
+    println!(
+        "| batch | decode tok/s | ms/step | memory roofline tok/s | GEMM roofline tok/s | of roofline | vs batch 1 |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    let max_batch = args.batch.iter().copied().max().unwrap_or(1);
+    let engine = TextEngine::start(
+        "bench",
+        model.clone(),
+        bench_engine_config(max_batch, Policy::Continuous),
+    );
+    timed(&engine, &bench_requests(1, args.prompt_tokens, &|_| 2)).await?; // warm up
+    let mut batch_one = None;
+    for &batch in &args.batch {
+        let prefill = timed(&engine, &bench_requests(batch, args.prompt_tokens, &|_| 1)).await?;
+        let total = timed(
+            &engine,
+            &bench_requests(batch, args.prompt_tokens, &|_| args.new_tokens),
+        )
+        .await?;
+        let steps = (args.new_tokens - 1) as f64;
+        let decode = (total.saturating_sub(prefill)).as_secs_f64();
+        let rate = batch as f64 * steps / decode;
+        let memory_roof = batch as f64 * ceilings.bandwidth / (params * 4.0);
+        let gemm_roof = ceilings.gemm_flops / (2.0 * params);
+        let roof = memory_roof.min(gemm_roof);
+        let speedup = rate / *batch_one.get_or_insert(rate);
+        println!(
+            "| {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {gemm_roof:.1} | {:.0}% | {speedup:.1}x |",
+            1e3 * decode / steps,
+            100.0 * rate / roof
+        );
+    }
+    drop(engine);
+    if args.tail_requests > 0 {
+        continuous_versus_static(&model, args).await?;
+    }
+    if args.model.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+
+/// Long-tailed output lengths (log-normal, median 20 tokens, capped at 512), served both ways.
+async fn continuous_versus_static(model: &TextModel, args: &EngineBenchArgs) -> anyhow::Result<()> {
+    let mut rng = lorry_engine::rng::SplitMix::new(7);
+    let lengths: Vec<usize> = (0..args.tail_requests)
+        .map(|_| ((3.0 + rng.normal()).exp().round() as usize).clamp(4, 512))
+        .collect();
+    let requests = bench_requests(args.tail_requests, args.prompt_tokens, &|i| lengths[i]);
+    let tokens: usize = lengths.iter().sum();
+    let longest = lengths.iter().max().copied().unwrap_or(0);
+    println!(
+        "\n{} requests, {tokens} tokens to generate (longest {longest}), at most {} at once\n",
+        args.tail_requests, args.tail_batch
+    );
+    println!("| batching | wall s | tok/s | steps |");
+    println!("|---|---:|---:|---:|");
+    let mut rates = Vec::new();
+    for (name, policy) in [("static", Policy::Static), ("continuous", Policy::Continuous)] {
+        let engine = TextEngine::start("bench", model.clone(), bench_engine_config(args.tail_batch, policy));
+        let wall = timed(&engine, &requests).await?.as_secs_f64();
+        let steps = engine.counters().steps.load(std::sync::atomic::Ordering::Relaxed);
+        rates.push(tokens as f64 / wall);
+        println!("| {name} | {wall:.2} | {:.1} | {steps} |", tokens as f64 / wall);
+    }
+    println!("\ncontinuous / static: {:.2}x", rates[1] / rates[0]);
+    Ok(())
 }

@@ -1,7 +1,7 @@
 //! `lorry`: the batch inference service's one binary.
 
 use clap::{Parser, Subcommand};
-use lorry::bench::{self, PipelineArgs};
+use lorry::bench::{self, EngineBenchArgs, PipelineArgs};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
@@ -34,7 +34,7 @@ enum Command {
     Embed(EmbedArgs),
     /// Write a small random-weight model in Hugging Face layout (seeded, reproducible).
     Fixtures {
-        /// tiny-llama, tiny-qwen2 or bench.
+        /// tiny-llama, tiny-qwen2, tiny-gemma, tiny-bert or bench.
         name: String,
         /// Where to write it.
         dir: std::path::PathBuf,
@@ -48,6 +48,8 @@ enum Command {
 enum Bench {
     /// One large batch on the echo model against a running stack.
     Pipeline(PipelineArgs),
+    /// Decode rates of the engine on the `bench` model against the machine's rooflines.
+    Engine(EngineBenchArgs),
 }
 
 #[tokio::main]
@@ -67,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
             return Ok(());
         }
         Command::Generate(args) => {
-            offline::generate(&args)?;
+            offline::generate(&args).await?;
             return Ok(());
         }
         Command::Embed(args) => {
@@ -82,6 +84,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Bench(Bench::Pipeline(args)) => {
             bench::pipeline(&args).await?;
+            return Ok(());
+        }
+        Command::Bench(Bench::Engine(args)) => {
+            bench::engine(&args).await?;
             return Ok(());
         }
     };

@@ -5,13 +5,16 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
 use candle_core::Device;
+use futures::stream::{FuturesOrdered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
 use lorry_engine::models::bert::Pooling;
-use lorry_engine::{Task, ValidRequest};
+use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::{collect, Backend, Lane, Task, ValidRequest};
 use serde::Deserialize;
 use serde_json::json;
+use std::sync::atomic::Ordering;
 
 /// `lorry generate`.
 #[derive(clap::Args, Debug, Clone)]
@@ -29,10 +32,13 @@ pub struct GenerateArgs {
     /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage"}` per line, in input order.
     #[arg(long)]
     pub output: PathBuf,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub engine: EngineArgs,
 }
 
-/// Generate for every line of the input.
-pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
+/// Generate for every line of the input, all of it in continuous batches on one engine.
+pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if !args.adapter.is_empty() {
         bail!("--adapter: LoRA adapters are not served yet; they arrive with multi-LoRA support");
     }
@@ -53,20 +59,70 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     let model =
         TextModel::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
+    let engine = TextEngine::start("offline", model, args.engine.config());
     let out = std::fs::File::create(&args.output).with_context(|| format!("creating {}", args.output.display()))?;
     let mut out = BufWriter::new(out);
     let bar = progress(requests.len(), "generate");
+    let mut pending = FuturesOrdered::new();
     for (id, request) in requests {
-        let g = model.generate(&request).with_context(|| format!("request {id}"))?;
-        let usage = json!({"prompt_tokens": g.prompt_tokens, "completion_tokens": g.token_ids.len()});
-        let line = json!({"id": id, "token_ids": g.token_ids, "text": g.text, "finish_reason": g.finish_reason, "usage": usage});
+        let events = engine.submit(request, Lane::Batch)?;
+        let bar = bar.clone();
+        pending.push_back(async move {
+            let result = collect(events).await;
+            bar.inc(1);
+            (id, result)
+        });
+    }
+    // Results are written in input order, each as soon as those before it are done.
+    while let Some((id, result)) = pending.next().await {
+        let output = result.with_context(|| format!("request {id}"))?;
+        let completion = output.completion.context("the engine returned no tokens")?;
+        let line = json!({
+            "id": id,
+            "token_ids": completion.token_ids,
+            "text": output.body["response"],
+            "finish_reason": completion.finish_reason,
+            "usage": {"prompt_tokens": output.usage.prompt_tokens, "completion_tokens": output.usage.completion_tokens},
+        });
         serde_json::to_writer(&mut out, &line)?;
         out.write_all(b"\n")?;
-        bar.inc(1);
     }
     bar.finish();
     out.flush()?;
+    let c = engine.counters();
+    tracing::info!(
+        steps = c.steps.load(Ordering::Relaxed),
+        generated = c.generated_tokens.load(Ordering::Relaxed),
+        preemptions = c.preemptions.load(Ordering::Relaxed),
+        "done"
+    );
     Ok(())
+}
+
+/// How the engine batches: `lorry generate` and the workers share these flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Memory for each model's KV cache, in MiB.
+    #[arg(long, env = "LORRY_KV_CACHE_MB", default_value_t = 1024)]
+    pub kv_cache_mb: usize,
+    /// Sequences in one continuous batch.
+    #[arg(long, env = "LORRY_MAX_SEQS", default_value_t = 64)]
+    pub max_seqs: usize,
+    /// Tokens computed per engine step (decoding plus chunked pre-fill).
+    #[arg(long, env = "LORRY_STEP_TOKENS", default_value_t = 512)]
+    pub step_tokens: usize,
+}
+
+impl EngineArgs {
+    /// The engine configuration these flags describe.
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_cache_bytes: self.kv_cache_mb << 20,
+            max_seqs: self.max_seqs,
+            token_budget: self.step_tokens,
+            ..EngineConfig::default()
+        }
+    }
 }
 
 /// `lorry embed`.

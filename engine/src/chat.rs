@@ -10,11 +10,14 @@ use minijinja::{context, Environment, ErrorKind};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use crate::input::{Message, Prompt};
+use crate::input::{InputError, Message, Prompt};
 use crate::models::llama::Llama;
 use crate::models::ModelError;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::EngineError;
 
-/// A decoder with its tokenizer, template and special tokens.
+/// A decoder with its tokenizer, template and special tokens; clones share the weights.
+#[derive(Clone)]
 pub struct TextModel {
     /// The network.
     pub model: Llama,
@@ -129,8 +132,191 @@ fn compile(source: String) -> Result<Environment<'static>, ModelError> {
     Ok(env)
 }
 
+/// `max_tokens` when a request gives none.
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+
+/// One request's decoding state: its tokens, its sampler and its stop rules.
+/// The same state machine serves a request run alone and one in a batch.
+#[derive(Debug, Clone)]
+pub struct Decoding {
+    /// The prompt's tokens, then the generated ones.
+    pub tokens: Vec<u32>,
+    prompt_len: usize,
+    max_new: usize,
+    sampler: Sampler,
+    stop: Vec<String>,
+    ignore_eos: bool,
+    eos: Option<u32>,
+    /// Text of the generated tokens (cut before a stop string once stopped).
+    text: String,
+    /// Bytes of `text` already streamed.
+    streamed: usize,
+    finished: Option<FinishReason>,
+}
+
+impl TextModel {
+    /// Render and tokenise a request and set up its decoding, within `context`
+    /// tokens in all (prompt and generated).
+    pub fn start(&self, request: &crate::ValidRequest, context: usize) -> Result<Decoding, EngineError> {
+        let rendered = self
+            .render(&request.prompt, request.raw)
+            .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?;
+        let prompt = self.encode(&rendered).map_err(|e| EngineError::Model(e.to_string()))?;
+        if prompt.is_empty() {
+            return Err(EngineError::Input(InputError::new(
+                "empty_prompt",
+                "prompt",
+                "the prompt is empty after tokenisation",
+            )));
+        }
+        let context = context.min(self.model.config().max_position_embeddings);
+        if prompt.len() >= context {
+            return Err(EngineError::Input(InputError::new(
+                "context_length_exceeded",
+                "prompt",
+                format!(
+                    "the prompt has {} tokens; this model serves at most {}",
+                    prompt.len(),
+                    context - 1
+                ),
+            )));
+        }
+        let s = &request.sampling;
+        Ok(Decoding {
+            prompt_len: prompt.len(),
+            max_new: (s.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) as usize).min(context - prompt.len()),
+            tokens: prompt,
+            sampler: Sampler::new(SamplingParams {
+                temperature: s.temperature.unwrap_or(0.0),
+                top_k: s.top_k.map(|k| k as usize),
+                top_p: s.top_p,
+                seed: s.seed.unwrap_or(0),
+            }),
+            stop: s.stop.clone(),
+            ignore_eos: s.ignore_eos,
+            eos: self.eos_id,
+            text: String::new(),
+            streamed: 0,
+            finished: None,
+        })
+    }
+
+    /// Serve one request alone: render, tokenise, sample until a stop.
+    pub fn generate(&self, request: &crate::ValidRequest) -> Result<Generation, EngineError> {
+        let model_error = |e: ModelError| EngineError::Model(e.to_string());
+        let mut decoding = self.start(request, usize::MAX)?;
+        let mut cache = self.model.new_cache();
+        let mut input = decoding.tokens.clone();
+        loop {
+            let logits = self.model.forward(&input, &mut cache).map_err(model_error)?;
+            let logits = logits.to_vec1::<f32>().map_err(|e| model_error(e.into()))?;
+            if decoding.push(&logits, self)?.is_some() {
+                return Ok(decoding.into_generation(self));
+            }
+            input = vec![decoding.last()];
+        }
+    }
+}
+
+impl Decoding {
+    /// Tokens in the prompt.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
+    /// The generated tokens.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// The newest token.
+    pub fn last(&self) -> u32 {
+        self.tokens[self.tokens.len() - 1]
+    }
+
+    /// Why it finished, once it has.
+    pub fn finished(&self) -> Option<FinishReason> {
+        self.finished
+    }
+
+    /// Sample the next token from `logits` and apply the stop rules.
+    pub fn push(&mut self, logits: &[f32], model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
+        let next = self.sampler.sample(logits);
+        self.tokens.push(next);
+        let generated = self.tokens.len() - self.prompt_len;
+        if !self.ignore_eos && Some(next) == self.eos {
+            self.finished = Some(FinishReason::Stop);
+        } else if !self.stop.is_empty() {
+            self.text = model
+                .decode(self.generated())
+                .map_err(|e| EngineError::Model(e.to_string()))?;
+            if let Some(cut) = self.stop.iter().filter_map(|stop| self.text.find(stop.as_str())).min() {
+                self.text.truncate(cut);
+                self.finished = Some(FinishReason::Stop);
+            }
+        }
+        if self.finished.is_none() && generated >= self.max_new {
+            self.finished = Some(FinishReason::Length);
+        }
+        Ok(self.finished)
+    }
+
+    /// Text generated since the last call that can no longer change: nothing
+    /// that could still grow into a stop string, no half a character.
+    pub fn stream_delta(&mut self, model: &TextModel) -> Result<Option<String>, EngineError> {
+        if self.finished.is_none() || self.stop.is_empty() {
+            self.text = self.current_text(model)?;
+        }
+        let mut end = self.text.len();
+        if self.finished.is_none() {
+            end = self.text.trim_end_matches('\u{fffd}').len();
+            for stop in &self.stop {
+                // The longest tail of the text that begins a stop string is held back.
+                let held = (1..stop.len()).rev().find(|&n| {
+                    n <= end && self.text.is_char_boundary(end - n) && stop.starts_with(&self.text[end - n..end])
+                });
+                if let Some(n) = held {
+                    end = end.min(self.text.len() - n);
+                }
+            }
+        }
+        if end <= self.streamed {
+            return Ok(None);
+        }
+        let delta = self.text[self.streamed..end].to_string();
+        self.streamed = end;
+        Ok(Some(delta))
+    }
+
+    fn current_text(&self, model: &TextModel) -> Result<String, EngineError> {
+        let generated = self.generated();
+        // An end-of-sequence token ends the text; it is not part of it.
+        let generated = match (self.finished, generated.last()) {
+            (Some(FinishReason::Stop), Some(&t)) if Some(t) == self.eos => &generated[..generated.len() - 1],
+            _ => generated,
+        };
+        model.decode(generated).map_err(|e| EngineError::Model(e.to_string()))
+    }
+
+    /// The finished generation.
+    pub fn into_generation(self, model: &TextModel) -> Generation {
+        let text =
+            if self.finished == Some(FinishReason::Stop) && !self.stop.is_empty() && self.eos != Some(self.last()) {
+                self.text.clone()
+            } else {
+                self.current_text(model).unwrap_or_default()
+            };
+        Generation {
+            token_ids: self.generated().to_vec(),
+            text,
+            finish_reason: self.finished.unwrap_or(FinishReason::Length),
+            prompt_tokens: self.prompt_len,
+        }
+    }
+}
+
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// The end-of-sequence token or a stop string.
@@ -140,7 +326,7 @@ pub enum FinishReason {
 }
 
 /// One finished generation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Generation {
     /// Generated ids only (an end-of-sequence token included).
     pub token_ids: Vec<u32>,
@@ -150,62 +336,4 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
-}
-
-/// `max_tokens` when a request gives none.
-pub const DEFAULT_MAX_TOKENS: u32 = 256;
-
-impl TextModel {
-    /// Serve one request alone: render, tokenise, sample until a stop.
-    pub fn generate(&self, request: &crate::ValidRequest) -> Result<Generation, ModelError> {
-        use crate::sampling::{Sampler, SamplingParams};
-        let prompt = self.encode(&self.render(&request.prompt, request.raw)?)?;
-        if prompt.is_empty() {
-            return Err(ModelError::Config("the prompt is empty after tokenisation".into()));
-        }
-        let s = &request.sampling;
-        let room = self.model.config().max_position_embeddings.saturating_sub(prompt.len());
-        let max_new = (s.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) as usize).min(room);
-        let mut sampler = Sampler::new(SamplingParams {
-            temperature: s.temperature.unwrap_or(0.0),
-            top_k: s.top_k.map(|k| k as usize),
-            top_p: s.top_p,
-            seed: s.seed.unwrap_or(0),
-        });
-        let mut cache = self.model.new_cache();
-        let mut logits = self.model.forward(&prompt, &mut cache)?;
-        let mut token_ids = Vec::new();
-        let mut text = String::new();
-        while token_ids.len() < max_new {
-            let next = sampler.sample(&logits.to_vec1::<f32>()?);
-            token_ids.push(next);
-            if !s.ignore_eos && Some(next) == self.eos_id {
-                return Ok(self.finish(token_ids, text, FinishReason::Stop, prompt.len()));
-            }
-            text = self.decode(&token_ids)?;
-            if let Some(cut) = s.stop.iter().filter_map(|stop| text.find(stop.as_str())).min() {
-                text.truncate(cut);
-                return Ok(self.finish(token_ids, text, FinishReason::Stop, prompt.len()));
-            }
-            if token_ids.len() < max_new {
-                logits = self.model.forward(&[next], &mut cache)?;
-            }
-        }
-        Ok(self.finish(token_ids, text, FinishReason::Length, prompt.len()))
-    }
-
-    fn finish(
-        &self,
-        token_ids: Vec<u32>,
-        text: String,
-        finish_reason: FinishReason,
-        prompt_tokens: usize,
-    ) -> Generation {
-        Generation {
-            token_ids,
-            text,
-            finish_reason,
-            prompt_tokens,
-        }
-    }
 }

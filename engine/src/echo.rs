@@ -127,6 +127,7 @@ fn serve(job: Job) {
             completion_tokens: words(&text),
         },
         body: serde_json::json!({ "response": text }),
+        completion: None,
     };
     let _ = job.events.send(Event::Finished(output));
 }

@@ -19,6 +19,8 @@ pub mod kv;
 pub mod models;
 pub mod rng;
 pub mod sampling;
+pub mod scheduler;
+pub mod text_engine;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -52,6 +54,18 @@ pub struct Output {
     pub body: serde_json::Value,
     /// Token accounting.
     pub usage: Usage,
+    /// Generated token ids and why generation ended, from text-generation models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion: Option<Completion>,
+}
+
+/// The token-level result of a text generation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// Generated ids only (an end-of-sequence token included).
+    pub token_ids: Vec<u32>,
+    /// Why generation ended.
+    pub finish_reason: chat::FinishReason,
 }
 
 /// What a backend reports while serving one request.

@@ -34,6 +34,16 @@ impl BlockPool {
         }
     }
 
+    /// Add `n` fresh blocks (their ids follow the existing ones).
+    pub fn grow(&mut self, n: usize) {
+        let old = self.refcounts.len() as u32;
+        self.refcounts.resize(old as usize + n, 0);
+        let mut fresh: Vec<BlockId> = (old..old + n as u32).rev().map(BlockId).collect();
+        // Keep the old free blocks on top so they are handed out first.
+        fresh.append(&mut self.free);
+        self.free = fresh;
+    }
+
     /// Token slots per block.
     pub fn block_size(&self) -> usize {
         self.block_size

@@ -17,9 +17,13 @@ use candle_nn::{embedding, linear_b, linear_no_bias, rms_norm, Embedding, Linear
 use serde::Deserialize;
 
 use super::{load_tensors, read_config, ModelError};
+use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::sampling::{Sampler, SamplingParams};
 
 type Result<T> = std::result::Result<T, ModelError>;
+
+/// Block size of a sequence run alone.
+const SOLO_BLOCK: usize = 16;
 
 /// `rope_scaling` (or the newer `rope_parameters`) as written in `config.json`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -145,6 +149,16 @@ pub struct Config {
     pub max_position_embeddings: usize,
 }
 
+impl Config {
+    /// Weights that take part in a matrix product per token: every projection and the output head.
+    pub fn matmul_params(&self) -> usize {
+        let (h, d) = (self.hidden_size, self.head_dim);
+        let attention = 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d;
+        let mlp = 3 * h * self.intermediate_size;
+        self.num_layers * (attention + mlp) + h * self.vocab_size
+    }
+}
+
 impl LlamaConfigFile {
     /// Check and convert into the internal configuration.
     pub fn into_config(self) -> Result<Config> {
@@ -254,59 +268,81 @@ pub fn inverse_frequencies(cfg: &Config) -> Vec<f32> {
     scaled.into_iter().map(|f| f as f32).collect()
 }
 
-/// Precomputed cos/sin tables for every position.
+/// Precomputed cos/sin tables for every position, `(positions, head_dim / 2)`.
 #[derive(Debug, Clone)]
 struct Rotary {
-    cos: Tensor,
-    sin: Tensor,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
 }
 
 impl Rotary {
-    fn new(cfg: &Config, device: &Device) -> Result<Self> {
+    fn new(cfg: &Config) -> Self {
         let inv_freq = inverse_frequencies(cfg);
         let half = inv_freq.len();
-        let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
-        let positions = Tensor::arange(0u32, cfg.max_position_embeddings as u32, device)?
-            .to_dtype(DType::F32)?
-            .reshape((cfg.max_position_embeddings, 1))?;
-        let freqs = positions.matmul(&inv_freq)?;
-        Ok(Rotary {
-            cos: freqs.cos()?,
-            sin: freqs.sin()?,
-        })
+        let mut cos = Vec::with_capacity(cfg.max_position_embeddings * half);
+        let mut sin = Vec::with_capacity(cfg.max_position_embeddings * half);
+        for position in 0..cfg.max_position_embeddings {
+            for &f in &inv_freq {
+                // The angle in f32, as transformers computes it.
+                let angle = position as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Rotary { cos, sin, half }
     }
 
-    /// Rotate `x` of shape (batch, heads, seq, head_dim) for positions `start..start+seq`.
-    fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
-        let (_b, _h, seq, _d) = x.dims4()?;
-        let cos = self.cos.narrow(0, start, seq)?;
-        let sin = self.sin.narrow(0, start, seq)?;
-        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+    /// Rotate every head of every row of `x` (`(tokens, heads * head_dim)`) in
+    /// the "rotate half" layout, row `i` being at position `positions[i]`.
+    fn apply(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
+        let half = self.half;
+        for (row, &position) in x.chunks_exact_mut(heads * 2 * half).zip(positions) {
+            let cos = &self.cos[position * half..(position + 1) * half];
+            let sin = &self.sin[position * half..(position + 1) * half];
+            for head in row.chunks_exact_mut(2 * half) {
+                let (x1, x2) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (x1[i], x2[i]);
+                    x1[i] = a * cos[i] - b * sin[i];
+                    x2[i] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
     }
 }
 
-/// One layer's cached keys and values, (1, kv_heads, seq, head_dim) each.
-#[derive(Debug, Clone, Default)]
-struct LayerCache {
-    kv: Option<(Tensor, Tensor)>,
+/// The new tokens of one sequence in a batched forward pass.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// Tokens to run, at positions `start..start + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Tokens already in the cache before these.
+    pub start: usize,
+    /// The sequence's blocks, with room for these tokens already allocated.
+    pub blocks: &'a [BlockId],
+    /// Whether to return the logits after the last of these tokens.
+    pub logits: bool,
 }
 
-/// The KV cache of one sequence: owned by the caller, never by the model.
-#[derive(Debug, Clone, Default)]
+/// The KV cache of one sequence run alone: its own pool, table and storage,
+/// grown as it goes.
+#[derive(Debug, Clone)]
 pub struct SequenceCache {
-    layers: Vec<LayerCache>,
-    len: usize,
+    pool: BlockPool,
+    table: BlockTable,
+    kv: KvCache,
 }
 
 impl SequenceCache {
     /// Tokens cached so far.
     pub fn len(&self) -> usize {
-        self.len
+        self.table.len()
     }
 
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.table.is_empty()
     }
 }
 
@@ -318,7 +354,11 @@ struct Attention {
     o_proj: Linear,
     num_heads: usize,
     num_kv_heads: usize,
-    head_dim: usize,
+}
+
+/// A 2-D tensor's values, row-major.
+fn rows(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl Attention {
@@ -331,60 +371,30 @@ impl Attention {
             o_proj: linear_b(cfg.num_heads * d, h, cfg.o_bias, vb.pp("o_proj"))?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
-            head_dim: d,
         })
     }
 
-    fn forward(&self, x: &Tensor, rotary: &Rotary, start: usize, cache: &mut LayerCache) -> Result<Tensor> {
-        let (b, seq, _) = x.dims3()?;
-        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
-            Ok(t.reshape((b, seq, n, self.head_dim))?.transpose(1, 2)?.contiguous()?)
-        };
-        let q = rotary.apply(&heads(self.q_proj.forward(x)?, self.num_heads)?, start)?;
-        let k = rotary.apply(&heads(self.k_proj.forward(x)?, self.num_kv_heads)?, start)?;
-        let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
-        let (k, v) = match cache.kv.take() {
-            None => (k, v),
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-        };
-        cache.kv = Some((k.clone(), v.clone()));
-        let groups = self.num_heads / self.num_kv_heads;
-        let k = repeat_kv(&k, groups)?;
-        let v = repeat_kv(&v, groups)?;
-        let total = k.dim(2)?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = if seq > 1 {
-            scores.broadcast_add(&causal_mask(seq, start, total, x.device())?)?
-        } else {
-            scores
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, seq, self.num_heads * self.head_dim))?;
+    /// `x` is `(tokens, hidden)`: every sequence's new tokens, packed.
+    fn forward(&self, x: &Tensor, pass: &Pass<'_>, kv: &mut KvCache, layer: usize) -> Result<Tensor> {
+        let (tokens, _) = x.dims2()?;
+        let mut q = rows(&self.q_proj.forward(x)?)?;
+        let mut k = rows(&self.k_proj.forward(x)?)?;
+        let v = rows(&self.v_proj.forward(x)?)?;
+        pass.rotary.apply(&mut q, self.num_heads, &pass.positions);
+        pass.rotary.apply(&mut k, self.num_kv_heads, &pass.positions);
+        kv.write(layer, &pass.seqs, &k, &v);
+        let out = kv.attend(layer, &pass.seqs, self.num_heads, &q);
+        let width = out.len() / tokens;
+        let out = Tensor::from_vec(out, (tokens, width), x.device())?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
 
-/// (1, kv, s, d) → (1, kv * groups, s, d), each kv head repeated `groups` times in place.
-fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
-    if groups == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kv, s, d) = x.dims4()?;
-    Ok(x.unsqueeze(2)?
-        .expand((b, kv, groups, s, d))?
-        .reshape((b, kv * groups, s, d))?)
-}
-
-/// Additive mask letting query `i` (at position `start + i`) see keys `0..=start + i`.
-fn causal_mask(seq: usize, start: usize, total: usize, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..seq)
-        .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Ok(Tensor::from_vec(mask, (1, 1, seq, total), device)?)
+/// What every layer needs to know about one batched forward pass.
+struct Pass<'a> {
+    rotary: &'a Rotary,
+    seqs: Vec<AttentionSeq<'a>>,
+    positions: Vec<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -443,10 +453,10 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, rotary: &Rotary, start: usize, cache: &mut LayerCache) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, pass: &Pass<'_>, kv: &mut KvCache, layer: usize) -> Result<Tensor> {
         let attn = self
             .self_attn
-            .forward(&self.input_layernorm.forward(x)?, rotary, start, cache)?;
+            .forward(&self.input_layernorm.forward(x)?, pass, kv, layer)?;
         let x = (x + attn)?;
         let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok((x + mlp)?)
@@ -479,7 +489,7 @@ impl Llama {
         };
         Ok(Llama {
             norm: norm(model.pp("norm"), cfg)?,
-            rotary: Rotary::new(cfg, vb.device())?,
+            rotary: Rotary::new(cfg),
             embed_tokens,
             layers,
             lm_head,
@@ -492,37 +502,87 @@ impl Llama {
         &self.config
     }
 
-    /// A fresh cache for one sequence.
+    /// The shape of this model's KV cache with `block_size`-token blocks.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            layers: self.layers.len(),
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+        }
+    }
+
+    /// A fresh cache for one sequence run alone.
     pub fn new_cache(&self) -> SequenceCache {
         SequenceCache {
-            layers: vec![LayerCache::default(); self.layers.len()],
-            len: 0,
+            pool: BlockPool::new(0, SOLO_BLOCK),
+            table: BlockTable::default(),
+            kv: KvCache::new(self.kv_layout(SOLO_BLOCK), 0),
         }
     }
 
     /// Run `tokens` after what `cache` holds; returns the logits at the last position (vocab).
     pub fn forward(&self, tokens: &[u32], cache: &mut SequenceCache) -> Result<Tensor> {
-        let start = cache.len;
-        if start + tokens.len() > self.config.max_position_embeddings {
+        let start = cache.table.len();
+        let short = cache.table.blocks_needed(&cache.pool, tokens.len());
+        let short = short.saturating_sub(cache.pool.free_blocks());
+        cache.pool.grow(short);
+        cache.kv.grow(cache.pool.total_blocks());
+        cache
+            .table
+            .append(&mut cache.pool, tokens.len())
+            .expect("the pool was grown to fit");
+        let chunk = SeqChunk {
+            tokens,
+            start,
+            blocks: cache.table.blocks(),
+            logits: true,
+        };
+        Ok(self.forward_batch(&[chunk], &mut cache.kv)?.squeeze(0)?)
+    }
+
+    /// One batched step: every chunk's tokens run together, keys and values go
+    /// to `kv` through the chunks' blocks, and the logits after each chunk
+    /// that asks for them come back, `(chunks asking, vocab)` in chunk order.
+    pub fn forward_batch(&self, chunks: &[SeqChunk<'_>], kv: &mut KvCache) -> Result<Tensor> {
+        let limit = self.config.max_position_embeddings;
+        if let Some(c) = chunks.iter().find(|c| c.start + c.tokens.len() > limit) {
             return Err(ModelError::Config(format!(
-                "{} positions exceed max_position_embeddings {}",
-                start + tokens.len(),
-                self.config.max_position_embeddings
+                "{} positions exceed max_position_embeddings {limit}",
+                c.start + c.tokens.len()
             )));
         }
         let device = self.embed_tokens.embeddings().device();
-        let ids = Tensor::new(tokens, device)?.unsqueeze(0)?;
-        let mut x = self.embed_tokens.forward(&ids)?;
+        let ids: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let pass = Pass {
+            rotary: &self.rotary,
+            seqs: chunks
+                .iter()
+                .map(|c| AttentionSeq {
+                    blocks: c.blocks,
+                    start: c.start,
+                    len: c.tokens.len(),
+                })
+                .collect(),
+            positions: chunks.iter().flat_map(|c| c.start..c.start + c.tokens.len()).collect(),
+        };
+        let mut x = self.embed_tokens.forward(&Tensor::new(ids.as_slice(), device)?)?;
         if self.config.scale_embeddings {
             x = (x * (self.config.hidden_size as f64).sqrt())?;
         }
-        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&x, &self.rotary, start, layer_cache)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, &pass, kv, i)?;
         }
-        cache.len += tokens.len();
-        let last = x.narrow(1, tokens.len() - 1, 1)?;
-        let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
-        Ok(logits.flatten_all()?)
+        let mut last = Vec::new();
+        let mut end = 0u32;
+        for c in chunks {
+            end += c.tokens.len() as u32;
+            if c.logits {
+                last.push(end - 1);
+            }
+        }
+        let last = x.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
+        Ok(self.lm_head.forward(&self.norm.forward(&last)?)?)
     }
 
     /// Greedy decoding: `max_new` tokens after `prompt`.

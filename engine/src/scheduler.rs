@@ -1,0 +1,564 @@
+//! Iteration-level scheduling (Orca, Yu et al., 2022) over the paged KV cache,
+//! with chunked pre-fill under a per-step token budget (Sarathi, Agrawal et al.,
+//! 2023) and two lanes.
+//!
+//! Every step the scheduler decides which sequences run and how many of their
+//! tokens: sequences join and leave at any step. The real-time lane goes first
+//! in everything (admission, decoding, pre-fill) and has reserved capacity:
+//! batch work may not take the last `rt_reserved_seqs` sequence slots, nor
+//! be admitted into the last `rt_reserved_blocks` KV blocks. When blocks run
+//! out, the newest sequence not yet planned for this step is preempted —
+//! batch before real time — its blocks freed, to be recomputed from its tokens
+//! when it is admitted again.
+//!
+//! This is a pure state machine: it holds no tokens and runs no model, so it is
+//! tested directly. The engine thread owns it.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::kv::{BlockPool, BlockTable};
+use crate::Lane;
+
+/// A sequence's handle in the scheduler.
+pub type SeqId = u64;
+
+/// How sequences are admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Admit whenever there is room: sequences join and leave at every step.
+    Continuous,
+    /// Admit batch work only when no batch sequence runs (static batching; for comparison).
+    Static,
+}
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Sequences running at once.
+    pub max_seqs: usize,
+    /// Tokens computed per step, decoding and pre-fill together.
+    pub token_budget: usize,
+    /// Sequence slots batch work may not take.
+    pub rt_reserved_seqs: usize,
+    /// KV blocks batch admission must leave free.
+    pub rt_reserved_blocks: usize,
+    /// Admission policy.
+    pub policy: Policy,
+}
+
+/// One sequence's work in a step: compute its tokens `start..start + len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// Which sequence.
+    pub id: SeqId,
+    /// Its first token to compute (tokens before it are cached).
+    pub start: usize,
+    /// Tokens to compute.
+    pub len: usize,
+    /// Whether this computes the sequence's last known token, so a new one is sampled.
+    pub samples: bool,
+}
+
+/// A step's plan.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// What runs, real time first.
+    pub chunks: Vec<Chunk>,
+    /// Sequences that lost their KV blocks this step and wait to be recomputed.
+    pub preempted: Vec<SeqId>,
+}
+
+#[derive(Debug)]
+struct Seq {
+    lane: Lane,
+    /// Tokens known (prompt and generated).
+    tokens: usize,
+    /// Tokens whose keys and values are cached.
+    computed: usize,
+    table: BlockTable,
+    /// Arrival order, which decides who is newest.
+    order: u64,
+    running: bool,
+}
+
+/// The scheduler's state.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, Seq>,
+    waiting_rt: VecDeque<SeqId>,
+    waiting_batch: VecDeque<SeqId>,
+    /// Running sequences in arrival order.
+    running: Vec<SeqId>,
+    arrivals: u64,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler handing out `pool`'s blocks.
+    pub fn new(config: SchedulerConfig, pool: BlockPool) -> Self {
+        assert!(
+            config.token_budget >= config.max_seqs,
+            "every running sequence must be able to decode in one step"
+        );
+        Scheduler {
+            config,
+            pool,
+            seqs: HashMap::new(),
+            waiting_rt: VecDeque::new(),
+            waiting_batch: VecDeque::new(),
+            running: Vec::new(),
+            arrivals: 0,
+            preemptions: 0,
+        }
+    }
+
+    /// The most tokens one sequence can ever hold.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.total_blocks() * self.pool.block_size()
+    }
+
+    /// Queue a new sequence of `tokens` prompt tokens.
+    pub fn add(&mut self, id: SeqId, lane: Lane, tokens: usize) {
+        self.arrivals += 1;
+        let seq = Seq {
+            lane,
+            tokens,
+            computed: 0,
+            table: BlockTable::default(),
+            order: self.arrivals,
+            running: false,
+        };
+        self.seqs.insert(id, seq);
+        match lane {
+            Lane::RealTime => self.waiting_rt.push_back(id),
+            Lane::Batch => self.waiting_batch.push_back(id),
+        }
+    }
+
+    /// A token was sampled for `id`: it has one more token to compute.
+    pub fn append_token(&mut self, id: SeqId) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.tokens += 1;
+        }
+    }
+
+    /// `id` is done (finished, failed or cancelled): forget it and free its blocks.
+    pub fn remove(&mut self, id: SeqId) {
+        if let Some(mut seq) = self.seqs.remove(&id) {
+            seq.table.release(&mut self.pool);
+            self.running.retain(|&r| r != id);
+            self.waiting_rt.retain(|&r| r != id);
+            self.waiting_batch.retain(|&r| r != id);
+        }
+    }
+
+    /// The blocks of a sequence, in token order.
+    pub fn blocks(&self, id: SeqId) -> &[crate::kv::BlockId] {
+        self.seqs.get(&id).map_or(&[], |s| s.table.blocks())
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Sequences running and waiting.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting_rt.len() + self.waiting_batch.len())
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Free KV blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_blocks()
+    }
+
+    /// Decide the next step.
+    pub fn schedule(&mut self) -> Plan {
+        let mut plan = Plan::default();
+        self.admit_real_time(&mut plan);
+        let mut budget = self.config.token_budget;
+        let decoding = |s: &Seq| s.tokens - s.computed == 1 && s.computed > 0;
+        let by_lane_and_age = |lane: Lane, decode: bool, this: &Self| -> Vec<SeqId> {
+            this.running
+                .iter()
+                .copied()
+                .filter(|id| {
+                    let s = &this.seqs[id];
+                    s.lane == lane && decoding(s) == decode
+                })
+                .collect()
+        };
+        let batch_decodes = by_lane_and_age(Lane::Batch, true, self).len();
+        for id in by_lane_and_age(Lane::RealTime, true, self) {
+            self.plan_one(id, &mut budget, 0, &mut plan);
+        }
+        for id in by_lane_and_age(Lane::RealTime, false, self) {
+            self.plan_one(id, &mut budget, batch_decodes, &mut plan);
+        }
+        for id in by_lane_and_age(Lane::Batch, true, self) {
+            self.plan_one(id, &mut budget, 0, &mut plan);
+        }
+        for id in by_lane_and_age(Lane::Batch, false, self) {
+            self.plan_one(id, &mut budget, 0, &mut plan);
+        }
+        self.admit_batch(&mut budget, &mut plan);
+        plan
+    }
+
+    /// Real-time sequences join at once while there is a slot, taking batch slots if need be.
+    fn admit_real_time(&mut self, plan: &mut Plan) {
+        while let Some(&id) = self.waiting_rt.front() {
+            if self.running.len() >= self.config.max_seqs {
+                match self.victim(plan, Some(Lane::Batch), id) {
+                    Some(victim) => self.preempt(victim, plan),
+                    None => break,
+                }
+                continue;
+            }
+            self.waiting_rt.pop_front();
+            self.start(id);
+        }
+    }
+
+    /// Batch sequences join while slots, blocks above the reserve, and budget remain.
+    fn admit_batch(&mut self, budget: &mut usize, plan: &mut Plan) {
+        let batch_running = |this: &Self| {
+            this.running
+                .iter()
+                .filter(|id| this.seqs[id].lane == Lane::Batch)
+                .count()
+        };
+        if self.config.policy == Policy::Static && batch_running(self) > 0 {
+            return;
+        }
+        let batch_slots = self.config.max_seqs - self.config.rt_reserved_seqs.min(self.config.max_seqs);
+        while let Some(&id) = self.waiting_batch.front() {
+            if *budget == 0 || self.running.len() >= self.config.max_seqs || batch_running(self) >= batch_slots {
+                return;
+            }
+            let seq = &self.seqs[&id];
+            let take = (seq.tokens - seq.computed).min(*budget);
+            let needed = seq.table.blocks_needed(&self.pool, take);
+            // Alone, a sequence may use every block: the reserve must not stall the engine.
+            let reserve = if self.running.is_empty() {
+                0
+            } else {
+                self.config.rt_reserved_blocks
+            };
+            if self.pool.free_blocks() < needed + reserve {
+                return;
+            }
+            self.waiting_batch.pop_front();
+            self.start(id);
+            self.plan_one(id, budget, 0, plan);
+        }
+    }
+
+    fn start(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("queued sequences are known");
+        seq.running = true;
+        let order = seq.order;
+        let at = self.running.partition_point(|r| self.seqs[r].order < order);
+        self.running.insert(at, id);
+    }
+
+    /// Plan `id`'s next chunk, leaving `hold_back` tokens of budget for later
+    /// decodes, and preempting newer sequences if its blocks do not fit.
+    fn plan_one(&mut self, id: SeqId, budget: &mut usize, hold_back: usize, plan: &mut Plan) {
+        let seq = &self.seqs[&id];
+        if !seq.running {
+            return; // preempted earlier in this step
+        }
+        let take = (seq.tokens - seq.computed).min(budget.saturating_sub(hold_back));
+        if take == 0 {
+            return;
+        }
+        loop {
+            let seq = &self.seqs[&id];
+            if seq.table.blocks_needed(&self.pool, take) <= self.pool.free_blocks() {
+                break;
+            }
+            match self.victim(plan, None, id) {
+                Some(victim) => self.preempt(victim, plan),
+                None => {
+                    self.preempt(id, plan);
+                    return;
+                }
+            }
+        }
+        let seq = self.seqs.get_mut(&id).expect("planned sequences are known");
+        seq.table
+            .append(&mut self.pool, take)
+            .expect("blocks were checked above");
+        plan.chunks.push(Chunk {
+            id,
+            start: seq.computed,
+            len: take,
+            samples: seq.computed + take == seq.tokens,
+        });
+        seq.computed += take;
+        *budget -= take;
+    }
+
+    /// The newest running sequence, batch before real time (or of `lane` only),
+    /// that is not `except` and has nothing planned this step.
+    fn victim(&self, plan: &Plan, lane: Option<Lane>, except: SeqId) -> Option<SeqId> {
+        let candidates = |want: Lane| {
+            self.running
+                .iter()
+                .rev()
+                .copied()
+                .find(|&r| r != except && self.seqs[&r].lane == want && plan.chunks.iter().all(|c| c.id != r))
+        };
+        match lane {
+            Some(lane) => candidates(lane),
+            None => candidates(Lane::Batch).or_else(|| candidates(Lane::RealTime)),
+        }
+    }
+
+    /// Free a running sequence's blocks and queue it, first in its lane, to be recomputed.
+    fn preempt(&mut self, id: SeqId, plan: &mut Plan) {
+        let seq = self.seqs.get_mut(&id).expect("running sequences are known");
+        seq.table.release(&mut self.pool);
+        seq.computed = 0;
+        seq.running = false;
+        self.running.retain(|&r| r != id);
+        let queue = match seq.lane {
+            Lane::RealTime => &mut self.waiting_rt,
+            Lane::Batch => &mut self.waiting_batch,
+        };
+        let order = seq.order;
+        let at = queue.partition_point(|q| self.seqs[q].order < order);
+        queue.insert(at, id);
+        plan.preempted.push(id);
+        self.preemptions += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix;
+
+    fn config(max_seqs: usize, token_budget: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_seqs,
+            token_budget,
+            rt_reserved_seqs: 0,
+            rt_reserved_blocks: 0,
+            policy: Policy::Continuous,
+        }
+    }
+
+    /// Run a plan as the engine would: every sampling chunk yields a token.
+    fn run(s: &mut Scheduler, plan: &Plan) {
+        for c in &plan.chunks {
+            if c.samples {
+                s.append_token(c.id);
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
+        let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
+        s.add(1, Lane::Batch, 3);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.chunks,
+            vec![Chunk {
+                id: 1,
+                start: 0,
+                len: 3,
+                samples: true
+            }]
+        );
+        run(&mut s, &plan);
+        s.add(2, Lane::Batch, 20);
+        let plan = s.schedule();
+        // Sequence 1 decodes its one token; sequence 2 gets the other seven.
+        assert_eq!(
+            plan.chunks,
+            vec![
+                Chunk {
+                    id: 1,
+                    start: 3,
+                    len: 1,
+                    samples: true
+                },
+                Chunk {
+                    id: 2,
+                    start: 0,
+                    len: 7,
+                    samples: false
+                },
+            ]
+        );
+        run(&mut s, &plan);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.chunks[1],
+            Chunk {
+                id: 2,
+                start: 7,
+                len: 7,
+                samples: false
+            }
+        );
+    }
+
+    #[test]
+    fn real_time_work_is_admitted_first_and_into_reserved_room() {
+        let mut c = config(4, 64);
+        c.rt_reserved_seqs = 1;
+        let mut s = Scheduler::new(c, BlockPool::new(64, 4));
+        for id in 0..5 {
+            s.add(id, Lane::Batch, 4);
+        }
+        let plan = s.schedule();
+        assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
+        run(&mut s, &plan);
+        s.add(10, Lane::RealTime, 4);
+        let plan = s.schedule();
+        assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
+        assert_eq!(plan.chunks.len(), 4);
+    }
+
+    #[test]
+    fn batch_admission_leaves_the_reserved_blocks_free() {
+        let mut c = config(8, 64);
+        c.rt_reserved_blocks = 5;
+        let mut s = Scheduler::new(c, BlockPool::new(8, 4));
+        s.add(1, Lane::Batch, 8);
+        s.add(2, Lane::Batch, 8);
+        let plan = s.schedule();
+        assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
+        assert_eq!(s.free_blocks(), 6);
+        s.add(3, Lane::RealTime, 16);
+        let plan = s.schedule();
+        assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
+    }
+
+    #[test]
+    fn running_out_of_blocks_preempts_the_newest_batch_sequence() {
+        let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
+        s.add(1, Lane::Batch, 4);
+        s.add(2, Lane::Batch, 4);
+        s.add(3, Lane::Batch, 4);
+        s.add(4, Lane::Batch, 4);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
+        // Every sequence now needs a second block: the newest give theirs up.
+        let plan = s.schedule();
+        assert_eq!(plan.preempted, vec![4, 3]);
+        assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1, 2]);
+        run(&mut s, &plan);
+        // Sequence 4 lost its cache and will recompute all five of its tokens.
+        s.remove(1);
+        s.remove(2);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.chunks,
+            vec![
+                Chunk {
+                    id: 3,
+                    start: 0,
+                    len: 5,
+                    samples: true
+                },
+                Chunk {
+                    id: 4,
+                    start: 0,
+                    len: 5,
+                    samples: true
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn static_batching_waits_for_the_whole_batch() {
+        let mut c = config(2, 64);
+        c.policy = Policy::Static;
+        let mut s = Scheduler::new(c, BlockPool::new(64, 4));
+        for id in 0..3 {
+            s.add(id, Lane::Batch, 2);
+        }
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        s.remove(0);
+        let plan = s.schedule();
+        assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
+        s.remove(1);
+        let plan = s.schedule();
+        assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![2]);
+    }
+
+    #[test]
+    fn random_traffic_finishes_every_sequence_and_frees_every_block() {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_seqs: 6,
+                token_budget: 24,
+                rt_reserved_seqs: 1,
+                rt_reserved_blocks: 2,
+                policy: Policy::Continuous,
+            },
+            BlockPool::new(24, 4),
+        );
+        let mut rng = SplitMix::new(11);
+        let mut remaining: HashMap<SeqId, usize> = HashMap::new();
+        let mut next = 0;
+        for step in 0..200_000 {
+            if step >= 2_000 && s.is_idle() {
+                break;
+            }
+            if step < 2_000 && rng.next_u64() % 3 == 0 {
+                let lane = if rng.next_u64() % 4 == 0 {
+                    Lane::RealTime
+                } else {
+                    Lane::Batch
+                };
+                s.add(next, lane, 1 + (rng.next_u64() % 30) as usize);
+                remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
+                next += 1;
+            }
+            let plan = s.schedule();
+            assert!(plan.chunks.iter().map(|c| c.len).sum::<usize>() <= 24);
+            for c in &plan.chunks {
+                if c.samples {
+                    let left = remaining.get_mut(&c.id).unwrap();
+                    *left -= 1;
+                    if *left == 0 {
+                        s.remove(c.id);
+                        remaining.remove(&c.id);
+                    } else {
+                        s.append_token(c.id);
+                    }
+                }
+            }
+        }
+        assert!(
+            remaining.is_empty(),
+            "{} sequences never finished; {:?} running/waiting, {} free, {:?}",
+            remaining.len(),
+            s.counts(),
+            s.free_blocks(),
+            s.seqs
+                .iter()
+                .map(|(id, q)| (id, q.lane, q.tokens, q.computed, q.running))
+                .collect::<Vec<_>>()
+        );
+        assert!(s.is_idle());
+        assert_eq!(s.free_blocks(), 24);
+        assert!(s.preemptions() > 0, "the pool was meant to run short");
+    }
+}

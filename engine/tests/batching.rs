@@ -1,0 +1,188 @@
+//! Continuous batching on a real (tiny) model: a batch never changes a
+//! result, whatever the step budget, the cache size or the preemptions;
+//! cancellation frees a request's place; streams add up to the result.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use candle_core::Device;
+use lorry_engine::chat::{FinishReason, TextModel};
+use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::{collect, Backend, EngineError, Event, Lane, Task, ValidRequest};
+use serde_json::{json, Value};
+
+fn model(tag: &str) -> (TextModel, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("lorry-batching-{tag}-{}", std::process::id()));
+    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    (TextModel::from_dir(&dir, &Device::Cpu).unwrap(), dir)
+}
+
+fn request(body: Value) -> ValidRequest {
+    ValidRequest::parse(Task::TextGeneration, &body).unwrap()
+}
+
+/// Prompts of many lengths, greedy and sampled, some cut by a stop string
+/// taken from the middle of what they would generate otherwise.
+fn mixed_requests(model: &TextModel) -> Vec<ValidRequest> {
+    (0..14)
+        .map(|i| {
+            let prompt = "the quick brown fox jumps over the lazy dog ".repeat(1 + i % 5);
+            let mut body = json!({"prompt": prompt, "raw": true, "max_tokens": 6 + 3 * i, "ignore_eos": i % 3 == 0});
+            if i % 2 == 1 {
+                body["temperature"] = json!(0.9);
+                body["top_k"] = json!(50);
+                body["seed"] = json!(100 + i);
+            }
+            if i % 4 == 2 {
+                let text = model.generate(&request(body.clone())).unwrap().text;
+                let middle: String = text.chars().skip(text.chars().count() / 2).take(1).collect();
+                body["stop"] = json!([middle]);
+            }
+            if i % 7 == 3 {
+                body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 9, "seed": 3});
+            }
+            request(body)
+        })
+        .collect()
+}
+
+fn engine_config(kv_cache_bytes: usize, token_budget: usize) -> EngineConfig {
+    EngineConfig {
+        kv_cache_bytes,
+        token_budget,
+        max_seqs: 8,
+        rt_reserved_seqs: 2,
+        ..EngineConfig::default()
+    }
+}
+
+/// Every request through `engine` at once, half on each lane; results in order.
+async fn run_all(engine: &TextEngine, requests: &[ValidRequest]) -> Vec<lorry_engine::Output> {
+    let streams: Vec<_> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let lane = if i % 2 == 0 { Lane::Batch } else { Lane::RealTime };
+            engine.submit(r.clone(), lane).unwrap()
+        })
+        .collect();
+    let mut outputs = Vec::new();
+    for stream in streams {
+        outputs.push(collect(stream).await.unwrap());
+    }
+    outputs
+}
+
+fn assert_same_as_alone(model: &TextModel, requests: &[ValidRequest], outputs: &[lorry_engine::Output]) {
+    for (i, (r, out)) in requests.iter().zip(outputs).enumerate() {
+        let alone = model.generate(r).unwrap();
+        let completion = out.completion.as_ref().unwrap();
+        assert_eq!(completion.token_ids, alone.token_ids, "request {i}: tokens differ");
+        assert_eq!(completion.finish_reason, alone.finish_reason, "request {i}");
+        assert_eq!(out.body["response"], json!(alone.text), "request {i}");
+        assert_eq!(out.usage.prompt_tokens as usize, alone.prompt_tokens, "request {i}");
+        assert_eq!(
+            out.usage.completion_tokens as usize,
+            alone.token_ids.len(),
+            "request {i}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_batched_run_gives_the_same_results_as_each_request_alone() {
+    let (reference, dir) = model("same");
+    let requests = mixed_requests(&reference);
+    // A 24-token step budget splits every longer prompt into chunks.
+    let engine = TextEngine::start(
+        "tiny",
+        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
+        engine_config(1 << 30, 24),
+    );
+    let outputs = run_all(&engine, &requests).await;
+    assert_same_as_alone(&reference, &requests, &outputs);
+    assert!(outputs
+        .iter()
+        .any(|o| o.completion.as_ref().unwrap().finish_reason == FinishReason::Stop));
+    let steps = engine.counters().steps.load(Ordering::Relaxed);
+    let generated = engine.counters().generated_tokens.load(Ordering::Relaxed);
+    assert!(
+        steps < generated,
+        "{steps} steps for {generated} tokens: nothing was batched"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn preempted_sequences_are_recomputed_to_the_same_result() {
+    let (reference, dir) = model("preempt");
+    let requests = mixed_requests(&reference);
+    // Room for 320 tokens: enough for any one request, far from enough for eight.
+    let layout = reference.model.kv_layout(16);
+    let engine = TextEngine::start(
+        "tiny",
+        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
+        engine_config(20 * layout.bytes_per_block(), 64),
+    );
+    let outputs = run_all(&engine, &requests).await;
+    assert_same_as_alone(&reference, &requests, &outputs);
+    assert!(
+        engine.counters().preemptions.load(Ordering::Relaxed) > 0,
+        "the cache never ran short"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_dropped_stream_cancels_its_request_and_others_carry_on() {
+    let (reference, dir) = model("cancel");
+    let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
+    let long = request(json!({"prompt": "a", "raw": true, "max_tokens": 400, "ignore_eos": true, "stream": true}));
+    let mut events = engine.submit(long, Lane::Batch).unwrap();
+    assert!(matches!(events.recv().await, Some(Event::Token(_))));
+    drop(events);
+    let short = request(json!({"prompt": "b", "raw": true, "max_tokens": 3, "ignore_eos": true}));
+    let out = collect(engine.submit(short, Lane::Batch).unwrap()).await.unwrap();
+    assert_eq!(out.usage.completion_tokens, 3);
+    assert_eq!(engine.counters().cancelled.load(Ordering::Relaxed), 1);
+    assert!(engine.counters().generated_tokens.load(Ordering::Relaxed) < 400);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
+    let (reference, dir) = model("stream");
+    let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
+    for body in [
+        json!({"prompt": "hello", "raw": true, "max_tokens": 40, "ignore_eos": true, "stream": true}),
+        json!({"prompt": "hello", "raw": true, "max_tokens": 40, "stream": true, "stop": ["e", "zq"], "seed": 9, "temperature": 1.0}),
+    ] {
+        let mut events = engine.submit(request(body), Lane::RealTime).unwrap();
+        let mut streamed = String::new();
+        let out = loop {
+            match events.recv().await.unwrap() {
+                Event::Token(t) => streamed.push_str(&t),
+                Event::Finished(out) => break out,
+                Event::Failed(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(json!(streamed), out.body["response"]);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_prompt_longer_than_the_context_fails_alone() {
+    let (reference, dir) = model("long");
+    let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
+    let long = request(json!({"prompt": "z".repeat(600), "raw": true}));
+    let err = collect(engine.submit(long, Lane::Batch).unwrap()).await.unwrap_err();
+    match err {
+        EngineError::Input(e) => assert_eq!((e.code, e.param.as_str()), ("context_length_exceeded", "prompt")),
+        other => panic!("{other:?}"),
+    }
+    let ok = request(json!({"prompt": "z", "raw": true, "max_tokens": 2}));
+    assert!(collect(engine.submit(ok, Lane::Batch).unwrap()).await.is_ok());
+    let _ = std::fs::remove_dir_all(dir);
+}
