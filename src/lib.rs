@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use candle_core::Device;
 use lorry_api::{ApiConfig, AppState};
 use lorry_batcher::broker::Topology;
 use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
@@ -23,8 +24,12 @@ use lorry_batcher::relay::{self, RelayConfig};
 use lorry_batcher::store::Store;
 use lorry_batcher::webhooks::{WebhookConfig, WebhookSender};
 use lorry_batcher::worker::{Worker, WorkerConfig};
+use lorry_engine::catalog::ModelSource;
+use lorry_engine::chat::TextModel;
 use lorry_engine::echo::{EchoConfig, EchoEngine};
-use lorry_engine::{Backend, Catalog};
+use lorry_engine::embedding::{Embedder, EmbeddingEngine};
+use lorry_engine::text_engine::TextEngine;
+use lorry_engine::{Backend, Catalog, Task};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -90,7 +95,8 @@ impl Application {
         });
         objects.ensure_bucket().await.context("reaching the S3 bucket")?;
         let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
-        let catalog = Catalog::builtin();
+        let sources = settings.model_sources()?;
+        let catalog = Catalog::with_sources(&sources);
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let relay = RelayConfig {
@@ -102,7 +108,10 @@ impl Application {
         };
         tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
         if role.has_worker() {
-            spawn_worker(&settings, &store, &objects, &topology, &catalog, &stop, &mut tasks);
+            let backends = start_backends(&settings, &sources).await?;
+            spawn_worker(
+                &settings, &store, &objects, &topology, &catalog, backends, &stop, &mut tasks,
+            );
         }
         let mut app = Application {
             listener: None,
@@ -174,19 +183,45 @@ impl Application {
     }
 }
 
+/// Load every model of the catalogue and start its engine (off the async runtime: loading reads the weights).
+async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow::Result<Vec<Arc<dyn Backend>>> {
+    let echo = EchoEngine::start(EchoConfig {
+        delay: Duration::from_millis(settings.echo_delay_ms),
+    });
+    let mut backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
+    for source in sources.iter().cloned() {
+        let config = settings.engine.config();
+        let started = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Backend>> {
+            let context = || format!("loading {} from {}", source.name, source.dir.display());
+            Ok(match source.task {
+                Task::Embeddings => {
+                    let embedder = Embedder::from_dir(&source.dir, &Device::Cpu).with_context(context)?;
+                    Arc::new(EmbeddingEngine::start(&source.name, embedder))
+                }
+                _ => {
+                    let model = TextModel::from_dir(&source.dir, &Device::Cpu).with_context(context)?;
+                    Arc::new(TextEngine::start(&source.name, model, config))
+                }
+            })
+        });
+        let backend = started.await??;
+        tracing::info!(model = backend.model(), "serving");
+        backends.push(backend);
+    }
+    Ok(backends)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn spawn_worker(
     settings: &Settings,
     store: &Store,
     objects: &ObjectStore,
     topology: &Topology,
     catalog: &Catalog,
+    backends: Vec<Arc<dyn Backend>>,
     stop: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) {
-    let echo = EchoEngine::start(EchoConfig {
-        delay: Duration::from_millis(settings.echo_delay_ms),
-    });
-    let backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
     let finaliser = Finaliser::new(
         store.clone(),
         objects.clone(),

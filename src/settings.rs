@@ -2,8 +2,14 @@
 //! overridden by command-line flags.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
+
+use anyhow::Context as _;
+use lorry_engine::catalog::{demo_models, read_catalog_file, ModelSource};
+
+use crate::offline::EngineArgs;
 
 /// A secret that never prints.
 #[derive(Clone, PartialEq, Eq)]
@@ -115,6 +121,17 @@ pub struct Settings {
     /// Milliseconds the echo model spends on each request (tests and benchmarks).
     #[arg(long, env = "LORRY_ECHO_DELAY_MS", default_value_t = 0)]
     pub echo_delay_ms: u64,
+    /// The model catalogue: a JSON file mapping served names to checkpoint
+    /// directories. Unset: `@lorry/echo`, `@lorry/demo-llama` and `@lorry/demo-bge`.
+    #[arg(long, env = "LORRY_MODELS")]
+    pub models: Option<PathBuf>,
+    /// Where Lorry keeps its own files (the demo models); `$XDG_DATA_HOME/lorry`
+    /// or `~/.local/share/lorry` when unset.
+    #[arg(long, env = "LORRY_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub engine: EngineArgs,
 }
 
 #[derive(clap::Parser)]
@@ -128,6 +145,31 @@ impl Settings {
     pub fn from_env() -> Result<Self, clap::Error> {
         use clap::Parser as _;
         SettingsOnly::try_parse_from(["lorry"]).map(|s| s.settings)
+    }
+
+    /// The data directory, resolved.
+    pub fn data_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.data_dir {
+            return dir.clone();
+        }
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::env::var_os("XDG_DATA_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| home.join(".local/share"))
+            .join("lorry")
+    }
+
+    /// The served models other than the echo model: the catalogue file's, or the demo models.
+    pub fn model_sources(&self) -> anyhow::Result<Vec<ModelSource>> {
+        match &self.models {
+            Some(file) => Ok(read_catalog_file(file)?),
+            None => {
+                let dir = self.data_dir();
+                demo_models(&dir).with_context(|| format!("writing the demo models under {}", dir.display()))
+            }
+        }
     }
 
     /// The real-time timeout.

@@ -1,13 +1,20 @@
 //! The models a deployment serves, and which input each accepts.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::fixtures::{self, Fixture};
 use crate::input::{InputError, ValidRequest};
+use crate::models::ModelError;
 
 /// The built-in deterministic model used to test and benchmark the pipeline.
 pub const ECHO_MODEL: &str = "@lorry/echo";
+/// A tiny random-weight Llama served when no catalogue is configured.
+pub const DEMO_LLAMA: &str = "@lorry/demo-llama";
+/// A tiny random-weight BERT embedder served when no catalogue is configured.
+pub const DEMO_BGE: &str = "@lorry/demo-bge";
 
 /// What a model does, which decides the input it accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +23,8 @@ pub enum Task {
     Echo,
     /// Text generation from a prompt or chat messages.
     TextGeneration,
+    /// One normalised vector per input text.
+    Embeddings,
 }
 
 /// One served model.
@@ -62,6 +71,15 @@ impl Catalog {
         catalog
     }
 
+    /// The echo model and every model of `sources`.
+    pub fn with_sources(sources: &[ModelSource]) -> Self {
+        let mut catalog = Catalog::builtin();
+        for source in sources {
+            catalog.insert(source.spec());
+        }
+        catalog
+    }
+
     /// Add or replace a model.
     pub fn insert(&mut self, spec: ModelSpec) {
         self.models.insert(spec.name.clone(), spec);
@@ -83,6 +101,109 @@ impl Catalog {
     }
 }
 
+/// A served name and the checkpoint directory behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSource {
+    /// The name clients use.
+    pub name: String,
+    /// A Hugging Face checkpoint directory.
+    pub dir: PathBuf,
+    /// What it does, from its `config.json`.
+    pub task: Task,
+}
+
+impl ModelSource {
+    fn new(name: &str, dir: PathBuf) -> Result<Self, ModelError> {
+        let task = task_of(&dir)?;
+        Ok(ModelSource {
+            name: name.to_string(),
+            dir,
+            task,
+        })
+    }
+
+    /// What clients are told about it.
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            name: self.name.clone(),
+            task: self.task,
+            takes_adapters: false,
+        }
+    }
+}
+
+/// Embeddings for BERT checkpoints, text generation for Llama-family ones.
+fn task_of(dir: &Path) -> Result<Task, ModelError> {
+    #[derive(serde::Deserialize)]
+    struct Kind {
+        model_type: Option<String>,
+    }
+    let kind: Kind = crate::models::read_config(dir)?;
+    match kind.model_type.as_deref().unwrap_or("llama") {
+        "bert" => Ok(Task::Embeddings),
+        "llama" | "mistral" | "qwen2" | "gemma" => Ok(Task::TextGeneration),
+        other => Err(ModelError::Config(format!(
+            "{}: model_type {other:?} is not served",
+            dir.display()
+        ))),
+    }
+}
+
+/// Read a catalogue file (`LORRY_MODELS`): a JSON object from served names to
+/// checkpoint directories, each a path or `{"path": …}`; relative paths start
+/// at the file's directory.
+pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
+    let fail = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+    let entries: serde_json::Map<String, Value> = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+    if entries.is_empty() {
+        return Err(fail("names no model".into()));
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    entries
+        .iter()
+        .map(|(name, entry)| {
+            let dir = match entry {
+                Value::String(dir) => dir.as_str(),
+                Value::Object(o) if o.keys().all(|k| k == "path") => {
+                    o.get("path").and_then(Value::as_str).unwrap_or_default()
+                }
+                _ => return Err(fail(format!("{name}: give a directory or {{\"path\": directory}}"))),
+            };
+            if dir.is_empty() || name.is_empty() || name == ECHO_MODEL {
+                return Err(fail(format!(
+                    "{name:?}: a name and a directory are required ({ECHO_MODEL} is built in)"
+                )));
+            }
+            ModelSource::new(name, base.join(dir))
+        })
+        .collect()
+}
+
+/// The demo models, written under `data_dir/models` the first time they are needed.
+pub fn demo_models(data_dir: &Path) -> Result<Vec<ModelSource>, ModelError> {
+    [
+        (DEMO_LLAMA, Fixture::TinyLlama, "demo-llama"),
+        (DEMO_BGE, Fixture::TinyBert, "demo-bge"),
+    ]
+    .into_iter()
+    .map(|(name, fixture, folder)| {
+        let dir = data_dir.join("models").join(folder);
+        if !dir.join("config.json").exists() {
+            // Written aside and renamed, so a concurrent start never sees half a model.
+            let staging = data_dir
+                .join("models")
+                .join(format!(".{folder}-{}", std::process::id()));
+            fixtures::write(fixture, &staging)?;
+            if std::fs::rename(&staging, &dir).is_err() {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+        }
+        ModelSource::new(name, dir)
+    })
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -96,5 +217,34 @@ mod tests {
         assert!(echo.validate(&json!({"prompt": "a"})).is_ok());
         let err = echo.validate(&json!({"prompt": "a", "lora": "mine"})).unwrap_err();
         assert_eq!((err.code, err.param.as_str()), ("adapters_not_supported", "lora"));
+    }
+
+    #[test]
+    fn a_catalogue_file_names_directories_and_the_task_comes_from_each_config() {
+        let root = std::env::temp_dir().join(format!("lorry-catalog-{}", std::process::id()));
+        let demos = demo_models(&root).unwrap();
+        assert_eq!(
+            demos.iter().map(|s| (s.name.as_str(), s.task)).collect::<Vec<_>>(),
+            vec![(DEMO_LLAMA, Task::TextGeneration), (DEMO_BGE, Task::Embeddings)]
+        );
+        // A second start finds them in place.
+        assert_eq!(demo_models(&root).unwrap(), demos);
+        let file = root.join("models.json");
+        std::fs::write(
+            &file,
+            r#"{"@cf/meta/llama": "models/demo-llama", "@cf/baai/bge": {"path": "models/demo-bge"}}"#,
+        )
+        .unwrap();
+        let sources = read_catalog_file(&file).unwrap();
+        let llama = sources.iter().find(|s| s.name == "@cf/meta/llama").unwrap();
+        assert_eq!(llama.dir, root.join("models/demo-llama"));
+        let catalog = Catalog::with_sources(&sources);
+        assert_eq!(catalog.names(), vec!["@cf/baai/bge", "@cf/meta/llama", ECHO_MODEL]);
+        assert_eq!(catalog.get("@cf/baai/bge").unwrap().task, Task::Embeddings);
+        std::fs::write(&file, r#"{"@cf/x": "nowhere"}"#).unwrap();
+        assert!(read_catalog_file(&file).unwrap_err().to_string().contains("nowhere"));
+        std::fs::write(&file, r#"{"@cf/x": {"dir": "models/demo-bge"}}"#).unwrap();
+        assert!(read_catalog_file(&file).is_err());
+        let _ = std::fs::remove_dir_all(root);
     }
 }

@@ -73,6 +73,11 @@ impl TextModel {
             (Prompt::Text(t) | Prompt::Plain(t), true, _) | (Prompt::Text(t) | Prompt::Plain(t), _, None) => {
                 return Ok(t.clone())
             }
+            (Prompt::Inputs(_), _, _) => {
+                return Err(ModelError::Config(
+                    "a text-generation model takes a prompt or messages".into(),
+                ))
+            }
             (Prompt::Messages(m), _, None) => {
                 return Err(ModelError::Config(format!(
                     "the model has no chat template for {} messages; send a raw prompt",

@@ -7,13 +7,12 @@
 //! lane, and can be slowed down (`delay` per request) so that tests and
 //! benchmarks can watch a batch in flight.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use crate::input::{Prompt, ValidRequest};
+use crate::serial::SerialQueue;
 use crate::{Backend, EngineError, Event, EventStream, Lane, Output, Usage, ECHO_MODEL};
 
 /// How the echo engine behaves.
@@ -23,100 +22,31 @@ pub struct EchoConfig {
     pub delay: Duration,
 }
 
-struct Job {
-    request: ValidRequest,
-    events: mpsc::UnboundedSender<Event>,
-}
-
-#[derive(Default)]
-struct Queues {
-    realtime: VecDeque<Job>,
-    batch: VecDeque<Job>,
-    stopped: bool,
-}
-
-struct Shared {
-    queues: Mutex<Queues>,
-    ready: Condvar,
-}
-
 /// A handle to the running echo engine; the engine thread stops when the last handle drops.
 #[derive(Clone)]
 pub struct EchoEngine {
-    shared: Arc<Shared>,
-    _owner: Arc<StopOnDrop>,
-}
-
-struct StopOnDrop(Arc<Shared>);
-
-impl Drop for StopOnDrop {
-    fn drop(&mut self) {
-        lock(&self.0).stopped = true;
-        self.0.ready.notify_all();
-    }
-}
-
-fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, Queues> {
-    // A panic while holding the lock cannot leave the queues inconsistent: every
-    // critical section is a single push or pop.
-    shared.queues.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    queue: SerialQueue,
 }
 
 impl EchoEngine {
     /// Start the engine thread and wait until it is ready.
     pub fn start(config: EchoConfig) -> Self {
-        let shared = Arc::new(Shared {
-            queues: Mutex::new(Queues::default()),
-            ready: Condvar::new(),
+        let queue = SerialQueue::start("lorry-echo", move |request, events| {
+            if !config.delay.is_zero() {
+                std::thread::sleep(config.delay);
+            }
+            serve(request, events);
         });
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let worker = Arc::clone(&shared);
-        std::thread::Builder::new()
-            .name("lorry-echo".into())
-            .spawn(move || {
-                let _ = ready_tx.send(());
-                run(&worker, config);
-            })
-            .expect("spawning the echo engine thread");
-        let _ = ready_rx.recv();
-        EchoEngine {
-            _owner: Arc::new(StopOnDrop(Arc::clone(&shared))),
-            shared,
-        }
+        EchoEngine { queue }
     }
 }
 
-fn next_job(shared: &Shared) -> Option<Job> {
-    let mut queues = lock(shared);
-    loop {
-        if queues.stopped {
-            return None;
-        }
-        if let Some(job) = queues.realtime.pop_front().or_else(|| queues.batch.pop_front()) {
-            return Some(job);
-        }
-        queues = shared.ready.wait(queues).unwrap_or_else(|p| p.into_inner());
-    }
-}
-
-fn run(shared: &Shared, config: EchoConfig) {
-    while let Some(job) = next_job(shared) {
-        if job.events.is_closed() {
-            continue; // cancelled before it started
-        }
-        if !config.delay.is_zero() {
-            std::thread::sleep(config.delay);
-        }
-        serve(job);
-    }
-}
-
-fn serve(job: Job) {
-    let text = echo_text(&job.request);
-    let prompt_tokens = words(&job.request.prompt_text());
-    if job.request.stream {
+fn serve(request: ValidRequest, events: &mpsc::UnboundedSender<Event>) {
+    let text = echo_text(&request);
+    let prompt_tokens = words(&request.prompt_text());
+    if request.stream {
         for word in text.split_inclusive(' ') {
-            if job.events.send(Event::Token(word.to_string())).is_err() {
+            if events.send(Event::Token(word.to_string())).is_err() {
                 return;
             }
         }
@@ -129,13 +59,14 @@ fn serve(job: Job) {
         body: serde_json::json!({ "response": text }),
         completion: None,
     };
-    let _ = job.events.send(Event::Finished(output));
+    let _ = events.send(Event::Finished(output));
 }
 
 fn echo_text(request: &ValidRequest) -> String {
     match &request.prompt {
         Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
         Prompt::Messages(m) => m.last().map(|m| m.content.clone()).unwrap_or_default(),
+        Prompt::Inputs(texts) => texts.join("\n"),
     }
 }
 
@@ -149,20 +80,7 @@ impl Backend for EchoEngine {
     }
 
     fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        let (events, stream) = mpsc::unbounded_channel();
-        let job = Job { request, events };
-        {
-            let mut queues = lock(&self.shared);
-            if queues.stopped {
-                return Err(EngineError::Stopped);
-            }
-            match lane {
-                Lane::RealTime => queues.realtime.push_back(job),
-                Lane::Batch => queues.batch.push_back(job),
-            }
-        }
-        self.shared.ready.notify_one();
-        Ok(stream)
+        self.queue.submit(request, lane)
     }
 }
 

@@ -6,8 +6,11 @@ use std::path::Path;
 use candle_core::Device;
 use tokenizers::{Tokenizer, TruncationParams};
 
+use crate::input::{Prompt, ValidRequest};
 use crate::models::bert::{Bert, Pooling};
 use crate::models::ModelError;
+use crate::serial::SerialQueue;
+use crate::{Backend, EngineError, Event, EventStream, Lane, Output, Usage};
 
 /// An embedding model ready to serve.
 pub struct Embedder {
@@ -69,5 +72,69 @@ fn sentence_transformers_pooling(dir: &Path) -> Option<Pooling> {
         Some(Pooling::Mean)
     } else {
         None
+    }
+}
+
+/// An embedding model served on its own thread, one request at a time, real
+/// time first; cheap to clone.
+#[derive(Clone)]
+pub struct EmbeddingEngine {
+    name: std::sync::Arc<str>,
+    queue: SerialQueue,
+}
+
+impl EmbeddingEngine {
+    /// Start serving `embedder` as `name`.
+    pub fn start(name: &str, embedder: Embedder) -> Self {
+        let queue = SerialQueue::start(&format!("lorry-embed {name}"), move |request, events| {
+            let _ = events.send(match embed_request(&embedder, &request) {
+                Ok(output) => Event::Finished(output),
+                Err(error) => Event::Failed(error),
+            });
+        });
+        EmbeddingEngine {
+            name: name.into(),
+            queue,
+        }
+    }
+}
+
+/// `{"shape": [n, d], "data": [[…]], "pooling"}` for every input text.
+fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, EngineError> {
+    let Prompt::Inputs(texts) = &request.prompt else {
+        return Err(EngineError::Model("an embedding model takes text".into()));
+    };
+    let pooling = request.pooling.unwrap_or(embedder.default_pooling());
+    let mut data = Vec::with_capacity(texts.len());
+    let mut tokens = 0;
+    for text in texts {
+        tokens += embedder
+            .tokenize(text)
+            .map_err(|e| EngineError::Model(e.to_string()))?
+            .len();
+        data.push(
+            embedder
+                .embed(text, Some(pooling))
+                .map_err(|e| EngineError::Model(e.to_string()))?,
+        );
+    }
+    let width = data.first().map_or(0, Vec::len);
+    Ok(Output {
+        body: serde_json::json!({"shape": [data.len(), width], "data": data, "pooling": pooling}),
+        usage: Usage {
+            prompt_tokens: tokens as u32,
+            completion_tokens: 0,
+        },
+        completion: None,
+    })
+}
+
+impl Backend for EmbeddingEngine {
+    fn model(&self) -> &str {
+        &self.name
+    }
+
+    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
+        self.queue.submit(request, lane)
     }
 }

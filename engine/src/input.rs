@@ -8,6 +8,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::catalog::Task;
+use crate::models::bert::Pooling;
 
 /// Why a request body was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -138,8 +139,10 @@ pub enum Prompt {
     Text(String),
     /// A chat conversation, rendered with the model's template unless `raw`.
     Messages(Vec<Message>),
-    /// Plain text (the echo model; later, embedding inputs).
+    /// Plain text (the echo model).
     Plain(String),
+    /// Texts to embed, one embedding each.
+    Inputs(Vec<String>),
 }
 
 /// Sampling and stopping parameters, already range-checked.
@@ -180,21 +183,28 @@ pub struct ValidRequest {
     pub lora: Option<String>,
     /// Sampling parameters.
     pub sampling: Sampling,
+    /// How token vectors become one embedding (embedding models; their default when absent).
+    pub pooling: Option<Pooling>,
 }
 
 /// The largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+/// The most texts one embeddings request may carry.
+pub const MAX_EMBEDDING_INPUTS: usize = 100;
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
 impl ValidRequest {
     /// Validate a request body for a model of the given task.
     pub fn parse(task: Task, body: &Value) -> Result<ValidRequest, InputError> {
         let mut f = Fields::new(body, "")?;
+        if task == Task::Embeddings {
+            return parse_embeddings(f);
+        }
         let prompt_text: Option<String> = f.optional("prompt", "a string")?;
         let messages = f.raw("messages").map(parse_messages).transpose()?;
         let text: Option<String> = match task {
             Task::Echo => f.optional("text", "a string")?,
-            Task::TextGeneration => None,
+            Task::TextGeneration | Task::Embeddings => None,
         };
         let raw = f.optional("raw", "a boolean")?.unwrap_or(false);
         let stream = f.optional("stream", "a boolean")?.unwrap_or(false);
@@ -226,6 +236,7 @@ impl ValidRequest {
             stream,
             lora,
             sampling,
+            pooling: None,
         })
     }
 
@@ -234,8 +245,54 @@ impl ValidRequest {
         match &self.prompt {
             Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
             Prompt::Messages(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+            Prompt::Inputs(texts) => texts.join("\n"),
         }
     }
+}
+
+/// `{"text": string | [strings], "pooling"?: "cls" | "mean"}`.
+fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
+    let texts = match f.raw("text") {
+        None => return Err(InputError::new("missing_field", "text", "text is required")),
+        Some(Value::String(t)) => vec![t.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    InputError::new(
+                        "invalid_type",
+                        format!("text[{i}]"),
+                        format!("text[{i}] must be a string"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => {
+            return Err(InputError::new(
+                "invalid_type",
+                "text",
+                "text must be a string or an array of strings",
+            ))
+        }
+    };
+    if texts.is_empty() || texts.len() > MAX_EMBEDDING_INPUTS {
+        return Err(InputError::new(
+            "invalid_value",
+            "text",
+            format!("text takes 1 to {MAX_EMBEDDING_INPUTS} strings"),
+        ));
+    }
+    let pooling = f.optional("pooling", "\"cls\" or \"mean\"")?;
+    f.deny_unknown()?;
+    Ok(ValidRequest {
+        prompt: Prompt::Inputs(texts),
+        raw: false,
+        stream: false,
+        lora: None,
+        sampling: Sampling::default(),
+        pooling,
+    })
 }
 
 fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {

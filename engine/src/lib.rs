@@ -20,6 +20,7 @@ pub mod models;
 pub mod rng;
 pub mod sampling;
 pub mod scheduler;
+pub mod serial;
 pub mod text_engine;
 
 use serde::{Deserialize, Serialize};

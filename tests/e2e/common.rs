@@ -50,6 +50,8 @@ pub async fn isolated_settings() -> Settings {
     settings.webhook_allow_private = true;
     settings.sweep_interval_ms = 200;
     settings.webhook_min_backoff_ms = 50;
+    // The demo models are written once and shared by every test deployment.
+    settings.data_dir = Some(std::env::temp_dir().join("lorry-test-data"));
     settings
 }
 
@@ -188,6 +190,7 @@ impl TestApp {
             ("LORRY_QUEUE_PREFIX".into(), s.queue_prefix.clone()),
             ("LORRY_SWEEP_INTERVAL_MS".into(), s.sweep_interval_ms.to_string()),
             ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
+            ("LORRY_DATA_DIR".into(), s.data_dir().display().to_string()),
         ]
     }
 

@@ -6,6 +6,7 @@ mod common;
 
 mod batches;
 mod durability;
+mod models;
 mod offline;
 mod realtime;
 mod webhooks;

@@ -43,7 +43,7 @@ fn default_eps() -> f64 {
 }
 
 /// How token vectors become one embedding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pooling {
     /// The first (`[CLS]`) token's vector.

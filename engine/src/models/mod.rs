@@ -60,11 +60,20 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     Ok(files)
 }
 
-/// Every tensor of a checkpoint directory, its shards merged.
+/// Every tensor of a checkpoint directory, its shards merged, read through
+/// memory maps (the files are never copied whole into memory).
 pub fn load_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>, ModelError> {
+    let files = safetensors_files(dir)?;
+    // SAFETY: the maps are read-only and dropped before this returns; every
+    // tensor is copied (and converted) out of them. A checkpoint rewritten while
+    // it loads is the one hazard, as with any reader of a file being changed.
+    let mapped = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files)? };
     let mut tensors = HashMap::new();
-    for file in safetensors_files(dir)? {
-        tensors.extend(candle_core::safetensors::load(&file, device)?);
+    for (name, _) in mapped.tensors() {
+        let tensor = mapped
+            .load(&name, device)
+            .map_err(|e| candle_core::Error::Msg(format!("tensor {name}: {e}")))?;
+        tensors.insert(name, tensor);
     }
     Ok(tensors)
 }

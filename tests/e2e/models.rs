@@ -1,0 +1,103 @@
+//! Real models behind the service: with no catalogue, `lorry serve` writes and
+//! serves the demo models; their answers are the engine's own.
+
+use std::time::Duration;
+
+use candle_core::Device;
+use lorry_engine::chat::TextModel;
+use lorry_engine::embedding::Embedder;
+use lorry_engine::{Task, ValidRequest};
+use serde_json::{json, Value};
+
+use crate::common::{assert_each_index_once, spawn_app};
+
+const RUN: &str = "/client/v4/accounts/default/ai/run";
+
+#[tokio::test]
+async fn the_demo_models_serve_generations_and_embeddings_on_both_lanes() {
+    let app = spawn_app().await;
+    let models = app.settings.data_dir().join("models");
+    let llama = TextModel::from_dir(&models.join("demo-llama"), &Device::Cpu).unwrap();
+    let generate = |body: &Value| {
+        llama
+            .generate(&ValidRequest::parse(Task::TextGeneration, body).unwrap())
+            .unwrap()
+    };
+
+    // Real time.
+    let body = json!({"prompt": "Hello there", "raw": true, "max_tokens": 8, "ignore_eos": true});
+    let answer: Value = app
+        .post(&format!("{RUN}/@lorry/demo-llama"), &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["success"], true, "{answer}");
+    assert_eq!(answer["result"]["response"], json!(generate(&body).text));
+    assert_eq!(answer["result"]["usage"]["completion_tokens"], 8);
+
+    let embedded: Value = app
+        .post(
+            &format!("{RUN}/@lorry/demo-bge"),
+            &json!({"text": ["first text", "second"], "pooling": "cls"}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let embedder = Embedder::from_dir(&models.join("demo-bge"), &Device::Cpu).unwrap();
+    let want = embedder
+        .embed("second", Some(lorry_engine::models::bert::Pooling::Cls))
+        .unwrap();
+    assert_eq!(embedded["result"]["shape"], json!([2, want.len()]), "{embedded}");
+    assert_eq!(embedded["result"]["pooling"], "cls");
+    let got: Vec<f32> = serde_json::from_value(embedded["result"]["data"][1].clone()).unwrap();
+    assert!(
+        got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6),
+        "{got:?} vs {want:?}"
+    );
+
+    // The batch lane: a mix of chat and raw requests in continuous batches.
+    let bodies: Vec<Value> = (0..40)
+        .map(|i| match i % 2 {
+            0 => json!({"prompt": format!("request {i}"), "raw": true, "max_tokens": 4 + i % 7, "ignore_eos": true}),
+            _ => json!({"messages": [{"role": "user", "content": format!("hi {i}")}], "max_tokens": 6, "seed": i, "temperature": 0.7}),
+        })
+        .collect();
+    let requests: Vec<Value> = bodies.iter().map(|b| json!({"body": b})).collect();
+    let response = app
+        .post(
+            "/v1/batches",
+            &json!({"model": "@lorry/demo-llama", "requests": requests}),
+        )
+        .await;
+    assert_eq!(response.status(), 202);
+    let batch: Value = response.json().await.unwrap();
+    let done = app
+        .wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(60))
+        .await;
+    assert_eq!(done["request_counts"]["succeeded"], 40, "{done}");
+    let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
+    assert_each_index_once(&lines, 40);
+    for line in &lines {
+        let index = line["index"].as_u64().unwrap() as usize;
+        let alone = generate(&bodies[index]);
+        assert_eq!(
+            line["response"]["body"]["response"],
+            json!(alone.text),
+            "request {index}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_embeddings_request_with_a_bad_text_is_refused_by_field() {
+    let app = spawn_app().await;
+    let bad = app
+        .post(&format!("{RUN}/@lorry/demo-bge"), &json!({"text": ["ok", 5]}))
+        .await;
+    assert_eq!(bad.status(), 400);
+    let bad: Value = bad.json().await.unwrap();
+    assert_eq!(bad["error"]["code"], "invalid_type");
+    assert_eq!(bad["error"]["param"], "text[1]");
+}
