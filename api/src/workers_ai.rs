@@ -217,13 +217,26 @@ async fn final_output(mut replies: mpsc::UnboundedReceiver<Reply>) -> Result<Out
         match reply {
             Reply::Token { .. } => {}
             Reply::Done { output } => return Ok(output),
-            Reply::Error { code, message } => return Err(engine_failure(code, message)),
+            Reply::Error { code, message, param } => return Err(engine_failure(code, message, param)),
         }
     }
-    Err(engine_failure("engine_stopped".into(), "the worker went away".into()))
+    Err(engine_failure(
+        "engine_stopped".into(),
+        "the worker went away".into(),
+        None,
+    ))
 }
 
-fn engine_failure(code: String, message: String) -> ApiError {
+/// A bad input found by the model (a prompt too long for it, say) is the
+/// client's 400 naming the field; anything else is a 502 carrying the engine's code.
+fn engine_failure(code: String, message: String, param: Option<String>) -> ApiError {
+    if let Some(param) = param {
+        return ApiError::from(lorry_engine::InputError {
+            code: lorry_engine::input::input_code(&code),
+            param,
+            message,
+        });
+    }
     let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
     error.param = Some(code);
     error
@@ -248,9 +261,9 @@ fn stream_replies(
                     (replies, true),
                 ));
             }
-            Some(Reply::Error { code, message }) => Event::default()
+            Some(Reply::Error { code, message, param }) => Event::default()
                 .event("error")
-                .data(json!({"code": code, "message": message}).to_string()),
+                .data(json!({"code": code, "message": message, "param": param}).to_string()),
             None => return None,
         };
         Some((stream::iter(vec![event]), (replies, false)))

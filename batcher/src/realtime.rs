@@ -10,7 +10,7 @@ use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use lorry_engine::{Event, EventStream, Output};
+use lorry_engine::{EngineError, Event, EventStream, Output};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -47,6 +47,9 @@ pub enum Reply {
         code: String,
         /// Explanation.
         message: String,
+        /// The input field at fault, when the request itself was bad.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        param: Option<String>,
     },
 }
 
@@ -56,6 +59,19 @@ impl Reply {
         Reply::Error {
             code: code.to_string(),
             message: message.to_string(),
+            param: None,
+        }
+    }
+
+    /// The reply for an engine's error, naming the field when the input was at fault.
+    pub fn engine_error(error: &EngineError) -> Self {
+        match error {
+            EngineError::Input(input) => Reply::Error {
+                code: input.code.to_string(),
+                message: input.message.clone(),
+                param: Some(input.param.clone()),
+            },
+            other => Reply::error(other.code(), &other.to_string()),
         }
     }
 
@@ -92,7 +108,7 @@ pub async fn forward(mut events: EventStream, reply: &ReplyTo<'_>) -> Result<(),
         let message = match event {
             Event::Token(text) => Reply::Token { text },
             Event::Finished(output) => Reply::Done { output },
-            Event::Failed(e) => Reply::error(e.code(), &e.to_string()),
+            Event::Failed(e) => Reply::engine_error(&e),
         };
         reply.send(&message).await?;
         if message.is_last() {

@@ -314,7 +314,7 @@ impl Worker {
         };
         let sent = match started {
             Ok(events) => realtime::forward(events, &reply).await,
-            Err(e) => reply.send(&Reply::error(e.code(), &e.to_string())).await,
+            Err(e) => reply.send(&Reply::engine_error(&e)).await,
         };
         if let Err(e) = sent {
             tracing::debug!(error = %e, "could not answer a real-time request");

@@ -48,6 +48,31 @@ fn join_path(prefix: &str, field: &str) -> String {
     }
 }
 
+/// Every code an [`InputError`] can carry, so that one crossing a process
+/// boundary as text can be turned back into the same stable code.
+pub const INPUT_CODES: [&str; 11] = [
+    "adapters_not_supported",
+    "conflicting_fields",
+    "context_length_exceeded",
+    "empty_messages",
+    "empty_prompt",
+    "invalid_type",
+    "invalid_value",
+    "missing_field",
+    "out_of_range",
+    "template_error",
+    "unknown_field",
+];
+
+/// The stable code spelled `code`, or `invalid_request` for one this version does not know.
+pub fn input_code(code: &str) -> &'static str {
+    INPUT_CODES
+        .iter()
+        .find(|&&c| c == code)
+        .copied()
+        .unwrap_or("invalid_request")
+}
+
 /// Reads the fields of one JSON object, refusing wrong types and, at the end, unknown fields.
 pub struct Fields<'a> {
     path: String,

@@ -101,3 +101,18 @@ async fn an_embeddings_request_with_a_bad_text_is_refused_by_field() {
     assert_eq!(bad["error"]["code"], "invalid_type");
     assert_eq!(bad["error"]["param"], "text[1]");
 }
+
+#[tokio::test]
+async fn a_prompt_too_long_for_the_model_is_refused_by_field_on_the_real_time_lane() {
+    let app = spawn_app().await;
+    let too_long = app
+        .post(
+            &format!("{RUN}/@lorry/demo-llama"),
+            &json!({"prompt": "x".repeat(600), "raw": true}),
+        )
+        .await;
+    assert_eq!(too_long.status(), 400);
+    let body: Value = too_long.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    assert_eq!(body["error"]["param"], "prompt");
+}
