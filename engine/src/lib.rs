@@ -15,6 +15,7 @@ pub mod echo;
 pub mod embedding;
 pub mod fixtures;
 pub mod input;
+pub mod kernels;
 pub mod kv;
 pub mod models;
 pub mod rng;

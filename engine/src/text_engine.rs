@@ -244,7 +244,12 @@ impl EngineLoop {
         if plan.chunks.is_empty() {
             return;
         }
-        match self.forward(&plan) {
+        // A panic in the model ends this step's requests, not the engine.
+        // The pass runs on a worker of the compute pool, which then takes part in
+        // its own parallel loops instead of waking both workers for each of them.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
+            .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+        match result {
             Ok(rows) => self.sample(&plan, &rows),
             Err(error) => {
                 tracing::error!(%error, "forward pass failed");
@@ -321,6 +326,14 @@ impl EngineLoop {
             }
         }
     }
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("unknown")
 }
 
 fn output(decoding: Decoding, model: &TextModel) -> Output {
