@@ -27,7 +27,7 @@ pub type SeqId = u64;
 pub enum Policy {
     /// Admit whenever there is room: sequences join and leave at every step.
     Continuous,
-    /// Admit batch work only when no batch sequence runs (static batching; for comparison).
+    /// Form a batch, run it until its last sequence ends, then form the next (static batching; for comparison).
     Static,
 }
 
@@ -79,6 +79,8 @@ struct Seq {
     /// Arrival order, which decides who is newest.
     order: u64,
     running: bool,
+    /// Tokens sampled so far.
+    generated: usize,
 }
 
 /// The scheduler's state.
@@ -129,6 +131,7 @@ impl Scheduler {
             table: BlockTable::default(),
             order: self.arrivals,
             running: false,
+            generated: 0,
         };
         self.seqs.insert(id, seq);
         match lane {
@@ -141,6 +144,7 @@ impl Scheduler {
     pub fn append_token(&mut self, id: SeqId) {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.tokens += 1;
+            seq.generated += 1;
         }
     }
 
@@ -235,7 +239,13 @@ impl Scheduler {
                 .filter(|id| this.seqs[id].lane == Lane::Batch)
                 .count()
         };
-        if self.config.policy == Policy::Static && batch_running(self) > 0 {
+        // A static batch is formed before it decodes (its prompts may take
+        // several steps to pre-fill) and then runs to its end.
+        let decoding = self
+            .running
+            .iter()
+            .any(|id| self.seqs[id].lane == Lane::Batch && self.seqs[id].generated > 0);
+        if self.config.policy == Policy::Static && decoding {
             return;
         }
         let batch_slots = self.config.max_seqs - self.config.rt_reserved_seqs.min(self.config.max_seqs);
@@ -493,6 +503,7 @@ mod tests {
             s.add(id, Lane::Batch, 2);
         }
         let plan = s.schedule();
+        assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
         run(&mut s, &plan);
         s.remove(0);
         let plan = s.schedule();
