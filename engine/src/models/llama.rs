@@ -461,7 +461,7 @@ impl Attention {
         let out = kv.attend(layer, &pass.seqs, self.num_heads, &q);
         let width = out.len() / tokens;
         let out = Tensor::from_vec(out, (tokens, width), x.device())?;
-        Ok(self.o_proj.forward(&out)?)
+        self.o_proj.forward(&out)
     }
 }
 
@@ -503,7 +503,7 @@ impl Mlp {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,
         };
-        Ok(self.down_proj.forward(&(gate * up)?)?)
+        self.down_proj.forward(&(gate * up)?)
     }
 }
 
@@ -666,7 +666,7 @@ impl Llama {
             }
         }
         let last = x.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
-        Ok(self.lm_head.forward(&self.norm.forward(&last)?)?)
+        self.lm_head.forward(&self.norm.forward(&last)?)
     }
 
     /// Greedy decoding: `max_new` tokens after `prompt`.
