@@ -274,14 +274,17 @@ impl Decoding {
         }
         let mut end = self.text.len();
         if self.finished.is_none() {
-            end = self.text.trim_end_matches('\u{fffd}').len();
+            let settled = self.text.trim_end_matches('\u{fffd}').len();
+            end = settled;
             for stop in &self.stop {
                 // The longest tail of the text that begins a stop string is held back.
                 let held = (1..stop.len()).rev().find(|&n| {
-                    n <= end && self.text.is_char_boundary(end - n) && stop.starts_with(&self.text[end - n..end])
+                    n <= settled
+                        && self.text.is_char_boundary(settled - n)
+                        && stop.starts_with(&self.text[settled - n..settled])
                 });
                 if let Some(n) = held {
-                    end = end.min(self.text.len() - n);
+                    end = end.min(settled - n);
                 }
             }
         }

@@ -51,6 +51,15 @@ fn has_avx2_fma() -> bool {
     }
 }
 
+/// `a · b`, with AVX2/FMA when the CPU has them.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    if has_avx2_fma() {
+        dot_fast(a, b)
+    } else {
+        dot_portable(a, b)
+    }
+}
+
 fn dot_fast(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {

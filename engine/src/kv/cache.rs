@@ -8,6 +8,7 @@
 use rayon::prelude::*;
 
 use super::BlockId;
+use crate::kernels::dot;
 
 /// The shape of one token's cached keys (or values) in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,19 +158,6 @@ impl KvCache {
             });
         out
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociating.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8 * 8;
-    for (x, y) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let tail: f32 = a[chunks..].iter().zip(&b[chunks..]).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
