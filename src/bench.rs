@@ -173,14 +173,27 @@ struct Ceilings {
     gemm_flops: f64,
 }
 
-fn measure_ceilings() -> anyhow::Result<Ceilings> {
+/// The ceilings for a model that reads `weight_bytes` each step.
+fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
     use rayon::prelude::*;
-    // 1 GiB: far larger than any cache, like a model's weights.
-    let data = vec![1f32; 1 << 28];
+    // A buffer the size of the weights, read the way the decode kernel reads
+    // them (rows of 1024 floats dotted with one row held in L1), on every
+    // core: whatever of it the caches keep between passes, they keep for the
+    // model too.
+    const ROW: usize = 1024;
+    let data = vec![1f32; (weight_bytes / 4).max(1 << 24) / ROW * ROW];
+    let ones = vec![1f32; ROW];
     let mut best = f64::MAX;
     for _ in 0..5 {
         let start = Instant::now();
-        let sum: f32 = data.par_chunks(1 << 16).map(sum_wide).sum();
+        let sum: f32 = data
+            .par_chunks(64 * ROW)
+            .map(|c| {
+                c.chunks_exact(ROW)
+                    .map(|r| lorry_engine::kernels::dot(r, &ones))
+                    .sum::<f32>()
+            })
+            .sum();
         std::hint::black_box(sum);
         best = best.min(start.elapsed().as_secs_f64());
     }
@@ -199,17 +212,6 @@ fn measure_ceilings() -> anyhow::Result<Ceilings> {
         bandwidth,
         gemm_flops: 2.0 * (n * n * n) as f64 / best,
     })
-}
-
-/// A sum with sixteen independent accumulators, so the loads, not the adds, set its pace.
-fn sum_wide(values: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    for chunk in values.chunks_exact(16) {
-        for (a, v) in acc.iter_mut().zip(chunk) {
-            *a += v;
-        }
-    }
-    acc.iter().sum()
 }
 
 /// Requests of `prompt_tokens` bytes each (one token a byte on the fixtures' tokenizer), greedy, to `new_tokens`.
@@ -265,7 +267,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let config = model.model.config().clone();
     let params = config.matmul_params() as f64;
     eprintln!("measuring the machine's ceilings");
-    let ceilings = measure_ceilings()?;
+    let ceilings = measure_ceilings(config.matmul_params() * 4)?;
     println!(
         "machine: {} threads; memory read {:.1} GB/s; f32 GEMM (candle matmul, 2048^3) {:.1} GFLOP/s",
         rayon::current_num_threads(),

@@ -7,6 +7,9 @@
 
 use rayon::prelude::*;
 
+/// How far ahead of the current weight (in floats) the fast dot product prefetches.
+const PREFETCH_AHEAD: usize = 1024;
+
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 64;
 
@@ -132,6 +135,10 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     // SAFETY (every load below): `i + 8 * j + 8 <= n`, within both slices.
     while i + 32 <= n {
+        // The next weight row starts one row on: fetch it ahead, across the page
+        // boundary that the hardware prefetchers stop at. A prefetch never faults.
+        _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
+        _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD + 16) as *const i8, _MM_HINT_T0);
         for (j, acc) in acc.iter_mut().enumerate() {
             let va = _mm256_loadu_ps(pa.add(i + 8 * j));
             let vb = _mm256_loadu_ps(pb.add(i + 8 * j));

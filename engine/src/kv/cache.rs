@@ -134,13 +134,15 @@ impl KvCache {
             .zip(queries.par_chunks(heads * d))
             .zip(rows.par_iter())
             .for_each(|((out, query), &(seq, position))| {
+                // Where each visible position's keys and values start, found once per row.
+                let slots = self.slot_offsets(seq.blocks, position + 1);
                 let mut scores = vec![0f32; position + 1];
                 for head in 0..heads {
-                    let kv_head = head / groups;
+                    let at_head = (head / groups) * d;
                     let q = &query[head * d..(head + 1) * d];
                     let mut max = f32::NEG_INFINITY;
-                    for (j, score) in scores.iter_mut().enumerate() {
-                        let at = self.offset(seq.blocks, j) + kv_head * d;
+                    for (score, &at) in scores.iter_mut().zip(&slots) {
+                        let at = at + at_head;
                         *score = dot(q, &stored.keys[at..at + d]) * scale;
                         max = max.max(*score);
                     }
@@ -150,13 +152,23 @@ impl KvCache {
                         total += *score;
                     }
                     let o = &mut out[head * d..(head + 1) * d];
-                    for (j, &weight) in scores.iter().enumerate() {
-                        let at = self.offset(seq.blocks, j) + kv_head * d;
+                    for (&weight, &at) in scores.iter().zip(&slots) {
+                        let at = at + at_head;
                         axpy(weight / total, &stored.values[at..at + d], o);
                     }
                 }
             });
         out
+    }
+
+    /// The offsets of positions `0..len` of a sequence, block by block.
+    fn slot_offsets(&self, blocks: &[BlockId], len: usize) -> Vec<usize> {
+        let (bs, width) = (self.layout.block_size, self.layout.token_width());
+        blocks
+            .iter()
+            .flat_map(|block| (0..bs).map(move |slot| (block.0 as usize * bs + slot) * width))
+            .take(len)
+            .collect()
     }
 }
 
