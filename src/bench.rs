@@ -175,26 +175,22 @@ struct Ceilings {
 
 /// The ceilings for a model that reads `weight_bytes` each step.
 fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
-    use rayon::prelude::*;
-    // A buffer the size of the weights, read the way the decode kernel reads
-    // them (rows of 1024 floats dotted with one row held in L1), on every
-    // core: whatever of it the caches keep between passes, they keep for the
-    // model too.
+    // A buffer the size of the weights, read by the decode kernel itself (as
+    // a weight matrix times one token row), on every core: whatever of it the
+    // caches keep between passes, they keep for the model too.
     const ROW: usize = 1024;
     let data = vec![1f32; (weight_bytes / 4).max(1 << 24) / ROW * ROW];
     let ones = vec![1f32; ROW];
     let mut best = f64::MAX;
     for _ in 0..5 {
         let start = Instant::now();
-        let sum: f32 = data
-            .par_chunks(64 * ROW)
-            .map(|c| {
-                c.chunks_exact(ROW)
-                    .map(|r| lorry_engine::kernels::dot(r, &ones))
-                    .sum::<f32>()
-            })
-            .sum();
-        std::hint::black_box(sum);
+        std::hint::black_box(lorry_engine::kernels::weight_times_rows(
+            &data,
+            data.len() / ROW,
+            ROW,
+            &ones,
+            1,
+        ));
         best = best.min(start.elapsed().as_secs_f64());
     }
     let bandwidth = (data.len() * 4) as f64 / best;

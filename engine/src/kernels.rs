@@ -36,7 +36,11 @@ pub fn weight_times_rows(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> 
                 }
                 for (t, o) in o.iter_mut().enumerate() {
                     let xt = &x[t * k..(t + 1) * k];
-                    *o = if fast { dot_fast(row, xt) } else { dot_portable(row, xt) };
+                    *o = if fast {
+                        dot_fast::<true>(row, xt)
+                    } else {
+                        dot_portable(row, xt)
+                    };
                 }
             }
         });
@@ -57,17 +61,18 @@ fn has_avx2_fma() -> bool {
 /// `a · b`, with AVX2/FMA when the CPU has them.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     if has_avx2_fma() {
-        dot_fast(a, b)
+        dot_fast::<false>(a, b)
     } else {
         dot_portable(a, b)
     }
 }
 
-fn dot_fast(a: &[f32], b: &[f32]) -> f32 {
+/// `STREAM`: `a` is a row of a weight matrix being streamed; fetch the next row ahead.
+fn dot_fast<const STREAM: bool>(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: only called after `has_avx2_fma` found both features on this CPU.
-        unsafe { dot_avx2(a, b) }
+        unsafe { dot_avx2::<STREAM>(a, b) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -127,7 +132,7 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx2<const STREAM: bool>(a: &[f32], b: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(b.len());
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
@@ -137,8 +142,11 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     while i + 32 <= n {
         // The next weight row starts one row on: fetch it ahead, across the page
         // boundary that the hardware prefetchers stop at. A prefetch never faults.
-        _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
-        _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD + 16) as *const i8, _MM_HINT_T0);
+        // Elsewhere (attention) what lies ahead is not read next: no prefetch.
+        if STREAM {
+            _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(pa.wrapping_add(i + PREFETCH_AHEAD + 16) as *const i8, _MM_HINT_T0);
+        }
         for (j, acc) in acc.iter_mut().enumerate() {
             let va = _mm256_loadu_ps(pa.add(i + 8 * j));
             let vb = _mm256_loadu_ps(pb.add(i + 8 * j));
