@@ -1,5 +1,8 @@
 //! Liveness and readiness.
 
+use std::future::Future;
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
@@ -14,10 +17,14 @@ pub async fn healthz() -> Json<Value> {
 
 /// Postgres, RabbitMQ and S3 are all reachable.
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
-    let (db, broker, s3) = tokio::join!(state.store.ping(), state.realtime.ping(), state.objects.ping());
-    let check = |r: &Result<(), lorry_batcher::BatcherError>| match r {
+    let (db, broker, s3) = tokio::join!(
+        bounded(state.store.ping()),
+        bounded(state.realtime.ping()),
+        bounded(state.objects.ping())
+    );
+    let check = |r: &Result<(), String>| match r {
         Ok(()) => json!("ok"),
-        Err(e) => json!(e.to_string()),
+        Err(e) => json!(e),
     };
     let ready = db.is_ok() && broker.is_ok() && s3.is_ok();
     let body = json!({
@@ -30,4 +37,15 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) 
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, Json(body))
+}
+
+/// How long one readiness check may take: a service that accepts connections
+/// but never answers is as unavailable as one that refuses them.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
+
+async fn bounded(check: impl Future<Output = Result<(), lorry_batcher::BatcherError>>) -> Result<(), String> {
+    match tokio::time::timeout(CHECK_TIMEOUT, check).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+    }
 }

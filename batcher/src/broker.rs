@@ -160,13 +160,22 @@ where
     }
 }
 
+/// How long opening a broker connection may take before it counts as failed:
+/// a broker that accepts TCP but never completes the handshake must not hang its caller.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// Open a connection on the tokio runtime, named so operators can find it.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
         .with_connection_name(name.into());
-    Ok(Connection::connect(url, properties).await?)
+    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, properties)).await {
+        Ok(connection) => Ok(connection?),
+        Err(_) => Err(BatcherError::BrokerLost(format!(
+            "no answer from the broker within {CONNECT_TIMEOUT:?}"
+        ))),
+    }
 }
 
 /// A channel in confirm mode.
