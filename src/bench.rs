@@ -1,12 +1,17 @@
 //! Benchmarks that print tables. `lorry bench pipeline`: one large batch on
 //! `@lorry/echo` against a running stack, timed from the client's side.
-//! `lorry bench engine`: decode rates against the machine's rooflines, and
+//! `lorry bench engine`: the packed product kernels against candle, decode
+//! rates in each weight precision against the machine's rooflines, and
 //! continuous against static batching.
 
 use std::time::{Duration, Instant};
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+
+use candle_core::{DType, Device, Tensor};
+use lorry_engine::gemm::{self, PackedMatrix};
+use lorry_engine::models::llama::Config;
 
 use anyhow::{bail, Context as _};
 use lorry_engine::chat::TextModel;
@@ -148,8 +153,11 @@ pub struct EngineBenchArgs {
     /// A Llama-family checkpoint; the `bench` fixture, written to a temporary directory, when absent.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Weight precisions to write the `bench` fixture in and decode with (without `--model`).
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+    pub dtype: Vec<String>,
     /// Batch sizes to decode at.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub batch: Vec<usize>,
     /// Prompt length, in tokens.
     #[arg(long, default_value_t = 32)]
@@ -169,35 +177,32 @@ pub struct EngineBenchArgs {
 struct Ceilings {
     /// Bytes per second, reading memory on every core.
     bandwidth: f64,
-    /// f32 multiply-adds (×2) per second in a large candle matmul.
+    /// f32 multiply-adds (×2) per second on registers alone, every core busy.
+    peak_flops: f64,
+    /// The same in a large candle matmul (2048³).
     gemm_flops: f64,
 }
 
 /// The ceilings for a model that reads `weight_bytes` each step.
 fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
-    // A buffer the size of the weights, read by the decode kernel itself (as
-    // a weight matrix times one token row), on every core: whatever of it the
+    // A buffer the size of the weights, read by the decode kernel itself (one
+    // token row through a packed matrix), on every core: whatever of it the
     // caches keep between passes, they keep for the model too.
-    const ROW: usize = 1024;
-    let data = vec![1f32; (weight_bytes / 4).max(1 << 24) / ROW * ROW];
-    let ones = vec![1f32; ROW];
+    const INPUTS: usize = 1024;
+    let outputs = (weight_bytes / 4).max(1 << 24) / INPUTS;
+    let packed = PackedMatrix::from_f32(&vec![1f32; outputs * INPUTS], outputs, INPUTS);
+    let ones = vec![1f32; INPUTS];
     let mut best = f64::MAX;
     for _ in 0..5 {
         let start = Instant::now();
-        std::hint::black_box(lorry_engine::kernels::weight_times_rows(
-            &data,
-            data.len() / ROW,
-            ROW,
-            &ones,
-            1,
-        ));
+        std::hint::black_box(packed.matmul(&ones, 1));
         best = best.min(start.elapsed().as_secs_f64());
     }
-    let bandwidth = (data.len() * 4) as f64 / best;
-    drop(data);
+    let bandwidth = packed.bytes() as f64 / best;
+    drop(packed);
     let n = 2048;
-    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &candle_core::Device::Cpu)?;
-    let b = candle_core::Tensor::randn(0f32, 1.0, (n, n), &candle_core::Device::Cpu)?;
+    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
     let mut best = f64::MAX;
     for _ in 0..4 {
         let start = Instant::now();
@@ -206,8 +211,93 @@ fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
     }
     Ok(Ceilings {
         bandwidth,
+        peak_flops: gemm::peak_flops(),
         gemm_flops: 2.0 * (n * n * n) as f64 / best,
     })
+}
+
+/// One step's products (every layer's own weights, so that they stream from
+/// memory as in the model), timed at each batch size: candle's `matmul`
+/// against the packed kernel in each precision.
+fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
+    let shapes = config.matmul_shapes();
+    let weights: Vec<Tensor> = shapes
+        .iter()
+        .flat_map(|&(n, k, count)| (0..count).map(move |_| (n, k)))
+        .map(|(n, k)| Tensor::randn(0f32, 0.02, (n, k), &Device::Cpu))
+        .collect::<candle_core::Result<_>>()?;
+    let flops_per_row: usize = weights.iter().map(|w| 2 * w.elem_count()).sum();
+    let packed: Vec<(&str, Vec<PackedMatrix>)> = [("f32", DType::F32), ("f16", DType::F16), ("bf16", DType::BF16)]
+        .into_iter()
+        .map(|(name, dtype)| {
+            let packed = weights
+                .iter()
+                .map(|w| PackedMatrix::from_tensor(&w.to_dtype(dtype)?))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok((name, packed))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    println!(
+        "products of one decode step ({} matrices, {:.1}M weights), GFLOP/s:\n",
+        weights.len(),
+        flops_per_row as f64 / 2e6
+    );
+    println!("| rows | candle matmul | packed f32 | packed f16 | packed bf16 | f32 vs candle |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for &m in batches {
+        let inputs: Vec<Tensor> = weights
+            .iter()
+            .map(|w| Tensor::randn(0f32, 1.0, (m, w.dim(1)?), &Device::Cpu))
+            .collect::<candle_core::Result<_>>()?;
+        let rows: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|x| x.flatten_all()?.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()?;
+        let rate = |seconds: f64| (m * flops_per_row) as f64 / seconds / 1e9;
+        // candle's better orientation at this size: x·Wᵀ, or W·xᵀ transposed back.
+        let candle = best_of(3, || {
+            for (w, x) in weights.iter().zip(&inputs) {
+                std::hint::black_box(x.matmul(&w.t()?)?);
+            }
+            Ok(())
+        })?
+        .min(best_of(3, || {
+            for (w, x) in weights.iter().zip(&inputs) {
+                std::hint::black_box(w.matmul(&x.t()?)?);
+            }
+            Ok(())
+        })?);
+        let mut fast = Vec::new();
+        for (_, matrices) in &packed {
+            fast.push(best_of(3, || {
+                for (w, x) in matrices.iter().zip(&rows) {
+                    std::hint::black_box(w.matmul(x, m));
+                }
+                Ok(())
+            })?);
+        }
+        println!(
+            "| {m} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x |",
+            rate(candle),
+            rate(fast[0]),
+            rate(fast[1]),
+            rate(fast[2]),
+            candle / fast[0]
+        );
+    }
+    println!();
+    Ok(())
+}
+
+/// The best wall time of `runs` runs of `f`, in seconds.
+fn best_of(runs: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut best = f64::MAX;
+    for _ in 0..runs {
+        let start = Instant::now();
+        f()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best)
 }
 
 /// Requests of `prompt_tokens` bytes each (one token a byte on the fixtures' tokenizer), greedy, to `new_tokens`.
@@ -248,72 +338,95 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
     }
 }
 
-/// Decode rates at each batch size against the rooflines, then continuous versus static batching.
+/// The product kernels against candle, decode rates at each batch size and
+/// weight precision against the rooflines, then continuous versus static batching.
 pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
-    let dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => {
-            let dir = std::env::temp_dir().join(format!("lorry-bench-model-{}", std::process::id()));
-            eprintln!("writing the bench fixture to {}", dir.display());
-            fixtures::write(Fixture::Bench, &dir)?;
-            dir
-        }
+    let scratch = std::env::temp_dir().join(format!("lorry-bench-model-{}", std::process::id()));
+    let models: Vec<(String, PathBuf)> = match &args.model {
+        Some(dir) => vec![("checkpoint".to_string(), dir.clone())],
+        None => args
+            .dtype
+            .iter()
+            .map(|name| {
+                let dtype = fixtures::parse_dtype(name).with_context(|| format!("unknown --dtype {name}"))?;
+                let dir = scratch.join(name);
+                eprintln!("writing the bench fixture in {name} to {}", dir.display());
+                fixtures::write_as(Fixture::Bench, &dir, dtype)?;
+                Ok((name.clone(), dir))
+            })
+            .collect::<anyhow::Result<_>>()?,
     };
-    let model = TextModel::from_dir(&dir, &candle_core::Device::Cpu)?;
-    let config = model.model.config().clone();
+    let Some((_, first)) = models.first() else {
+        bail!("no model to measure: give --model or at least one --dtype");
+    };
+    let config = TextModel::from_dir(first, &Device::Cpu)?.model.config().clone();
     let params = config.matmul_params() as f64;
     eprintln!("measuring the machine's ceilings");
     let ceilings = measure_ceilings(config.matmul_params() * 4)?;
     println!(
-        "machine: {} threads; memory read {:.1} GB/s; f32 GEMM (candle matmul, 2048^3) {:.1} GFLOP/s",
+        "machine: {} threads; memory read {:.1} GB/s; f32 FMA peak {:.1} GFLOP/s; candle matmul 2048^3 {:.1} GFLOP/s",
         rayon::current_num_threads(),
         ceilings.bandwidth / 1e9,
+        ceilings.peak_flops / 1e9,
         ceilings.gemm_flops / 1e9
     );
     println!(
-        "model: {:.1}M matmul parameters, {:.0} MB of f32 weights read per step\n",
+        "model: {:.1}M matmul parameters; kernel: {}\n",
         params / 1e6,
-        params * 4.0 / 1e6
+        if gemm::simd_available() {
+            "AVX2/FMA/F16C"
+        } else {
+            "portable"
+        }
     );
+    eprintln!("timing the products");
+    products(&config, &args.batch)?;
+    let compute_roof = ceilings.peak_flops.max(ceilings.gemm_flops);
     println!(
-        "| batch | decode tok/s | ms/step | memory roofline tok/s | GEMM roofline tok/s | of roofline | vs batch 1 |"
+        "| weights | batch | decode tok/s | ms/step | memory roofline tok/s | compute roofline tok/s | of roofline | vs batch 1 |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
-    let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let engine = TextEngine::start(
-        "bench",
-        model.clone(),
-        bench_engine_config(max_batch, Policy::Continuous),
-    );
-    timed(&engine, &bench_requests(1, args.prompt_tokens, &|_| 2)).await?; // warm up
-    let mut batch_one = None;
-    for &batch in &args.batch {
-        let prefill = timed(&engine, &bench_requests(batch, args.prompt_tokens, &|_| 1)).await?;
-        let total = timed(
-            &engine,
-            &bench_requests(batch, args.prompt_tokens, &|_| args.new_tokens),
-        )
-        .await?;
-        let steps = (args.new_tokens - 1) as f64;
-        let decode = (total.saturating_sub(prefill)).as_secs_f64();
-        let rate = batch as f64 * steps / decode;
-        let memory_roof = batch as f64 * ceilings.bandwidth / (params * 4.0);
-        let gemm_roof = ceilings.gemm_flops / (2.0 * params);
-        let roof = memory_roof.min(gemm_roof);
-        let speedup = rate / *batch_one.get_or_insert(rate);
-        println!(
-            "| {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {gemm_roof:.1} | {:.0}% | {speedup:.1}x |",
-            1e3 * decode / steps,
-            100.0 * rate / roof
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut reference = None;
+    for (name, dir) in &models {
+        let model = TextModel::from_dir(dir, &Device::Cpu)?;
+        let weight_bytes = params * model.model.weight_bytes_per_param();
+        let max_batch = args.batch.iter().copied().max().unwrap_or(1);
+        let engine = TextEngine::start(
+            "bench",
+            model.clone(),
+            bench_engine_config(max_batch, Policy::Continuous),
         );
+        timed(&engine, &bench_requests(1, args.prompt_tokens, &|_| 2)).await?; // warm up
+        let mut batch_one = None;
+        for &batch in &args.batch {
+            let prefill = timed(&engine, &bench_requests(batch, args.prompt_tokens, &|_| 1)).await?;
+            let total = timed(
+                &engine,
+                &bench_requests(batch, args.prompt_tokens, &|_| args.new_tokens),
+            )
+            .await?;
+            let steps = (args.new_tokens - 1) as f64;
+            let decode = (total.saturating_sub(prefill)).as_secs_f64();
+            let rate = batch as f64 * steps / decode;
+            let memory_roof = batch as f64 * ceilings.bandwidth / weight_bytes;
+            let compute_roof = compute_roof / (2.0 * params);
+            let roof = memory_roof.min(compute_roof);
+            let speedup = rate / *batch_one.get_or_insert(rate);
+            println!(
+                "| {name} | {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x |",
+                1e3 * decode / steps,
+                100.0 * rate / roof
+            );
+        }
+        drop(engine);
+        reference.get_or_insert(model);
     }
-    drop(engine);
     if args.tail_requests > 0 {
-        continuous_versus_static(&model, args).await?;
+        if let Some(model) = &reference {
+            continuous_versus_static(model, args).await?;
+        }
     }
-    if args.model.is_none() {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
+    let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }
 

@@ -38,6 +38,9 @@ enum Command {
         name: String,
         /// Where to write it.
         dir: std::path::PathBuf,
+        /// Weight precision: f32, f16 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -76,10 +79,12 @@ async fn main() -> anyhow::Result<()> {
             offline::embed(&args)?;
             return Ok(());
         }
-        Command::Fixtures { name, dir } => {
+        Command::Fixtures { name, dir, dtype } => {
             let fixture = Fixture::parse(&name)
                 .ok_or_else(|| anyhow::anyhow!("unknown fixture {name}; one of {}", Fixture::NAMES.join(", ")))?;
-            fixtures::write(fixture, &dir)?;
+            let dtype = fixtures::parse_dtype(&dtype)
+                .ok_or_else(|| anyhow::anyhow!("unknown --dtype {dtype}; one of f32, f16, bf16"))?;
+            fixtures::write_as(fixture, &dir, dtype)?;
             return Ok(());
         }
         Command::Bench(Bench::Pipeline(args)) => {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::models::ModelError;
@@ -284,18 +284,43 @@ fn write_json(path: &Path, value: &Value) -> Result<(), ModelError> {
     })
 }
 
-/// Write a fixture model into `dir` (created if missing).
+/// Write a fixture model into `dir` (created if missing), in f32.
 pub fn write(fixture: Fixture, dir: &Path) -> Result<(), ModelError> {
+    write_as(fixture, dir, DType::F32)
+}
+
+/// The names of the weight precisions `write_as` takes.
+pub fn parse_dtype(name: &str) -> Option<DType> {
+    match name {
+        "f32" | "float32" => Some(DType::F32),
+        "f16" | "float16" => Some(DType::F16),
+        "bf16" | "bfloat16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// Write a fixture model into `dir` with its weights in `dtype` (f32, f16 or
+/// bf16): the same values as the f32 fixture, rounded.
+pub fn write_as(fixture: Fixture, dir: &Path, dtype: DType) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
         path: dir.display().to_string(),
         source,
     })?;
-    let config = fixture.config();
+    let mut config = fixture.config();
+    config["torch_dtype"] = json!(match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    });
     write_json(&dir.join("config.json"), &config)?;
     let weights = match fixture {
         Fixture::TinyBert => bert_weights(&config)?,
         _ => llama_weights(&config)?,
     };
+    let weights = weights
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_dtype(dtype)?)))
+        .collect::<candle_core::Result<HashMap<_, _>>>()?;
     candle_core::safetensors::save(&weights, dir.join("model.safetensors"))?;
     write_json(&dir.join("tokenizer.json"), &tokenizer_json())?;
     write_json(

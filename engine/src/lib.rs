@@ -14,6 +14,7 @@ pub mod chat;
 pub mod echo;
 pub mod embedding;
 pub mod fixtures;
+pub mod gemm;
 pub mod input;
 pub mod kernels;
 pub mod kv;

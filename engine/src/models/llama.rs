@@ -12,12 +12,12 @@
 
 use std::path::Path;
 
-use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use super::{load_tensors, read_config, ModelError};
-use crate::kernels;
+use crate::gemm::PackedMatrix;
 use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -153,10 +153,20 @@ pub struct Config {
 impl Config {
     /// Weights that take part in a matrix product per token: every projection and the output head.
     pub fn matmul_params(&self) -> usize {
-        let (h, d) = (self.hidden_size, self.head_dim);
-        let attention = 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d;
-        let mlp = 3 * h * self.intermediate_size;
-        self.num_layers * (attention + mlp) + h * self.vocab_size
+        self.matmul_shapes().iter().map(|(n, k, count)| n * k * count).sum()
+    }
+
+    /// The products of one step as `(outputs, inputs, how many)`: stacked
+    /// q/k/v, o, stacked gate/up and down once per layer, then the head.
+    pub fn matmul_shapes(&self) -> Vec<(usize, usize, usize)> {
+        let (h, d, layers) = (self.hidden_size, self.head_dim, self.num_layers);
+        vec![
+            ((self.num_heads + 2 * self.num_kv_heads) * d, h, layers),
+            (h, self.num_heads * d, layers),
+            (2 * self.intermediate_size, h, layers),
+            (h, self.intermediate_size, layers),
+            (self.vocab_size, h, 1),
+        ]
     }
 }
 
@@ -354,65 +364,69 @@ impl SequenceCache {
 /// end-to-end effect).
 #[derive(Debug, Clone)]
 struct Linear {
-    weight: Tensor,
+    weight: Weight,
     bias: Option<Tensor>,
 }
 
+/// A projection's weight as the product reads it.
+#[derive(Debug, Clone)]
+enum Weight {
+    /// As loaded, in the checkpoint's precision, until [`Linear::packed`].
+    Tensor(Tensor),
+    /// On the CPU: panels for [`gemm`], laid out once.
+    Packed(PackedMatrix),
+}
+
 impl Linear {
-    fn load(vb: VarBuilder, inputs: usize, outputs: usize, bias: bool) -> Result<Self> {
+    /// `(outputs, inputs)` weights in `dtype` (the checkpoint's, so that
+    /// half-precision panels stay half), with an f32 bias if asked.
+    fn load(vb: VarBuilder, inputs: usize, outputs: usize, bias: bool, dtype: DType) -> Result<Self> {
         Ok(Linear {
-            weight: vb.get((outputs, inputs), "weight")?,
+            weight: Weight::Tensor(vb.to_dtype(dtype).get((outputs, inputs), "weight")?),
             bias: if bias { Some(vb.get(outputs, "bias")?) } else { None },
         })
     }
 
-    /// `x` is `(tokens, inputs)`; the result `(tokens, outputs)` may be a transposed view.
+    /// Several layers over the same input as one, their outputs side by side.
+    fn stack(parts: &[Linear]) -> Result<Self> {
+        let weights = parts
+            .iter()
+            .map(|p| match &p.weight {
+                Weight::Tensor(t) => Ok(t),
+                Weight::Packed(_) => Err(ModelError::Config("stacking packed weights".into())),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
+        Ok(Linear {
+            weight: Weight::Tensor(Tensor::cat(&weights, 0)?),
+            bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
+        })
+    }
+
+    /// Ready for the forward pass: packed on the CPU, f32 elsewhere.
+    fn packed(self) -> Result<Self> {
+        let weight = match self.weight {
+            Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(PackedMatrix::from_tensor(&t)?),
+            Weight::Tensor(t) => Weight::Tensor(t.to_dtype(DType::F32)?),
+            packed => packed,
+        };
+        Ok(Linear { weight, ..self })
+    }
+
+    /// `x` is `(tokens, inputs)`; the result is `(tokens, outputs)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (tokens, inputs) = x.dims2()?;
-        let y = match self.few_rows(x, tokens, inputs)? {
-            Some(y) => y,
-            None => self.weight.matmul(&x.t()?)?.t()?,
+        let y = match &self.weight {
+            Weight::Packed(w) => {
+                let (tokens, _) = x.dims2()?;
+                let rows = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                Tensor::from_vec(w.matmul(&rows, tokens), (tokens, w.outputs()), x.device())?
+            }
+            Weight::Tensor(w) => x.matmul(&w.t()?)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
-    }
-}
-
-impl Linear {
-    /// Several layers over the same input as one, their outputs side by side.
-    fn stack(parts: &[Linear]) -> Result<Self> {
-        let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight).collect();
-        let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
-        Ok(Linear {
-            weight: Tensor::cat(&weights, 0)?,
-            bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
-        })
-    }
-}
-
-/// Token rows up to which decoding streams the weights through [`kernels`]
-/// instead of a general GEMM.
-const FEW_ROWS: usize = 4;
-
-impl Linear {
-    /// The product for a few rows on CPU f32 weights, or `None` to use the GEMM.
-    fn few_rows(&self, x: &Tensor, tokens: usize, inputs: usize) -> Result<Option<Tensor>> {
-        if tokens > FEW_ROWS {
-            return Ok(None);
-        }
-        let rows = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let outputs = self.weight.dim(0)?;
-        let (storage, layout) = self.weight.storage_and_layout();
-        let product = match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(w)), Some((start, end))) => {
-                kernels::weight_times_rows(&w[start..end], outputs, inputs, &rows, tokens)
-            }
-            _ => return Ok(None),
-        };
-        drop(storage);
-        Ok(Some(Tensor::from_vec(product, (outputs, tokens), x.device())?.t()?))
     }
 }
 
@@ -432,15 +446,16 @@ fn rows(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         Ok(Attention {
             qkv_proj: Linear::stack(&[
-                Linear::load(vb.pp("q_proj"), h, cfg.num_heads * d, cfg.qkv_bias)?,
-                Linear::load(vb.pp("k_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias)?,
-                Linear::load(vb.pp("v_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias)?,
-            ])?,
-            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias)?,
+                Linear::load(vb.pp("q_proj"), h, cfg.num_heads * d, cfg.qkv_bias, dtype)?,
+                Linear::load(vb.pp("k_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype)?,
+                Linear::load(vb.pp("v_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype)?,
+            ])?
+            .packed()?,
+            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias, dtype)?.packed()?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -482,14 +497,15 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Mlp {
             gate_up_proj: Linear::stack(&[
-                Linear::load(vb.pp("gate_proj"), h, i, false)?,
-                Linear::load(vb.pp("up_proj"), h, i, false)?,
-            ])?,
-            down_proj: Linear::load(vb.pp("down_proj"), i, h, false)?,
+                Linear::load(vb.pp("gate_proj"), h, i, false, dtype)?,
+                Linear::load(vb.pp("up_proj"), h, i, false, dtype)?,
+            ])?
+            .packed()?,
+            down_proj: Linear::load(vb.pp("down_proj"), i, h, false, dtype)?.packed()?,
             activation: cfg.activation,
             intermediate: i,
         })
@@ -525,12 +541,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
         Ok(DecoderLayer {
             input_layernorm: norm(vb.pp("input_layernorm"), cfg)?,
-            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg, dtype)?,
             post_attention_layernorm: norm(vb.pp("post_attention_layernorm"), cfg)?,
-            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg, dtype)?,
         })
     }
 
@@ -556,21 +572,22 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Load from a `VarBuilder` rooted at the checkpoint (names `model.…`, `lm_head`).
-    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    /// Load from a `VarBuilder` rooted at the checkpoint (names `model.…`,
+    /// `lm_head`). Projections are kept in `dtype` (the checkpoint's: f16 and
+    /// bf16 weights are widened inside the product, not at load); everything
+    /// else in the builder's dtype.
+    pub fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
         let model = vb.pp("model");
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, model.pp("embed_tokens"))?;
         let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::load(model.pp("layers").pp(i), cfg))
+            .map(|i| DecoderLayer::load(model.pp("layers").pp(i), cfg, dtype))
             .collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                weight: embed_tokens.embeddings().clone(),
-                bias: None,
-            }
+        let head = if cfg.tie_word_embeddings {
+            model.pp("embed_tokens")
         } else {
-            Linear::load(vb.pp("lm_head"), cfg.hidden_size, cfg.vocab_size, false)?
+            vb.pp("lm_head")
         };
+        let lm_head = Linear::load(head, cfg.hidden_size, cfg.vocab_size, false, dtype)?.packed()?;
         Ok(Llama {
             norm: norm(model.pp("norm"), cfg)?,
             rotary: Rotary::new(cfg),
@@ -579,6 +596,14 @@ impl Llama {
             lm_head,
             config: cfg.clone(),
         })
+    }
+
+    /// Bytes a projection weight is read in: 4 for f32, 2 for f16 and bf16.
+    pub fn weight_bytes_per_param(&self) -> f64 {
+        match &self.lm_head.weight {
+            Weight::Packed(w) => w.precision().bytes() as f64,
+            Weight::Tensor(t) => t.dtype().size_in_bytes() as f64,
+        }
     }
 
     /// The configuration.
@@ -698,10 +723,16 @@ impl Llama {
 }
 
 impl Llama {
-    /// Load a Hugging Face checkpoint directory in f32 (f16/bf16 weights are converted).
+    /// Load a Hugging Face checkpoint directory: f32 activations; projections
+    /// packed in the checkpoint's precision (f32, f16 or bf16).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
         let cfg = read_config::<LlamaConfigFile>(dir)?.into_config()?;
-        let vb = VarBuilder::from_tensors(load_tensors(dir, device)?, DType::F32, device);
-        Llama::load(vb, &cfg)
+        let tensors = load_tensors(dir, device)?;
+        // Projections stay in the checkpoint's precision.
+        let dtype = tensors
+            .get("model.layers.0.mlp.down_proj.weight")
+            .map_or(DType::F32, |t| t.dtype());
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        Llama::load(vb, &cfg, dtype)
     }
 }

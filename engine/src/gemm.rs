@@ -1,0 +1,679 @@
+//! The matrix products of every step, on weights laid out once at load.
+//!
+//! A decode step multiplies a few token rows (1 to a few dozen) by every
+//! weight matrix of the model. A general GEMM re-packs the weight matrix into
+//! its own layout on every call, and that copy costs about as much as the
+//! product itself on these skinny shapes. Here each weight matrix is packed
+//! once, when the model loads, into panels of [`NR`] output columns stored
+//! `[k][NR]`: the microkernel streams a panel front to back and multiplies
+//! every `NR`-wide slice of it by up to [`MR`] token rows held in registers.
+//! Work is split across the cores by panels, so each weight byte is read from
+//! memory once per product whatever the number of token rows.
+//!
+//! Panels keep the checkpoint's precision (f32, f16 or bf16): half-precision
+//! weights are widened to f32 inside the kernel (F16C for f16, a shift for
+//! bf16), which halves the bytes moved and gives exactly the numbers that
+//! widening them at load would. Accumulation is in f32. AVX2, FMA and F16C
+//! are checked at run time; a portable kernel serves other CPUs, and the tests
+//! hold the two to the same results.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Output columns per panel: two 8-lane registers of f32.
+pub const NR: usize = 16;
+
+/// Token rows per microkernel call: 6 rows × 2 registers of accumulators,
+/// plus 2 weight registers and a broadcast, fill the 16 AVX registers.
+pub const MR: usize = 6;
+
+/// Token rows per pass over the weights: large pre-fill chunks are cut into
+/// blocks whose rows stay in the core's L2 cache while the panels stream by.
+const MC: usize = 96;
+
+/// How far ahead of the current panel row the kernel asks for the weights, in
+/// bytes. Panels are read front to back, and the hardware prefetchers stop at
+/// page boundaries; the explicit prefetch runs on across them.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Which kernel a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// The SIMD kernel when this CPU has AVX2, FMA and F16C; the portable one otherwise.
+    Auto,
+    /// The portable kernel, whatever the CPU (the tests' second path).
+    Portable,
+}
+
+/// The precision panels are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// 4 bytes a weight.
+    F32,
+    /// IEEE half, 2 bytes a weight.
+    F16,
+    /// bfloat16, 2 bytes a weight.
+    Bf16,
+}
+
+impl Precision {
+    /// The precision a tensor of `dtype` is packed in: its own where it is one
+    /// of the three, f32 otherwise.
+    pub fn for_dtype(dtype: DType) -> Self {
+        match dtype {
+            DType::F16 => Precision::F16,
+            DType::BF16 => Precision::Bf16,
+            _ => Precision::F32,
+        }
+    }
+
+    /// Bytes per weight.
+    pub fn bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 => 2,
+        }
+    }
+}
+
+/// Whether this CPU runs the SIMD kernel.
+pub fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// f32 multiply-adds (counted as 2 operations) per second that the cores do
+/// on registers alone, every thread of the pool busy: the compute ceiling
+/// that products are measured against. 0 where the SIMD kernel is missing.
+pub fn peak_flops() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if simd_available() {
+        const ITERATIONS: usize = 50_000_000;
+        let threads = rayon::current_num_threads();
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            (0..threads).into_par_iter().for_each(|_| {
+                // SAFETY: the features were found on this CPU.
+                std::hint::black_box(unsafe { x86::fma_chains(ITERATIONS) });
+            });
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        return (2 * x86::FMA_CHAINS * 8 * ITERATIONS * threads) as f64 / best;
+    }
+    0.0
+}
+
+/// A weight matrix of `n` outputs by `k` inputs (a checkpoint's `(out, in)`
+/// projection), packed for [`PackedMatrix::matmul`]. Cloning shares the panels.
+#[derive(Debug, Clone)]
+pub struct PackedMatrix {
+    n: usize,
+    k: usize,
+    panels: Arc<Panels>,
+}
+
+#[derive(Debug)]
+enum Panels {
+    F32(Aligned<f32>),
+    F16(Aligned<f16>),
+    Bf16(Aligned<bf16>),
+}
+
+/// A weight element the kernels read.
+trait Element: Copy + Default + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Element for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Element for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Element for bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// A zeroed buffer whose first element sits on a cache-line boundary, so
+/// that each panel row is read in whole lines.
+#[derive(Debug)]
+struct Aligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Element> Aligned<T> {
+    fn zeroed(len: usize) -> Self {
+        let slack = 64 / std::mem::size_of::<T>();
+        let buf = vec![T::default(); len + slack];
+        let start = buf.as_ptr().align_offset(64).min(slack);
+        Aligned { buf, start, len }
+    }
+
+    fn as_slice(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// Lay `w` (`n × k`, row-major) out as panels of `NR` rows, each stored
+/// `[k][NR]`, the last one padded with zeros.
+fn pack<T: Element>(w: &[T], n: usize, k: usize) -> Aligned<T> {
+    assert_eq!(w.len(), n * k, "weight shape");
+    let mut out = Aligned::zeroed(n.div_ceil(NR) * k * NR);
+    if k == 0 {
+        return out;
+    }
+    out.as_mut_slice()
+        .par_chunks_mut(k * NR)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for j in 0..NR.min(n - p * NR) {
+                let row = &w[(p * NR + j) * k..][..k];
+                for (kk, &v) in row.iter().enumerate() {
+                    panel[kk * NR + j] = v;
+                }
+            }
+        });
+    out
+}
+
+impl PackedMatrix {
+    /// Pack an f32 `n × k` row-major matrix.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
+        Self::new(n, k, Panels::F32(pack(w, n, k)))
+    }
+
+    /// Pack an f16 `n × k` row-major matrix.
+    pub fn from_f16(w: &[f16], n: usize, k: usize) -> Self {
+        Self::new(n, k, Panels::F16(pack(w, n, k)))
+    }
+
+    /// Pack a bf16 `n × k` row-major matrix.
+    pub fn from_bf16(w: &[bf16], n: usize, k: usize) -> Self {
+        Self::new(n, k, Panels::Bf16(pack(w, n, k)))
+    }
+
+    /// Pack a 2-D `(n, k)` tensor in its own precision (f32, f16 or bf16;
+    /// any other dtype is converted to f32).
+    pub fn from_tensor(w: &Tensor) -> candle_core::Result<Self> {
+        let (n, k) = w.dims2()?;
+        Ok(match Precision::for_dtype(w.dtype()) {
+            Precision::F16 => Self::from_f16(&w.flatten_all()?.to_vec1::<f16>()?, n, k),
+            Precision::Bf16 => Self::from_bf16(&w.flatten_all()?.to_vec1::<bf16>()?, n, k),
+            Precision::F32 => Self::from_f32(&w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n, k),
+        })
+    }
+
+    fn new(n: usize, k: usize, panels: Panels) -> Self {
+        PackedMatrix {
+            n,
+            k,
+            panels: Arc::new(panels),
+        }
+    }
+
+    /// Outputs (the checkpoint's rows).
+    pub fn outputs(&self) -> usize {
+        self.n
+    }
+
+    /// Inputs (the checkpoint's columns).
+    pub fn inputs(&self) -> usize {
+        self.k
+    }
+
+    /// The precision the panels are stored in.
+    pub fn precision(&self) -> Precision {
+        match &*self.panels {
+            Panels::F32(_) => Precision::F32,
+            Panels::F16(_) => Precision::F16,
+            Panels::Bf16(_) => Precision::Bf16,
+        }
+    }
+
+    /// Bytes the panels occupy (what one product reads).
+    pub fn bytes(&self) -> usize {
+        self.n.div_ceil(NR) * NR * self.k * self.precision().bytes()
+    }
+
+    /// `x · Wᵀ` for `x` of `m × k` row-major: `m × n` row-major.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * self.n];
+        self.matmul_into(x, m, &mut out, Kernel::Auto);
+        out
+    }
+
+    /// [`PackedMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
+    pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
+        assert_eq!(x.len(), m * self.k, "input shape");
+        assert_eq!(out.len(), m * self.n, "output shape");
+        if out.is_empty() {
+            return;
+        }
+        let simd = kernel == Kernel::Auto && simd_available();
+        match &*self.panels {
+            Panels::F32(p) => self.run(p.as_slice(), x, m, out, simd),
+            Panels::F16(p) => self.run(p.as_slice(), x, m, out, simd),
+            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, simd),
+        }
+    }
+
+    fn run<T: Element + Tile>(&self, panels: &[T], x: &[f32], m: usize, out: &mut [f32], simd: bool) {
+        let (n, k) = (self.n, self.k);
+        let count = n.div_ceil(NR);
+        // A few tasks per thread, each a contiguous run of panels, so that the
+        // threads stream disjoint stretches of the weights.
+        let per_task = count.div_ceil(4 * rayon::current_num_threads()).max(1);
+        let tasks = count.div_ceil(per_task);
+        let target = OutPtr(out.as_mut_ptr());
+        for first_row in (0..m).step_by(MC) {
+            let block_end = (first_row + MC).min(m);
+            (0..tasks).into_par_iter().for_each(|t| {
+                let end = ((t + 1) * per_task).min(count);
+                for p in t * per_task..end {
+                    let panel = &panels[p * k * NR..(p + 1) * k * NR];
+                    let cols = NR.min(n - p * NR);
+                    // The task's next panel, fetched a slice per tile while this
+                    // one is worked on, so no tile waits for memory.
+                    let next = if p + 1 < end {
+                        panels[(p + 1) * k * NR..].as_ptr()
+                    } else {
+                        panel.as_ptr()
+                    };
+                    let next_lines = if p + 1 < end {
+                        (k * NR * std::mem::size_of::<T>()).div_ceil(64)
+                    } else {
+                        0
+                    };
+                    // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2):
+                    // a short tile leaves the FMA units waiting on too few accumulators.
+                    let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(MR));
+                    for tile in 0..tiles {
+                        let row = first_row + tile * len / tiles;
+                        let rows = first_row + (tile + 1) * len / tiles - row;
+                        let x = &x[row * k..(row + rows) * k];
+                        let first_line = tile * next_lines / tiles;
+                        let ahead = Ahead {
+                            from: (next as *const u8).wrapping_add(64 * first_line),
+                            lines: (tile + 1) * next_lines / tiles - first_line,
+                        };
+                        // SAFETY: this task alone writes columns `p·NR..p·NR + cols`
+                        // (its own panels) of rows `row..row + rows`, all inside `out`
+                        // (`m × n`), and nothing reads `out` until every task is done.
+                        unsafe {
+                            let out = target.get().add(row * n + p * NR);
+                            if simd {
+                                T::tile_simd(rows, k, x, panel, out, n, cols, ahead);
+                            } else {
+                                tile_portable(rows, k, x, panel, out, n, cols);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Cache lines a tile asks for while it runs (one per step along `k`, at
+/// most `k`): a slice of the panel that comes next. Only prefetched, never read.
+#[derive(Clone, Copy)]
+struct Ahead {
+    from: *const u8,
+    lines: usize,
+}
+
+/// The output buffer, shared by tasks that write disjoint tiles of it.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: tasks write disjoint tiles only (see `PackedMatrix::run`).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out[r][j] = Σₖ x[r][k] · panel[k][j]` for `r < rows ≤ MR`, `j < cols ≤ NR`;
+/// `x` holds `rows` rows of `k`, `out` rows are `ldo` apart.
+///
+/// # Safety
+/// `out` must be valid for writes of `cols` floats at each of `rows` rows `ldo` apart.
+unsafe fn tile_portable<T: Element>(
+    rows: usize,
+    k: usize,
+    x: &[f32],
+    panel: &[T],
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    let mut acc = [[0f32; NR]; MR];
+    for (kk, b) in panel.chunks_exact(NR).enumerate() {
+        let b: [f32; NR] = std::array::from_fn(|j| b[j].widen());
+        for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+            let a = x[r * k + kk];
+            for (acc, b) in acc.iter_mut().zip(&b) {
+                *acc += a * b;
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(r * ldo), cols) };
+    }
+}
+
+/// The SIMD microkernel for one element type.
+trait Tile: Element {
+    /// As [`tile_portable`], on AVX2/FMA/F16C.
+    ///
+    /// # Safety
+    /// As [`tile_portable`], and the CPU must have AVX2, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_simd(
+        rows: usize,
+        k: usize,
+        x: &[f32],
+        panel: &[Self],
+        out: *mut f32,
+        ldo: usize,
+        cols: usize,
+        ahead: Ahead,
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use half::{bf16, f16};
+
+    use super::{Ahead, Tile, MR, NR, PREFETCH_BYTES};
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f32(p: *const f32) -> __m256 {
+        // SAFETY: the caller reads within its panel.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f16(p: *const f16) -> __m256 {
+        // SAFETY: as above; 8 halves are 16 bytes.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_bf16(p: *const bf16) -> __m256 {
+        // SAFETY: as above. A bfloat16 is the top half of an f32.
+        unsafe {
+            let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
+        }
+    }
+
+    /// The `R`-row kernel for one element type, `$load` widening 8 weights to f32.
+    macro_rules! kernel {
+        ($name:ident, $t:ty, $load:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $name<const R: usize>(
+                k: usize,
+                x: *const f32,
+                panel: *const $t,
+                out: *mut f32,
+                ldo: usize,
+                cols: usize,
+                ahead: Ahead,
+            ) {
+                // SAFETY (whole body): `x` holds `R` rows of `k`, `panel` holds `k`
+                // rows of `NR`, and the caller guarantees the tile of `out`.
+                unsafe {
+                    let mut lo = [_mm256_setzero_ps(); R];
+                    let mut hi = [_mm256_setzero_ps(); R];
+                    for kk in 0..k {
+                        let b = panel.add(kk * NR);
+                        // A prefetch never faults, even past the end of the panels.
+                        _mm_prefetch::<_MM_HINT_T0>((b as *const i8).wrapping_add(PREFETCH_BYTES));
+                        if kk < ahead.lines {
+                            _mm_prefetch::<_MM_HINT_T1>(ahead.from.wrapping_add(64 * kk) as *const i8);
+                        }
+                        let (b0, b1) = ($load(b), $load(b.add(8)));
+                        for r in 0..R {
+                            let a = _mm256_broadcast_ss(&*x.add(r * k + kk));
+                            lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
+                            hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+                        }
+                    }
+                    if cols == NR {
+                        for r in 0..R {
+                            _mm256_storeu_ps(out.add(r * ldo), lo[r]);
+                            _mm256_storeu_ps(out.add(r * ldo + 8), hi[r]);
+                        }
+                    } else {
+                        let mut row = [0f32; NR];
+                        for r in 0..R {
+                            _mm256_storeu_ps(row.as_mut_ptr(), lo[r]);
+                            _mm256_storeu_ps(row.as_mut_ptr().add(8), hi[r]);
+                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(r * ldo), cols);
+                        }
+                    }
+                }
+            }
+
+            impl Tile for $t {
+                unsafe fn tile_simd(
+                    rows: usize,
+                    k: usize,
+                    x: &[f32],
+                    panel: &[Self],
+                    out: *mut f32,
+                    ldo: usize,
+                    cols: usize,
+                    ahead: Ahead,
+                ) {
+                    assert!(rows <= MR && x.len() >= rows * k && panel.len() >= k * NR && cols <= NR);
+                    let (x, panel) = (x.as_ptr(), panel.as_ptr());
+                    // SAFETY: the assertion bounds every read; the caller vouches
+                    // for `out` and for the CPU's features.
+                    unsafe {
+                        match rows {
+                            1 => $name::<1>(k, x, panel, out, ldo, cols, ahead),
+                            2 => $name::<2>(k, x, panel, out, ldo, cols, ahead),
+                            3 => $name::<3>(k, x, panel, out, ldo, cols, ahead),
+                            4 => $name::<4>(k, x, panel, out, ldo, cols, ahead),
+                            5 => $name::<5>(k, x, panel, out, ldo, cols, ahead),
+                            _ => $name::<6>(k, x, panel, out, ldo, cols, ahead),
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    /// Independent chains of multiply-adds in [`fma_chains`]: enough to cover
+    /// the latency on two FMA pipes.
+    pub const FMA_CHAINS: usize = 12;
+
+    /// `iterations` rounds of `FMA_CHAINS` 8-lane multiply-adds, registers only.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn fma_chains(iterations: usize) -> f32 {
+        let mut acc = [_mm256_set1_ps(1.0); FMA_CHAINS];
+        let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        for _ in 0..iterations {
+            for acc in acc.iter_mut() {
+                *acc = _mm256_fmadd_ps(*acc, a, b);
+            }
+        }
+        let mut lanes = [0f32; 8];
+        let sum = acc.iter().fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a));
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+        lanes.iter().sum()
+    }
+
+    kernel!(kernel_f32, f32, load_f32);
+    kernel!(kernel_f16, f16, load_f16);
+    kernel!(kernel_bf16, bf16, load_bf16);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+macro_rules! portable_only {
+    ($($t:ty),*) => {$(
+        impl Tile for $t {
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn tile_simd(
+                rows: usize,
+                k: usize,
+                x: &[f32],
+                panel: &[Self],
+                out: *mut f32,
+                ldo: usize,
+                cols: usize,
+                _ahead: Ahead,
+            ) {
+                // SAFETY: the caller's contract is the portable kernel's.
+                unsafe { tile_portable(rows, k, x, panel, out, ldo, cols) }
+            }
+        }
+    )*};
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+portable_only!(f32, f16, bf16);
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::rng::SplitMix;
+
+    fn random(len: usize, rng: &mut SplitMix) -> Vec<f32> {
+        (0..len).map(|_| rng.uniform() as f32 - 0.5).collect()
+    }
+
+    /// The largest difference from candle's product, relative to the largest output.
+    fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+    }
+
+    fn candle_product(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+        let w = Tensor::from_slice(w, (n, k), &Device::Cpu).unwrap();
+        let x = Tensor::from_slice(x, (m, k), &Device::Cpu).unwrap();
+        x.matmul(&w.t().unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn both_kernels_match_candle_on_odd_shapes_and_every_batch_size() {
+        let mut rng = SplitMix::new(3);
+        let shapes = [(1, 1), (15, 7), (17, 33), (40, 100), (130, 257), (64, 1024)];
+        for &(n, k) in &shapes {
+            let w = random(n * k, &mut rng);
+            let packed = PackedMatrix::from_f32(&w, n, k);
+            for m in (1..=64).filter(|m| *m <= 8 || m % 7 == 0 || *m == 64) {
+                let x = random(m * k, &mut rng);
+                let want = candle_product(&w, n, k, &x, m);
+                for kernel in [Kernel::Auto, Kernel::Portable] {
+                    let mut got = vec![f32::NAN; m * n];
+                    packed.matmul_into(&x, m, &mut got, kernel);
+                    let err = relative_error(&got, &want);
+                    assert!(err <= 1e-5, "({m}×{k})·({n}×{k})ᵀ on {kernel:?}: relative error {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefill_sized_block_of_rows_matches_too() {
+        let mut rng = SplitMix::new(4);
+        let (n, k, m) = (70, 96, 2 * MC + 5);
+        let w = random(n * k, &mut rng);
+        let x = random(m * k, &mut rng);
+        let got = PackedMatrix::from_f32(&w, n, k).matmul(&x, m);
+        assert!(relative_error(&got, &candle_product(&w, n, k, &x, m)) <= 1e-5);
+    }
+
+    #[test]
+    fn half_precision_panels_give_what_widening_at_load_gives() {
+        let mut rng = SplitMix::new(5);
+        let (n, k) = (37, 200);
+        let w = random(n * k, &mut rng);
+        let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened_h: Vec<f32> = halves.iter().map(|v| v.to_f32()).collect();
+        let widened_b: Vec<f32> = brains.iter().map(|v| v.to_f32()).collect();
+        for m in [1, 3, 6, 7, 32] {
+            let x = random(m * k, &mut rng);
+            for (packed, widened) in [
+                (PackedMatrix::from_f16(&halves, n, k), &widened_h),
+                (PackedMatrix::from_bf16(&brains, n, k), &widened_b),
+            ] {
+                let want = PackedMatrix::from_f32(widened, n, k).matmul(&x, m);
+                for kernel in [Kernel::Auto, Kernel::Portable] {
+                    let mut got = vec![0f32; m * n];
+                    packed.matmul_into(&x, m, &mut got, kernel);
+                    let err = relative_error(&got, &want);
+                    assert!(err <= 1e-6, "{:?} m={m} on {kernel:?}: {err}", packed.precision());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_tensor_is_packed_in_its_own_precision() {
+        let w = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap();
+        let x = [1f32, 0.0, 0.0, 1.0];
+        for (dtype, precision) in [
+            (DType::F32, Precision::F32),
+            (DType::F16, Precision::F16),
+            (DType::BF16, Precision::Bf16),
+        ] {
+            let packed = PackedMatrix::from_tensor(&w.to_dtype(dtype).unwrap()).unwrap();
+            assert_eq!(packed.precision(), precision);
+            assert_eq!((packed.outputs(), packed.inputs()), (3, 4));
+            // Row j of W is 4j..4j+3: first plus last is 8j + 3.
+            assert_eq!(packed.matmul(&x, 1), vec![3.0, 11.0, 19.0]);
+        }
+    }
+}
