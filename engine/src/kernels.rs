@@ -1,6 +1,7 @@
-//! The dot product attention runs on: AVX2 and FMA when the CPU has them
-//! (checked at run time), a portable loop otherwise. The matrix products of
-//! the projections are in [`crate::gemm`].
+//! The vector kernels attention runs on: the dot products of a group of query
+//! heads with one key, and the weighted sums of values into them. AVX2 and
+//! FMA when the CPU has them (checked at run time), portable loops otherwise.
+//! The matrix products of the projections are in [`crate::gemm`].
 
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -13,14 +14,85 @@ fn has_avx2_fma() -> bool {
     }
 }
 
-/// `a · b` over the shorter of the two, with AVX2/FMA when the CPU has them.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// `out[g] = queries[g] · key` for the `out.len()` queries of `key.len()`
+/// floats each, laid end to end in `queries` (the query heads that share one
+/// key-value head): the key is read once for all of them.
+pub fn dots(queries: &[f32], key: &[f32], out: &mut [f32]) {
+    let d = key.len();
+    assert_eq!(queries.len(), out.len() * d, "query shape");
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: both features were found on this CPU.
-        return unsafe { dot_avx2(a, b) };
+    if has_avx2_fma() && d % 8 == 0 {
+        // SAFETY: both features were found; the shapes were checked above.
+        unsafe { dots_avx2(queries, key, out) };
+        return;
     }
-    dot_portable(a, b)
+    for (o, q) in out.iter_mut().zip(queries.chunks_exact(d.max(1))) {
+        *o = dot_portable(q, key);
+    }
+}
+
+/// `out[g] += weights[g] · value` for each of the `weights.len()` outputs of
+/// `value.len()` floats laid end to end in `out`: the value is read once.
+pub fn axpys(weights: &[f32], value: &[f32], out: &mut [f32]) {
+    let d = value.len();
+    assert_eq!(out.len(), weights.len() * d, "output shape");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() && d % 8 == 0 {
+        // SAFETY: both features were found; the shapes were checked above.
+        unsafe { axpys_avx2(weights, value, out) };
+        return;
+    }
+    for (&w, o) in weights.iter().zip(out.chunks_exact_mut(d.max(1))) {
+        for (o, v) in o.iter_mut().zip(value) {
+            *o += w * v;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2(queries: &[f32], key: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let d = key.len();
+    for (group, out) in queries.chunks(8 * d).zip(out.chunks_mut(8)) {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut i = 0;
+        // SAFETY (every load): `i + 8 <= d`, query `g < out.len()` spans `g·d..(g+1)·d` of `group`.
+        unsafe {
+            while i + 8 <= d {
+                let k = _mm256_loadu_ps(key.as_ptr().add(i));
+                for (g, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(group.as_ptr().add(g * d + i)), k, *acc);
+                }
+                i += 8;
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(acc) {
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+            *o = lanes.iter().sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpys_avx2(weights: &[f32], value: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let d = value.len();
+    let mut i = 0;
+    // SAFETY (every access): `i + 8 <= d`; output `g < weights.len()` spans `g·d..(g+1)·d`.
+    unsafe {
+        while i + 8 <= d {
+            let v = _mm256_loadu_ps(value.as_ptr().add(i));
+            for (g, &w) in weights.iter().enumerate() {
+                let o = out.as_mut_ptr().add(g * d + i);
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(w), v, _mm256_loadu_ps(o)));
+            }
+            i += 8;
+        }
+    }
 }
 
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
@@ -37,58 +109,29 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    // SAFETY (every load below): `i + 8 * j + 8 <= n`, within both slices.
-    unsafe {
-        while i + 32 <= n {
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let va = _mm256_loadu_ps(pa.add(i + 8 * j));
-                let vb = _mm256_loadu_ps(pb.add(i + 8 * j));
-                *acc = _mm256_fmadd_ps(va, vb, *acc);
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
-            i += 8;
-        }
-    }
-    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` holds 8 floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-    let mut total: f32 = lanes.iter().sum();
-    while i < n {
-        total += a[i] * b[i];
-        i += 1;
-    }
-    total
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rng::SplitMix;
 
     #[test]
-    fn the_dot_product_matches_a_plain_loop_on_odd_lengths() {
-        let mut rng = SplitMix::new(1);
-        for n in [0, 1, 7, 8, 31, 33, 64, 100, 1000] {
-            let a: Vec<f32> = (0..n).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let b: Vec<f32> = (0..n + 3).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            for got in [dot(&a, &b), dot_portable(&a, &b)] {
-                assert!(
-                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                    "n={n}: {got} vs {want}"
-                );
+    fn grouped_dots_and_axpys_match_plain_loops() {
+        let mut rng = SplitMix::new(2);
+        for (groups, d) in [(1, 8), (4, 64), (9, 16), (3, 12)] {
+            let queries: Vec<f32> = (0..groups * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+            let key: Vec<f32> = (0..d).map(|_| rng.uniform() as f32 - 0.5).collect();
+            let mut got = vec![0f32; groups];
+            dots(&queries, &key, &mut got);
+            for (g, got) in got.iter().enumerate() {
+                let want = dot_portable(&queries[g * d..(g + 1) * d], &key);
+                assert!((got - want).abs() <= 1e-5, "{groups}×{d} [{g}]: {got} vs {want}");
+            }
+            let weights: Vec<f32> = (0..groups).map(|_| rng.uniform() as f32).collect();
+            let mut out = queries.clone();
+            axpys(&weights, &key, &mut out);
+            for (i, got) in out.iter().enumerate() {
+                let want = queries[i] + weights[i / d] * key[i % d];
+                assert!((got - want).abs() <= 1e-6, "{groups}×{d} [{i}]: {got} vs {want}");
             }
         }
     }

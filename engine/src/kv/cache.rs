@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::BlockId;
-use crate::kernels::dot;
+use crate::kernels::{axpys, dots};
 
 /// The shape of one token's cached keys (or values) in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,25 +136,34 @@ impl KvCache {
             .for_each(|((out, query), &(seq, position))| {
                 // Where each visible position's keys and values start, found once per row.
                 let slots = self.slot_offsets(seq.blocks, position + 1);
-                let mut scores = vec![0f32; position + 1];
-                for head in 0..heads {
-                    let at_head = (head / groups) * d;
-                    let q = &query[head * d..(head + 1) * d];
-                    let mut max = f32::NEG_INFINITY;
-                    for (score, &at) in scores.iter_mut().zip(&slots) {
-                        let at = at + at_head;
-                        *score = dot(q, &stored.keys[at..at + d]) * scale;
-                        max = max.max(*score);
+                // Scores `[position][query head of the group]`: each key and value
+                // is read once for all the query heads that share it.
+                let mut scores = vec![0f32; slots.len() * groups];
+                for kv_head in 0..self.layout.kv_heads {
+                    let (at_head, span) = (kv_head * d, kv_head * groups * d..(kv_head + 1) * groups * d);
+                    let q = &query[span.clone()];
+                    for (score, &at) in scores.chunks_exact_mut(groups).zip(&slots) {
+                        dots(q, &stored.keys[at + at_head..at + at_head + d], score);
                     }
-                    let mut total = 0.0;
-                    for score in scores.iter_mut() {
-                        *score = (*score - max).exp();
-                        total += *score;
+                    let mut max = vec![f32::NEG_INFINITY; groups];
+                    for score in scores.chunks_exact(groups) {
+                        for (m, s) in max.iter_mut().zip(score) {
+                            *m = m.max(*s * scale);
+                        }
                     }
-                    let o = &mut out[head * d..(head + 1) * d];
-                    for (&weight, &at) in scores.iter().zip(&slots) {
-                        let at = at + at_head;
-                        axpy(weight / total, &stored.values[at..at + d], o);
+                    let mut total = vec![0f32; groups];
+                    for score in scores.chunks_exact_mut(groups) {
+                        for ((s, m), t) in score.iter_mut().zip(&max).zip(total.iter_mut()) {
+                            *s = (*s * scale - m).exp();
+                            *t += *s;
+                        }
+                    }
+                    let o = &mut out[span];
+                    for (weights, &at) in scores.chunks_exact(groups).zip(&slots) {
+                        axpys(weights, &stored.values[at + at_head..at + at_head + d], o);
+                    }
+                    for (o, t) in o.chunks_exact_mut(d).zip(&total) {
+                        o.iter_mut().for_each(|v| *v /= t);
                     }
                 }
             });
@@ -172,12 +181,6 @@ impl KvCache {
     }
 }
 
-fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += alpha * x;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,7 +193,10 @@ mod tests {
 
     /// Attention over contiguous keys and values, one query at position `p` seeing `0..=p`.
     fn reference(q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>], d: usize) -> Vec<f32> {
-        let scores: Vec<f32> = keys.iter().map(|k| dot(q, k) / (d as f32).sqrt()).collect();
+        let scores: Vec<f32> = keys
+            .iter()
+            .map(|k| q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() / (d as f32).sqrt())
+            .collect();
         let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
         let total: f32 = weights.iter().sum();
