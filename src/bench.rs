@@ -387,8 +387,11 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut reference = None;
+    let mut loads = Vec::new();
     for (name, dir) in &models {
+        let started = Instant::now();
         let model = TextModel::from_dir(dir, &Device::Cpu)?;
+        loads.push(format!("{name} {:.2} s", started.elapsed().as_secs_f64()));
         let weight_bytes = params * model.model.weight_bytes_per_param();
         let max_batch = args.batch.iter().copied().max().unwrap_or(1);
         let engine = TextEngine::start(
@@ -421,6 +424,10 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         drop(engine);
         reference.get_or_insert(model);
     }
+    println!(
+        "\nloading (reading the checkpoint, packing the panels): {}",
+        loads.join(", ")
+    );
     if args.tail_requests > 0 {
         if let Some(model) = &reference {
             continuous_versus_static(model, args).await?;

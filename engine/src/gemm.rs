@@ -604,7 +604,17 @@ mod tests {
     #[test]
     fn both_kernels_match_candle_on_odd_shapes_and_every_batch_size() {
         let mut rng = SplitMix::new(3);
-        let shapes = [(1, 1), (15, 7), (17, 33), (40, 100), (130, 257), (64, 1024)];
+        // Odd sizes, decode shapes, and a rank-16 adapter's shrink and expand.
+        let shapes = [
+            (1, 1),
+            (15, 7),
+            (17, 33),
+            (40, 100),
+            (130, 257),
+            (64, 1024),
+            (16, 1024),
+            (1024, 16),
+        ];
         for &(n, k) in &shapes {
             let w = random(n * k, &mut rng);
             let packed = PackedMatrix::from_f32(&w, n, k);

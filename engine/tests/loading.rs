@@ -1,9 +1,10 @@
 //! Loading checkpoints: config variants, and bad files as typed errors naming
 //! what is wrong, never panics.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::models::llama::{Llama, LlamaConfigFile, RopeScaling};
 use lorry_engine::models::ModelError;
@@ -87,4 +88,47 @@ fn an_unsupported_model_type_is_refused() {
     std::fs::write(&path, text).unwrap();
     let err = Llama::from_dir(&dir, &Device::Cpu).unwrap_err();
     assert!(matches!(err, ModelError::Config(_)), "{err}");
+}
+
+#[test]
+fn a_half_precision_checkpoint_gives_the_logits_its_widened_weights_give() {
+    for (dtype, tag) in [(DType::F16, "f16"), (DType::BF16, "bf16")] {
+        let half = std::env::temp_dir().join(format!("lorry-loading-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&half);
+        fixtures::write_as(Fixture::TinyLlama, &half, dtype).unwrap();
+        // The same checkpoint widened to f32 on disk.
+        let wide = half.with_extension("f32");
+        let _ = std::fs::remove_dir_all(&wide);
+        std::fs::create_dir_all(&wide).unwrap();
+        for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(half.join(file), wide.join(file)).unwrap();
+        }
+        let tensors = candle_core::safetensors::load(half.join("model.safetensors"), &Device::Cpu).unwrap();
+        assert!(tensors.values().all(|t| t.dtype() == dtype));
+        let widened: HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(name, t)| (name, t.to_dtype(DType::F32).unwrap()))
+            .collect();
+        candle_core::safetensors::save(&widened, wide.join("model.safetensors")).unwrap();
+        let (half_model, wide_model) = (
+            Llama::from_dir(&half, &Device::Cpu).unwrap(),
+            Llama::from_dir(&wide, &Device::Cpu).unwrap(),
+        );
+        assert_eq!(half_model.weight_bytes_per_param(), 2.0);
+        assert_eq!(wide_model.weight_bytes_per_param(), 4.0);
+        let prompt = [5u32, 17, 42, 99, 3];
+        let logits = |model: &Llama| {
+            let mut cache = model.new_cache();
+            model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+        };
+        // The same widened values through the same kernel: the same numbers.
+        assert_eq!(logits(&half_model), logits(&wide_model), "{tag}");
+        assert_eq!(
+            half_model.greedy(&prompt, 8).unwrap(),
+            wide_model.greedy(&prompt, 8).unwrap(),
+            "{tag}"
+        );
+        let _ = std::fs::remove_dir_all(&half);
+        let _ = std::fs::remove_dir_all(&wide);
+    }
 }

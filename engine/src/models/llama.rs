@@ -12,7 +12,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor};
 use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
@@ -418,8 +418,15 @@ impl Linear {
         let y = match &self.weight {
             Weight::Packed(w) => {
                 let (tokens, _) = x.dims2()?;
-                let rows = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-                Tensor::from_vec(w.matmul(&rows, tokens), (tokens, w.outputs()), x.device())?
+                let x = x.contiguous()?;
+                let (storage, layout) = x.storage_and_layout();
+                let product = match (&*storage, layout.contiguous_offsets()) {
+                    // The rows as they lie in the tensor, not copied.
+                    (Storage::Cpu(CpuStorage::F32(rows)), Some((start, end))) => w.matmul(&rows[start..end], tokens),
+                    _ => w.matmul(&x.flatten_all()?.to_vec1::<f32>()?, tokens),
+                };
+                drop(storage);
+                Tensor::from_vec(product, (tokens, w.outputs()), x.device())?
             }
             Weight::Tensor(w) => x.matmul(&w.t()?)?,
         };
