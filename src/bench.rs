@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use candle_core::{DType, Device, Tensor};
-use lorry_engine::gemm::{self, PackedMatrix};
+use lorry_engine::gemm::{self, Kernel, PackedMatrix};
 use lorry_engine::models::llama::Config;
 
 use anyhow::{bail, Context as _};
@@ -242,8 +242,27 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         weights.len(),
         flops_per_row as f64 / 2e6
     );
-    println!("| rows | candle matmul | packed f32 | packed f16 | packed bf16 | f32 vs candle |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    // Every SIMD kernel this CPU has on f32 (the best first), the best on the halves.
+    let kernels: Vec<Kernel> = Kernel::available()
+        .into_iter()
+        .filter(|k| *k != Kernel::Portable)
+        .collect();
+    let best = *kernels.first().unwrap_or(&Kernel::Portable);
+    let mut runs: Vec<(String, &[PackedMatrix], Kernel)> = Vec::new();
+    for (i, (name, matrices)) in packed.iter().enumerate() {
+        if i == 0 {
+            for &kernel in &kernels {
+                runs.push((format!("{name} {kernel:?}"), matrices, kernel));
+            }
+        } else {
+            runs.push((format!("{name} {best:?}"), matrices, best));
+        }
+    }
+    println!(
+        "| rows | candle matmul | {} | best vs candle |",
+        runs.iter().map(|r| r.0.as_str()).collect::<Vec<_>>().join(" | ")
+    );
+    println!("|---:|---:|{}---:|", "---:|".repeat(runs.len()));
     for &m in batches {
         let inputs: Vec<Tensor> = weights
             .iter()
@@ -267,22 +286,26 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
             }
             Ok(())
         })?);
-        let mut fast = Vec::new();
-        for (_, matrices) in &packed {
-            fast.push(best_of(3, || {
+        let mut times = Vec::new();
+        for (_, matrices, kernel) in &runs {
+            times.push(best_of(3, || {
                 for (w, x) in matrices.iter().zip(&rows) {
-                    std::hint::black_box(w.matmul(x, m));
+                    let mut out = vec![0f32; m * w.outputs()];
+                    w.matmul_into(x, m, &mut out, *kernel);
+                    std::hint::black_box(out);
                 }
                 Ok(())
             })?);
         }
         println!(
-            "| {m} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x |",
+            "| {m} | {:.1} | {} | {:.2}x |",
             rate(candle),
-            rate(fast[0]),
-            rate(fast[1]),
-            rate(fast[2]),
-            candle / fast[0]
+            times
+                .iter()
+                .map(|t| format!("{:.1}", rate(*t)))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            candle / times[0]
         );
     }
     println!();
@@ -373,10 +396,10 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     println!(
         "model: {:.1}M matmul parameters; kernel: {}\n",
         params / 1e6,
-        if gemm::simd_available() {
-            "AVX2/FMA/F16C"
-        } else {
-            "portable"
+        match Kernel::best() {
+            Kernel::Avx512 => "AVX2/FMA/F16C with AVX-512VL's 32 registers",
+            Kernel::Avx2 => "AVX2/FMA/F16C",
+            _ => "portable",
         }
     );
     eprintln!("timing the products");
