@@ -14,83 +14,138 @@ fn has_avx2_fma() -> bool {
     }
 }
 
-/// `out[g] = queries[g] · key` for the `out.len()` queries of `key.len()`
-/// floats each, laid end to end in `queries` (the query heads that share one
-/// key-value head): the key is read once for all of them.
-pub fn dots(queries: &[f32], key: &[f32], out: &mut [f32]) {
-    let d = key.len();
-    assert_eq!(queries.len(), out.len() * d, "query shape");
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() && d % 8 == 0 {
-        // SAFETY: both features were found; the shapes were checked above.
-        unsafe { dots_avx2(queries, key, out) };
-        return;
+/// Vectors of `d` floats at `data[offset + shift..]` for each of `offsets`:
+/// the keys or values of one head at every visible position of a sequence.
+#[derive(Clone, Copy)]
+pub struct Gathered<'a> {
+    /// The layer's keys or values.
+    pub data: &'a [f32],
+    /// Where each position's vector starts, less `shift`.
+    pub offsets: &'a [usize],
+    /// Added to every offset (the head's place in a token's slot).
+    pub shift: usize,
+    /// Floats per vector.
+    pub d: usize,
+}
+
+impl Gathered<'_> {
+    fn check(&self) {
+        let end = self.offsets.iter().max().map_or(0, |o| o + self.shift + self.d);
+        assert!(end <= self.data.len(), "a gathered vector runs past the data");
     }
-    for (o, q) in out.iter_mut().zip(queries.chunks_exact(d.max(1))) {
-        *o = dot_portable(q, key);
+
+    fn at(&self, i: usize) -> &[f32] {
+        let start = self.offsets[i] + self.shift;
+        &self.data[start..start + self.d]
     }
 }
 
-/// `out[g] += weights[g] · value` for each of the `weights.len()` outputs of
-/// `value.len()` floats laid end to end in `out`: the value is read once.
-pub fn axpys(weights: &[f32], value: &[f32], out: &mut [f32]) {
-    let d = value.len();
-    assert_eq!(out.len(), weights.len() * d, "output shape");
+/// `scores[i·g + j] = queries[j] · vectors[i]` for the `g` queries of `d`
+/// floats laid end to end in `queries` (the query heads that share one
+/// key-value head): each key is read once for all of them.
+pub fn scores(queries: &[f32], keys: Gathered<'_>, scores: &mut [f32]) {
+    let (d, n) = (keys.d, keys.offsets.len());
+    let g = queries.len() / d.max(1);
+    assert!(queries.len() == g * d && scores.len() == n * g, "score shapes");
+    keys.check();
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() && d % 8 == 0 {
-        // SAFETY: both features were found; the shapes were checked above.
-        unsafe { axpys_avx2(weights, value, out) };
+        // SAFETY: both features were found; shapes and offsets were checked above.
+        unsafe { scores_avx2(queries, keys, g, scores) };
         return;
     }
-    for (&w, o) in weights.iter().zip(out.chunks_exact_mut(d.max(1))) {
-        for (o, v) in o.iter_mut().zip(value) {
-            *o += w * v;
+    for (i, score) in scores.chunks_exact_mut(g.max(1)).enumerate() {
+        let key = keys.at(i);
+        for (s, q) in score.iter_mut().zip(queries.chunks_exact(d.max(1))) {
+            *s = dot_portable(q, key);
+        }
+    }
+}
+
+/// `out[j·d..(j+1)·d] += Σᵢ weights[i·g + j] · values[i]` for the `g = out.len() / d`
+/// outputs laid end to end in `out`: each value is read once for all of them.
+pub fn weighted_sum(weights: &[f32], values: Gathered<'_>, out: &mut [f32]) {
+    let (d, n) = (values.d, values.offsets.len());
+    let g = out.len() / d.max(1);
+    assert!(out.len() == g * d && weights.len() == n * g, "weighted-sum shapes");
+    values.check();
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() && d % 16 == 0 {
+        // SAFETY: both features were found; shapes and offsets were checked above.
+        unsafe { weighted_sum_avx2(weights, values, g, out) };
+        return;
+    }
+    for (i, w) in weights.chunks_exact(g.max(1)).enumerate() {
+        let value = values.at(i);
+        for (&w, o) in w.iter().zip(out.chunks_exact_mut(d.max(1))) {
+            for (o, v) in o.iter_mut().zip(value) {
+                *o += w * v;
+            }
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots_avx2(queries: &[f32], key: &[f32], out: &mut [f32]) {
+unsafe fn scores_avx2(queries: &[f32], keys: Gathered<'_>, g: usize, scores: &mut [f32]) {
     use std::arch::x86_64::*;
-    let d = key.len();
-    for (group, out) in queries.chunks(8 * d).zip(out.chunks_mut(8)) {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut i = 0;
-        // SAFETY (every load): `i + 8 <= d`, query `g < out.len()` spans `g·d..(g+1)·d` of `group`.
-        unsafe {
-            while i + 8 <= d {
-                let k = _mm256_loadu_ps(key.as_ptr().add(i));
-                for (g, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(group.as_ptr().add(g * d + i)), k, *acc);
+    let d = keys.d;
+    // Four queries at a time: their four sums come out of one horizontal-add tree.
+    for j0 in (0..g).step_by(4) {
+        let width = (g - j0).min(4);
+        for i in 0..keys.offsets.len() {
+            // SAFETY (every access): `check` kept each key inside `keys.data`, `d % 8 == 0`,
+            // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`.
+            unsafe {
+                let key = keys.data.as_ptr().add(keys.offsets[i] + keys.shift);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for c in (0..d).step_by(8) {
+                    let k = _mm256_loadu_ps(key.add(c));
+                    for (j, acc) in acc.iter_mut().enumerate().take(width) {
+                        let q = _mm256_loadu_ps(queries.as_ptr().add((j0 + j) * d + c));
+                        *acc = _mm256_fmadd_ps(q, k, *acc);
+                    }
                 }
-                i += 8;
+                let pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+                let sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps::<1>(pairs));
+                let mut four = [0f32; 4];
+                _mm_storeu_ps(four.as_mut_ptr(), sums);
+                scores[i * g + j0..i * g + j0 + width].copy_from_slice(&four[..width]);
             }
-        }
-        for (o, acc) in out.iter_mut().zip(acc) {
-            let mut lanes = [0f32; 8];
-            // SAFETY: `lanes` holds 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-            *o = lanes.iter().sum();
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn axpys_avx2(weights: &[f32], value: &[f32], out: &mut [f32]) {
+unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    let d = value.len();
-    let mut i = 0;
-    // SAFETY (every access): `i + 8 <= d`; output `g < weights.len()` spans `g·d..(g+1)·d`.
-    unsafe {
-        while i + 8 <= d {
-            let v = _mm256_loadu_ps(value.as_ptr().add(i));
-            for (g, &w) in weights.iter().enumerate() {
-                let o = out.as_mut_ptr().add(g * d + i);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(w), v, _mm256_loadu_ps(o)));
+    let d = values.d;
+    // Four outputs × 16 floats of accumulators stay in registers while every
+    // position's value streams by.
+    for j0 in (0..g).step_by(4) {
+        let width = (g - j0).min(4);
+        for c in (0..d).step_by(16) {
+            // SAFETY (every access): `check` kept each value inside `values.data`,
+            // `d % 16 == 0`, output `j0 + j < g` spans `(j0 + j)·d..` of `out`,
+            // and `weights` holds `n·g`.
+            unsafe {
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                for i in 0..values.offsets.len() {
+                    let value = values.data.as_ptr().add(values.offsets[i] + values.shift + c);
+                    let (v0, v1) = (_mm256_loadu_ps(value), _mm256_loadu_ps(value.add(8)));
+                    for (j, acc) in acc.iter_mut().enumerate().take(width) {
+                        let w = _mm256_broadcast_ss(&*weights.as_ptr().add(i * g + j0 + j));
+                        acc[0] = _mm256_fmadd_ps(w, v0, acc[0]);
+                        acc[1] = _mm256_fmadd_ps(w, v1, acc[1]);
+                    }
+                }
+                for (j, acc) in acc.iter().enumerate().take(width) {
+                    let o = out.as_mut_ptr().add((j0 + j) * d + c);
+                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[0]));
+                    _mm256_storeu_ps(o.add(8), _mm256_add_ps(_mm256_loadu_ps(o.add(8)), acc[1]));
+                }
             }
-            i += 8;
         }
     }
 }
@@ -115,23 +170,37 @@ mod tests {
     use crate::rng::SplitMix;
 
     #[test]
-    fn grouped_dots_and_axpys_match_plain_loops() {
+    fn gathered_scores_and_weighted_sums_match_plain_loops() {
         let mut rng = SplitMix::new(2);
-        for (groups, d) in [(1, 8), (4, 64), (9, 16), (3, 12)] {
-            let queries: Vec<f32> = (0..groups * d).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let key: Vec<f32> = (0..d).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let mut got = vec![0f32; groups];
-            dots(&queries, &key, &mut got);
-            for (g, got) in got.iter().enumerate() {
-                let want = dot_portable(&queries[g * d..(g + 1) * d], &key);
-                assert!((got - want).abs() <= 1e-5, "{groups}×{d} [{g}]: {got} vs {want}");
+        for (g, d) in [(1, 8), (4, 64), (9, 16), (3, 12), (2, 32)] {
+            let n = 7;
+            let data: Vec<f32> = (0..(n + 3) * 2 * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+            // Scattered, out of order, shifted by one head.
+            let offsets: Vec<usize> = (0..n).map(|i| ((i * 5) % (n + 2)) * 2 * d).collect();
+            let gathered = Gathered {
+                data: &data,
+                offsets: &offsets,
+                shift: d,
+                d,
+            };
+            let queries: Vec<f32> = (0..g * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+            let mut got = vec![0f32; n * g];
+            scores(&queries, gathered, &mut got);
+            for i in 0..n {
+                for j in 0..g {
+                    let want = dot_portable(&queries[j * d..(j + 1) * d], gathered.at(i));
+                    let value = got[i * g + j];
+                    assert!((value - want).abs() <= 1e-5, "{g}×{d} [{i},{j}]: {value} vs {want}");
+                }
             }
-            let weights: Vec<f32> = (0..groups).map(|_| rng.uniform() as f32).collect();
-            let mut out = queries.clone();
-            axpys(&weights, &key, &mut out);
-            for (i, got) in out.iter().enumerate() {
-                let want = queries[i] + weights[i / d] * key[i % d];
-                assert!((got - want).abs() <= 1e-6, "{groups}×{d} [{i}]: {got} vs {want}");
+            let weights: Vec<f32> = (0..n * g).map(|_| rng.uniform() as f32).collect();
+            let start: Vec<f32> = (0..g * d).map(|_| rng.uniform() as f32).collect();
+            let mut out = start.clone();
+            weighted_sum(&weights, gathered, &mut out);
+            for (at, value) in out.iter().enumerate() {
+                let (j, c) = (at / d, at % d);
+                let want = start[at] + (0..n).map(|i| weights[i * g + j] * gathered.at(i)[c]).sum::<f32>();
+                assert!((value - want).abs() <= 1e-5, "{g}×{d} [{j},{c}]: {value} vs {want}");
             }
         }
     }

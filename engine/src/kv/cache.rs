@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::BlockId;
-use crate::kernels::{axpys, dots};
+use crate::kernels::{scores, weighted_sum, Gathered};
 
 /// The shape of one token's cached keys (or values) in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,30 +138,31 @@ impl KvCache {
                 let slots = self.slot_offsets(seq.blocks, position + 1);
                 // Scores `[position][query head of the group]`: each key and value
                 // is read once for all the query heads that share it.
-                let mut scores = vec![0f32; slots.len() * groups];
+                let mut weights = vec![0f32; slots.len() * groups];
                 for kv_head in 0..self.layout.kv_heads {
-                    let (at_head, span) = (kv_head * d, kv_head * groups * d..(kv_head + 1) * groups * d);
-                    let q = &query[span.clone()];
-                    for (score, &at) in scores.chunks_exact_mut(groups).zip(&slots) {
-                        dots(q, &stored.keys[at + at_head..at + at_head + d], score);
-                    }
+                    let span = kv_head * groups * d..(kv_head + 1) * groups * d;
+                    let gathered = |data| Gathered {
+                        data,
+                        offsets: &slots,
+                        shift: kv_head * d,
+                        d,
+                    };
+                    scores(&query[span.clone()], gathered(&stored.keys), &mut weights);
                     let mut max = vec![f32::NEG_INFINITY; groups];
-                    for score in scores.chunks_exact(groups) {
+                    for score in weights.chunks_exact(groups) {
                         for (m, s) in max.iter_mut().zip(score) {
                             *m = m.max(*s * scale);
                         }
                     }
                     let mut total = vec![0f32; groups];
-                    for score in scores.chunks_exact_mut(groups) {
+                    for score in weights.chunks_exact_mut(groups) {
                         for ((s, m), t) in score.iter_mut().zip(&max).zip(total.iter_mut()) {
                             *s = (*s * scale - m).exp();
                             *t += *s;
                         }
                     }
                     let o = &mut out[span];
-                    for (weights, &at) in scores.chunks_exact(groups).zip(&slots) {
-                        axpys(weights, &stored.values[at + at_head..at + at_head + d], o);
-                    }
+                    weighted_sum(&weights, gathered(&stored.values), o);
                     for (o, t) in o.chunks_exact_mut(d).zip(&total) {
                         o.iter_mut().for_each(|v| *v /= t);
                     }
