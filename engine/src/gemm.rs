@@ -384,11 +384,19 @@ impl PackedMatrix {
                         // (its own panels) of rows `row..row + rows`, all inside `out`
                         // (`m × n`), and nothing reads `out` until every task is done.
                         unsafe {
-                            let out = target.get().add(row * n + p * NR);
-                            if kernel != Kernel::Portable {
-                                T::tile_simd(kernel, rows, k, x, panel, out, n, cols, ahead);
+                            let job = TileJob {
+                                rows,
+                                x,
+                                panel,
+                                out: target.get().add(row * n + p * NR),
+                                ldo: n,
+                                cols,
+                                ahead,
+                            };
+                            if kernel == Kernel::Portable {
+                                tile_portable(&job);
                             } else {
-                                tile_portable(rows, x, panel, out, n, cols);
+                                T::tile_simd(kernel, &job);
                             }
                         }
                     }
@@ -396,6 +404,21 @@ impl PackedMatrix {
             });
         }
     }
+}
+
+/// One tile of a product: `rows` token rows times one panel, into `cols`
+/// columns of `rows` output rows.
+struct TileJob<'a, T> {
+    rows: usize,
+    /// The inputs, interleaved `[k][rows]`.
+    x: &'a [f32],
+    /// The weights, `[k][NR]`.
+    panel: &'a [T],
+    /// The tile's first output; its rows are `ldo` apart.
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+    ahead: Ahead,
 }
 
 /// Cache lines a tile asks for while it runs (one per step along `k`, at
@@ -421,12 +444,20 @@ impl OutPtr {
     }
 }
 
-/// `out[r][j] = Σₖ x[r][k] · panel[k][j]` for `r < rows ≤ MR_WIDE`, `j < cols ≤ NR`;
-/// `x` holds the `rows` input rows interleaved, `[k][rows]`; `out` rows are `ldo` apart.
+/// `out[r][j] = Σₖ x[k][r] · panel[k][j]` for `r < rows ≤ MR_WIDE`, `j < cols ≤ NR`.
 ///
 /// # Safety
-/// `out` must be valid for writes of `cols` floats at each of `rows` rows `ldo` apart.
-unsafe fn tile_portable<T: Element>(rows: usize, x: &[f32], panel: &[T], out: *mut f32, ldo: usize, cols: usize) {
+/// `job.out` must be valid for writes of `cols` floats at each of `rows` rows `ldo` apart.
+unsafe fn tile_portable<T: Element>(job: &TileJob<'_, T>) {
+    let &TileJob {
+        rows,
+        x,
+        panel,
+        out,
+        ldo,
+        cols,
+        ..
+    } = job;
     let mut acc = [[0f32; NR]; MR_WIDE];
     for (kk, b) in panel.chunks_exact(NR).enumerate() {
         let b: [f32; NR] = std::array::from_fn(|j| b[j].widen());
@@ -449,18 +480,7 @@ trait Tile: Element {
     ///
     /// # Safety
     /// As [`tile_portable`], and the CPU must have `kernel`'s features.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile_simd(
-        kernel: Kernel,
-        rows: usize,
-        k: usize,
-        x: &[f32],
-        panel: &[Self],
-        out: *mut f32,
-        ldo: usize,
-        cols: usize,
-        ahead: Ahead,
-    );
+    unsafe fn tile_simd(kernel: Kernel, job: &TileJob<'_, Self>);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -469,7 +489,7 @@ mod x86 {
 
     use half::{bf16, f16};
 
-    use super::{Ahead, Kernel, Tile, MR, MR_WIDE, NR, PREFETCH_BYTES};
+    use super::{Kernel, Tile, TileJob, MR, MR_WIDE, NR, PREFETCH_BYTES};
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -499,17 +519,11 @@ mod x86 {
     macro_rules! kernel {
         ($name:ident, $features:literal, $t:ty, $load:ident) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(
-                k: usize,
-                x: *const f32,
-                panel: *const $t,
-                out: *mut f32,
-                ldo: usize,
-                cols: usize,
-                ahead: Ahead,
-            ) {
-                // SAFETY (whole body): `x` holds `k × R` inputs, `panel` holds `k`
-                // rows of `NR`, and the caller guarantees the tile of `out`.
+            unsafe fn $name<const R: usize>(job: &TileJob<'_, $t>) {
+                let (k, x, panel) = (job.panel.len() / NR, job.x.as_ptr(), job.panel.as_ptr());
+                let (out, ldo, cols, ahead) = (job.out, job.ldo, job.cols, job.ahead);
+                // SAFETY (whole body): the caller checked that `x` holds `k × R`
+                // inputs, and guarantees the tile of `out`.
                 unsafe {
                     let mut lo = [_mm256_setzero_ps(); R];
                     let mut hi = [_mm256_setzero_ps(); R];
@@ -577,46 +591,36 @@ mod x86 {
     macro_rules! tile {
         ($t:ty, $narrow:ident, $wide:ident) => {
             impl Tile for $t {
-                unsafe fn tile_simd(
-                    kernel: Kernel,
-                    rows: usize,
-                    k: usize,
-                    x: &[f32],
-                    panel: &[Self],
-                    out: *mut f32,
-                    ldo: usize,
-                    cols: usize,
-                    ahead: Ahead,
-                ) {
+                unsafe fn tile_simd(kernel: Kernel, job: &TileJob<'_, Self>) {
+                    let (rows, k) = (job.rows, job.panel.len() / NR);
                     let limit = if kernel == Kernel::Avx512 { MR_WIDE } else { MR };
-                    assert!(rows <= limit && x.len() >= rows * k && panel.len() >= k * NR && cols <= NR);
-                    let (x, panel) = (x.as_ptr(), panel.as_ptr());
+                    assert!(rows <= limit && job.x.len() >= rows * k && job.cols <= NR);
                     // SAFETY: the assertion bounds every read; the caller vouches
                     // for `out` and for the CPU's features.
                     unsafe {
                         if kernel == Kernel::Avx512 {
                             match rows {
-                                1 => $wide::<1>(k, x, panel, out, ldo, cols, ahead),
-                                2 => $wide::<2>(k, x, panel, out, ldo, cols, ahead),
-                                3 => $wide::<3>(k, x, panel, out, ldo, cols, ahead),
-                                4 => $wide::<4>(k, x, panel, out, ldo, cols, ahead),
-                                5 => $wide::<5>(k, x, panel, out, ldo, cols, ahead),
-                                6 => $wide::<6>(k, x, panel, out, ldo, cols, ahead),
-                                7 => $wide::<7>(k, x, panel, out, ldo, cols, ahead),
-                                8 => $wide::<8>(k, x, panel, out, ldo, cols, ahead),
-                                9 => $wide::<9>(k, x, panel, out, ldo, cols, ahead),
-                                10 => $wide::<10>(k, x, panel, out, ldo, cols, ahead),
-                                11 => $wide::<11>(k, x, panel, out, ldo, cols, ahead),
-                                _ => $wide::<12>(k, x, panel, out, ldo, cols, ahead),
+                                1 => $wide::<1>(job),
+                                2 => $wide::<2>(job),
+                                3 => $wide::<3>(job),
+                                4 => $wide::<4>(job),
+                                5 => $wide::<5>(job),
+                                6 => $wide::<6>(job),
+                                7 => $wide::<7>(job),
+                                8 => $wide::<8>(job),
+                                9 => $wide::<9>(job),
+                                10 => $wide::<10>(job),
+                                11 => $wide::<11>(job),
+                                _ => $wide::<12>(job),
                             }
                         } else {
                             match rows {
-                                1 => $narrow::<1>(k, x, panel, out, ldo, cols, ahead),
-                                2 => $narrow::<2>(k, x, panel, out, ldo, cols, ahead),
-                                3 => $narrow::<3>(k, x, panel, out, ldo, cols, ahead),
-                                4 => $narrow::<4>(k, x, panel, out, ldo, cols, ahead),
-                                5 => $narrow::<5>(k, x, panel, out, ldo, cols, ahead),
-                                _ => $narrow::<6>(k, x, panel, out, ldo, cols, ahead),
+                                1 => $narrow::<1>(job),
+                                2 => $narrow::<2>(job),
+                                3 => $narrow::<3>(job),
+                                4 => $narrow::<4>(job),
+                                5 => $narrow::<5>(job),
+                                _ => $narrow::<6>(job),
                             }
                         }
                     }
@@ -634,20 +638,9 @@ mod x86 {
 macro_rules! portable_only {
     ($($t:ty),*) => {$(
         impl Tile for $t {
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn tile_simd(
-                _kernel: Kernel,
-                rows: usize,
-                k: usize,
-                x: &[f32],
-                panel: &[Self],
-                out: *mut f32,
-                ldo: usize,
-                cols: usize,
-                _ahead: Ahead,
-            ) {
+            unsafe fn tile_simd(_kernel: Kernel, job: &TileJob<'_, Self>) {
                 // SAFETY: the caller's contract is the portable kernel's.
-                unsafe { tile_portable(rows, x, panel, out, ldo, cols) }
+                unsafe { tile_portable(job) }
             }
         }
     )*};
