@@ -18,6 +18,7 @@ pub mod gemm;
 pub mod input;
 pub mod kernels;
 pub mod kv;
+pub mod lora;
 pub mod models;
 pub mod rng;
 pub mod sampling;

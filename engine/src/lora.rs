@@ -1,0 +1,458 @@
+//! LoRA adapters in PEFT's format, checked against the base model they are
+//! for: `adapter_config.json` and `adapter_model.safetensors`, as `peft`
+//! writes them (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`
+//! of `(r, in)` and `…lora_B.weight` of `(out, r)`).
+//!
+//! Everything an adapter could get wrong is found here, before it is stored
+//! or served, and named by a stable code: a bad configuration, an option Lorry
+//! does not serve (DoRA, trained biases, `modules_to_save`, …), a rank over
+//! the limit, a target outside the seven projections, a tensor missing, of the
+//! wrong shape, for a layer the model does not have, not finite, or a file
+//! that is not safetensors. Scales follow PEFT: `lora_alpha / r`, or
+//! `lora_alpha / √r` with `use_rslora`, with `rank_pattern` and
+//! `alpha_pattern` overriding rank and alpha per module.
+
+use std::collections::{BTreeMap, HashMap};
+
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+
+use crate::models::llama::Config;
+
+/// The projections an adapter may target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    #[allow(missing_docs)]
+    Q,
+    #[allow(missing_docs)]
+    K,
+    #[allow(missing_docs)]
+    V,
+    #[allow(missing_docs)]
+    O,
+    #[allow(missing_docs)]
+    Gate,
+    #[allow(missing_docs)]
+    Up,
+    #[allow(missing_docs)]
+    Down,
+}
+
+impl Target {
+    /// Every target, in checkpoint order.
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module's name in a checkpoint (`q_proj`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        Target::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// `(out, in)` of this projection in the base model.
+    pub fn shape(self, base: &Config) -> (usize, usize) {
+        let (h, d, i) = (base.hidden_size, base.head_dim, base.intermediate_size);
+        match self {
+            Target::Q => (base.num_heads * d, h),
+            Target::K | Target::V => (base.num_kv_heads * d, h),
+            Target::O => (h, base.num_heads * d),
+            Target::Gate | Target::Up => (i, h),
+            Target::Down => (h, i),
+        }
+    }
+
+    fn block(self) -> &'static str {
+        match self {
+            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            _ => "mlp",
+        }
+    }
+}
+
+/// Why an adapter was refused: a stable `code` and a message naming the
+/// field, module or tensor at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct AdapterError {
+    /// Stable, for clients to match on.
+    pub code: &'static str,
+    /// What is wrong, and where.
+    pub message: String,
+}
+
+fn refuse(code: &'static str, message: impl Into<String>) -> AdapterError {
+    AdapterError {
+        code,
+        message: message.into(),
+    }
+}
+
+/// Limits an adapter must keep within.
+#[derive(Debug, Clone, Copy)]
+pub struct AdapterLimits {
+    /// Largest rank of any module.
+    pub max_rank: usize,
+    /// Largest `adapter_model.safetensors`, in bytes.
+    pub max_bytes: usize,
+}
+
+impl Default for AdapterLimits {
+    fn default() -> Self {
+        AdapterLimits {
+            max_rank: 32,
+            max_bytes: 300 * 1024 * 1024,
+        }
+    }
+}
+
+/// `adapter_config.json`, the fields that decide what the weights mean.
+#[derive(Debug, Deserialize)]
+struct ConfigFile {
+    peft_type: Option<String>,
+    r: Option<usize>,
+    lora_alpha: Option<f64>,
+    target_modules: Option<serde_json::Value>,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    bias: Option<String>,
+    modules_to_save: Option<serde_json::Value>,
+    #[serde(default)]
+    rank_pattern: BTreeMap<String, usize>,
+    #[serde(default)]
+    alpha_pattern: BTreeMap<String, f64>,
+}
+
+/// One adapted projection of one layer: `ΔW = scale · B · A`.
+#[derive(Debug, Clone)]
+pub struct LoraWeights {
+    /// Rank.
+    pub rank: usize,
+    /// `alpha / r` (or `/ √r`).
+    pub scale: f32,
+    /// `lora_A`, `(rank, in)` row-major.
+    pub a: Vec<f32>,
+    /// `lora_B`, `(out, rank)` row-major.
+    pub b: Vec<f32>,
+}
+
+/// A checked adapter: the weights of every adapted projection, by layer.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    /// `(layer, target)` → weights.
+    pub modules: BTreeMap<(usize, Target), LoraWeights>,
+}
+
+impl Adapter {
+    /// The highest rank of any module.
+    pub fn max_rank(&self) -> usize {
+        self.modules.values().map(|m| m.rank).max().unwrap_or(0)
+    }
+
+    /// The targets adapted in at least one layer.
+    pub fn targets(&self) -> Vec<Target> {
+        let mut targets: Vec<Target> = self.modules.keys().map(|(_, t)| *t).collect();
+        targets.sort();
+        targets.dedup();
+        targets
+    }
+
+    /// Parse and check an adapter's two files against the base model `base`.
+    pub fn parse(config: &[u8], weights: &[u8], base: &Config, limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let config: ConfigFile = serde_json::from_slice(config)
+            .map_err(|e| refuse("adapter_config_invalid", format!("adapter_config.json: {e}")))?;
+        let settings = Settings::check(&config, limits)?;
+        if weights.len() > limits.max_bytes {
+            return Err(refuse(
+                "adapter_too_large",
+                format!(
+                    "adapter_model.safetensors is {} bytes; the limit is {}",
+                    weights.len(),
+                    limits.max_bytes
+                ),
+            ));
+        }
+        let tensors = candle_core::safetensors::load_buffer(weights, &Device::Cpu)
+            .map_err(|e| refuse("adapter_weights_invalid", format!("adapter_model.safetensors: {e}")))?;
+        let mut halves: HashMap<(usize, Target), (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+        for (name, tensor) in tensors {
+            let (layer, target, matrix) = parse_key(&name)?;
+            if layer >= base.num_layers {
+                return Err(refuse(
+                    "adapter_shape_mismatch",
+                    format!("{name}: the base model has {} layers", base.num_layers),
+                ));
+            }
+            if !settings.targets.contains(&target) {
+                return Err(refuse(
+                    "adapter_unknown_target",
+                    format!("{name}: {} is not in target_modules", target.name()),
+                ));
+            }
+            let entry = halves.entry((layer, target)).or_default();
+            match matrix {
+                'A' => entry.0 = Some(tensor),
+                _ => entry.1 = Some(tensor),
+            }
+        }
+        if halves.is_empty() {
+            return Err(refuse(
+                "adapter_missing_tensor",
+                "adapter_model.safetensors holds no LoRA weights",
+            ));
+        }
+        let mut modules = BTreeMap::new();
+        for ((layer, target), pair) in halves {
+            let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
+            let (a, b) = match pair {
+                (Some(a), Some(b)) => (a, b),
+                (a, _) => {
+                    let missing = if a.is_none() { "lora_A" } else { "lora_B" };
+                    return Err(refuse(
+                        "adapter_missing_tensor",
+                        format!("base_model.model.{module}.{missing}.weight is missing"),
+                    ));
+                }
+            };
+            let (rank, alpha) = settings.rank_and_alpha(&module);
+            if rank > limits.max_rank {
+                return Err(refuse(
+                    "adapter_rank_too_large",
+                    format!("{module}: rank {rank}; the limit is {}", limits.max_rank),
+                ));
+            }
+            let (out, inputs) = target.shape(base);
+            let a = matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
+            let b = matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
+            let scale = if settings.rslora {
+                alpha / (rank as f64).sqrt()
+            } else {
+                alpha / rank as f64
+            };
+            modules.insert(
+                (layer, target),
+                LoraWeights {
+                    rank,
+                    scale: scale as f32,
+                    a,
+                    b,
+                },
+            );
+        }
+        Ok(Adapter { modules })
+    }
+}
+
+/// What the configuration says, checked.
+struct Settings {
+    rank: usize,
+    alpha: f64,
+    rslora: bool,
+    targets: Vec<Target>,
+    rank_pattern: Vec<(String, usize)>,
+    alpha_pattern: Vec<(String, f64)>,
+}
+
+impl Settings {
+    fn check(config: &ConfigFile, limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let invalid = |m: String| refuse("adapter_config_invalid", m);
+        let unsupported = |m: String| refuse("adapter_unsupported", m);
+        match config.peft_type.as_deref() {
+            None | Some("LORA") => {}
+            Some(other) => return Err(unsupported(format!("peft_type {other}: only LORA adapters are served"))),
+        }
+        if config.use_dora {
+            return Err(unsupported("use_dora: DoRA adapters are not served".into()));
+        }
+        if config.fan_in_fan_out {
+            return Err(unsupported(
+                "fan_in_fan_out: Llama-family projections are not Conv1D".into(),
+            ));
+        }
+        if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
+            return Err(unsupported(format!(
+                "bias {bias}: adapters that train biases are not served"
+            )));
+        }
+        if config
+            .modules_to_save
+            .as_ref()
+            .is_some_and(|m| !m.is_null() && m.as_array().is_none_or(|a| !a.is_empty()))
+        {
+            return Err(unsupported("modules_to_save: only LoRA weights are served".into()));
+        }
+        let rank = config
+            .r
+            .filter(|r| *r > 0)
+            .ok_or_else(|| invalid("r: a positive rank is required".into()))?;
+        if rank > limits.max_rank {
+            return Err(refuse(
+                "adapter_rank_too_large",
+                format!("r: rank {rank}; the limit is {}", limits.max_rank),
+            ));
+        }
+        let alpha = config
+            .lora_alpha
+            .filter(|a| a.is_finite())
+            .ok_or_else(|| invalid("lora_alpha: a number is required".into()))?;
+        let names: Vec<String> = match &config.target_modules {
+            Some(serde_json::Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| invalid("target_modules: a list of module names".into()))?,
+            Some(serde_json::Value::String(s)) if s == "all-linear" => {
+                Target::ALL.iter().map(|t| t.name().to_string()).collect()
+            }
+            Some(serde_json::Value::String(s)) => {
+                return Err(unsupported(format!(
+                    "target_modules {s:?}: a regular expression; list the module names instead"
+                )))
+            }
+            _ => return Err(invalid("target_modules: a list of module names is required".into())),
+        };
+        let targets = names
+            .iter()
+            .map(|n| {
+                Target::parse(n).ok_or_else(|| {
+                    refuse(
+                        "adapter_unknown_target",
+                        format!(
+                            "target_modules: {n} is not one of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pattern_key = |field: &str, key: &str| {
+            if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
+                Ok(key.to_string())
+            } else {
+                Err(unsupported(format!(
+                    "{field}: key {key:?} is a regular expression; name modules by their dotted names"
+                )))
+            }
+        };
+        let rank_pattern = config
+            .rank_pattern
+            .iter()
+            .map(|(k, r)| Ok((pattern_key("rank_pattern", k)?, *r)))
+            .collect::<Result<_, AdapterError>>()?;
+        let alpha_pattern = config
+            .alpha_pattern
+            .iter()
+            .map(|(k, a)| Ok((pattern_key("alpha_pattern", k)?, *a)))
+            .collect::<Result<_, AdapterError>>()?;
+        Ok(Settings {
+            rank,
+            alpha,
+            rslora: config.use_rslora,
+            targets,
+            rank_pattern,
+            alpha_pattern,
+        })
+    }
+
+    /// Rank and alpha for `module` (`model.layers.3.self_attn.q_proj`): a
+    /// pattern key applies when it is the module's name or a dotted suffix of
+    /// it, as PEFT matches them; the longest such key wins.
+    fn rank_and_alpha(&self, module: &str) -> (usize, f64) {
+        fn lookup<T: Copy>(pattern: &[(String, T)], module: &str) -> Option<T> {
+            pattern
+                .iter()
+                .filter(|(key, _)| module == key || module.ends_with(&format!(".{key}")))
+                .max_by_key(|(key, _)| key.len())
+                .map(|(_, v)| *v)
+        }
+        (
+            lookup(&self.rank_pattern, module).unwrap_or(self.rank),
+            lookup(&self.alpha_pattern, module).unwrap_or(self.alpha),
+        )
+    }
+}
+
+/// `base_model.model.model.layers.N.<block>.<target>.lora_{A,B}.weight` →
+/// (N, target, 'A' | 'B').
+fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
+    let unexpected = || {
+        refuse(
+            "adapter_unsupported",
+            format!("{name}: not a LoRA weight of a Llama-family projection"),
+        )
+    };
+    let rest = name
+        .strip_prefix("base_model.model.model.layers.")
+        .ok_or_else(unexpected)?;
+    let parts: Vec<&str> = rest.split('.').collect();
+    let [layer, block, module, matrix, "weight"] = parts.as_slice() else {
+        return Err(unexpected());
+    };
+    let layer: usize = layer.parse().map_err(|_| unexpected())?;
+    let target = Target::parse(module).ok_or_else(|| {
+        refuse(
+            "adapter_unknown_target",
+            format!("{name}: {module} is not one of the seven projections"),
+        )
+    })?;
+    if *block != target.block() {
+        return Err(unexpected());
+    }
+    let matrix = match *matrix {
+        "lora_A" => 'A',
+        "lora_B" => 'B',
+        _ => return Err(unexpected()),
+    };
+    Ok((layer, target, matrix))
+}
+
+/// A tensor of `shape` as f32 values, every one finite.
+fn matrix(tensor: Tensor, shape: (usize, usize), name: &str) -> Result<Vec<f32>, AdapterError> {
+    if tensor.dims() != [shape.0, shape.1] {
+        return Err(refuse(
+            "adapter_shape_mismatch",
+            format!(
+                "{name}: shape {:?}, the base model needs {:?}",
+                tensor.dims(),
+                [shape.0, shape.1]
+            ),
+        ));
+    }
+    if !matches!(tensor.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(refuse(
+            "adapter_weights_invalid",
+            format!("{name}: {:?} weights; f32, f16 or bf16 are served", tensor.dtype()),
+        ));
+    }
+    let values = tensor
+        .to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+        .map_err(|e| refuse("adapter_weights_invalid", format!("{name}: {e}")))?;
+    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+        return Err(refuse(
+            "adapter_nonfinite",
+            format!("{name}: element {at} is {}", values[at]),
+        ));
+    }
+    Ok(values)
+}

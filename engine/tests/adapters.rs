@@ -1,0 +1,265 @@
+//! PEFT adapters checked against their base model: what loads, with which
+//! scales, and every way an adapter is refused, each with its code.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::lora::{Adapter, AdapterLimits, Target};
+use lorry_engine::models::llama::{Config, LlamaConfigFile};
+use lorry_engine::models::read_config;
+use serde_json::{json, Value};
+
+/// tiny-llama: hidden 64, MLP 160, 2 layers, 4 heads of 16, 2 KV heads.
+fn base() -> Config {
+    let dir = std::env::temp_dir().join(format!("lorry-adapters-{}", std::process::id()));
+    if !dir.join("config.json").exists() {
+        fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    }
+    read_config::<LlamaConfigFile>(&dir).unwrap().into_config().unwrap()
+}
+
+fn key(layer: usize, target: Target, matrix: &str) -> String {
+    let block = match target {
+        Target::Q | Target::K | Target::V | Target::O => "self_attn",
+        _ => "mlp",
+    };
+    format!(
+        "base_model.model.model.layers.{layer}.{block}.{}.{matrix}.weight",
+        target.name()
+    )
+}
+
+/// Weights for `targets` in every layer at `rank` (per module from `ranks`), `dtype`.
+fn weights(
+    base: &Config,
+    targets: &[Target],
+    rank: usize,
+    ranks: &HashMap<String, usize>,
+    dtype: DType,
+) -> HashMap<String, Tensor> {
+    let mut tensors = HashMap::new();
+    for layer in 0..base.num_layers {
+        for &t in targets {
+            let (out, inputs) = t.shape(base);
+            let r = ranks.get(t.name()).copied().unwrap_or(rank);
+            let a = Tensor::randn(0f32, 0.1, (r, inputs), &Device::Cpu).unwrap();
+            let b = Tensor::randn(0f32, 0.1, (out, r), &Device::Cpu).unwrap();
+            tensors.insert(key(layer, t, "lora_A"), a.to_dtype(dtype).unwrap());
+            tensors.insert(key(layer, t, "lora_B"), b.to_dtype(dtype).unwrap());
+        }
+    }
+    tensors
+}
+
+fn bytes(tensors: &HashMap<String, Tensor>) -> Vec<u8> {
+    let path = std::env::temp_dir().join(format!(
+        "lorry-adapter-{}-{}.safetensors",
+        std::process::id(),
+        uuid_like()
+    ));
+    candle_core::safetensors::save(tensors, &path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    bytes
+}
+
+fn uuid_like() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn config(extra: Value) -> Vec<u8> {
+    let mut config = json!({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+        "bias": "none", "use_rslora": false, "use_dora": false, "fan_in_fan_out": false,
+        "modules_to_save": null, "rank_pattern": {}, "alpha_pattern": {}, "task_type": "CAUSAL_LM",
+    });
+    config
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    serde_json::to_vec(&config).unwrap()
+}
+
+fn parse(config: &[u8], weights: &[u8]) -> Result<Adapter, (&'static str, String)> {
+    Adapter::parse(config, weights, &base(), AdapterLimits::default()).map_err(|e| (e.code, e.message))
+}
+
+const QV: [Target; 2] = [Target::Q, Target::V];
+
+#[test]
+fn a_peft_adapter_loads_with_its_scales_in_any_precision() {
+    let base = base();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tensors = weights(&base, &Target::ALL, 8, &HashMap::new(), dtype);
+        let adapter = parse(&config(json!({"target_modules": "all-linear"})), &bytes(&tensors)).unwrap();
+        assert_eq!(adapter.modules.len(), 2 * 7, "{dtype:?}");
+        assert_eq!(adapter.targets(), Target::ALL.to_vec());
+        let down = &adapter.modules[&(1, Target::Down)];
+        assert_eq!((down.rank, down.scale), (8, 2.0));
+        assert_eq!((down.a.len(), down.b.len()), (8 * 160, 64 * 8));
+        let want = tensors[&key(1, Target::Down, "lora_B")]
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(down.b, want);
+    }
+    // rsLoRA: alpha / √r.
+    let tensors = weights(&base, &QV, 16, &HashMap::new(), DType::F32);
+    let adapter = parse(&config(json!({"r": 16, "use_rslora": true})), &bytes(&tensors)).unwrap();
+    assert_eq!(adapter.modules[&(0, Target::Q)].scale, 4.0);
+}
+
+#[test]
+fn rank_and_alpha_patterns_apply_per_module() {
+    let base = base();
+    let ranks = HashMap::from([("v_proj".to_string(), 4)]);
+    let tensors = weights(&base, &QV, 8, &ranks, DType::F32);
+    let adapter = parse(
+        &config(json!({"rank_pattern": {"v_proj": 4}, "alpha_pattern": {"model.layers.1.self_attn.q_proj": 64}})),
+        &bytes(&tensors),
+    )
+    .unwrap();
+    let module = |layer, t| {
+        let m = &adapter.modules[&(layer, t)];
+        (m.rank, m.scale)
+    };
+    assert_eq!(module(0, Target::V), (4, 4.0));
+    assert_eq!(module(0, Target::Q), (8, 2.0));
+    assert_eq!(module(1, Target::Q), (8, 8.0));
+    assert_eq!(adapter.max_rank(), 8);
+    // A regular expression as a key is refused, not guessed at.
+    let err = parse(&config(json!({"rank_pattern": {"^v_.*": 4}})), &bytes(&tensors)).unwrap_err();
+    assert_eq!(err.0, "adapter_unsupported", "{err:?}");
+}
+
+#[test]
+fn every_kind_of_bad_adapter_is_refused_with_its_code() {
+    let base = base();
+    let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
+    let cases: Vec<(&str, Vec<u8>, Vec<u8>, &str)> = vec![
+        ("config not JSON", b"{".to_vec(), good.clone(), "adapter_config_invalid"),
+        (
+            "no rank",
+            config(json!({"r": null})),
+            good.clone(),
+            "adapter_config_invalid",
+        ),
+        (
+            "rank over 32",
+            config(json!({"r": 64})),
+            good.clone(),
+            "adapter_rank_too_large",
+        ),
+        (
+            "unknown target",
+            config(json!({"target_modules": ["q_proj", "lm_head"]})),
+            good.clone(),
+            "adapter_unknown_target",
+        ),
+        (
+            "DoRA",
+            config(json!({"use_dora": true})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
+        (
+            "trained bias",
+            config(json!({"bias": "all"})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
+        (
+            "modules to save",
+            config(json!({"modules_to_save": ["lm_head"]})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
+        (
+            "prefix tuning",
+            config(json!({"peft_type": "PREFIX_TUNING"})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
+        (
+            "weights for a module not targeted",
+            config(json!({"target_modules": ["q_proj"]})),
+            good.clone(),
+            "adapter_unknown_target",
+        ),
+        (
+            "truncated weights",
+            config(json!({})),
+            good[..good.len() / 2].to_vec(),
+            "adapter_weights_invalid",
+        ),
+        (
+            "weights not safetensors",
+            config(json!({})),
+            b"not a tensor file".to_vec(),
+            "adapter_weights_invalid",
+        ),
+    ];
+    for (what, config, weights, code) in cases {
+        let err = parse(&config, &weights).unwrap_err();
+        assert_eq!(err.0, code, "{what}: {err:?}");
+    }
+}
+
+#[test]
+fn bad_tensors_are_named() {
+    let base = base();
+    let mut wrong_shape = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    wrong_shape.insert(
+        key(1, Target::V, "lora_B"),
+        Tensor::zeros((64, 8), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let mut missing = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    missing.remove(&key(0, Target::Q, "lora_A"));
+    let mut not_finite = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    let mut values = vec![0.5f32; 8 * 64];
+    values[77] = f32::NAN;
+    not_finite.insert(
+        key(0, Target::Q, "lora_A"),
+        Tensor::from_vec(values, (8, 64), &Device::Cpu).unwrap(),
+    );
+    let mut extra_layer = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    extra_layer.insert(
+        key(2, Target::Q, "lora_A"),
+        Tensor::zeros((8, 64), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let mut stray = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    stray.insert(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector".into(),
+        Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let cases = [
+        (
+            wrong_shape,
+            "adapter_shape_mismatch",
+            "layers.1.self_attn.v_proj.lora_B",
+        ),
+        (missing, "adapter_missing_tensor", "layers.0.self_attn.q_proj.lora_A"),
+        (not_finite, "adapter_nonfinite", "layers.0.self_attn.q_proj.lora_A"),
+        (extra_layer, "adapter_shape_mismatch", "layers.2.self_attn.q_proj"),
+        (stray, "adapter_unsupported", "lora_magnitude_vector"),
+    ];
+    for (tensors, code, named) in cases {
+        let err = parse(&config(json!({})), &bytes(&tensors)).unwrap_err();
+        assert_eq!(err.0, code, "{err:?}");
+        assert!(err.1.contains(named), "{err:?} should name {named}");
+    }
+    // Over the size limit, before the weights are even parsed.
+    let limits = AdapterLimits {
+        max_bytes: 1024,
+        ..AdapterLimits::default()
+    };
+    let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
+    let err = Adapter::parse(&config(json!({})), &good, &base, limits).unwrap_err();
+    assert_eq!(err.code, "adapter_too_large");
+}
