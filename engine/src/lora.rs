@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
+use crate::gemm::PackedMatrix;
 use crate::models::llama::Config;
 
 /// The projections an adapter may target.
@@ -455,4 +456,53 @@ fn matrix(tensor: Tensor, shape: (usize, usize), name: &str) -> Result<Vec<f32>,
         ));
     }
     Ok(values)
+}
+
+/// One adapted projection laid out for the forward pass: `lora_A` and
+/// `lora_B` packed for [`PackedMatrix::matmul`], so the shrink
+/// (`x·Aᵀ`, rank outputs) and the expand (`·Bᵀ`) run on the same kernels as
+/// the base model's products.
+#[derive(Debug, Clone)]
+pub struct PackedLora {
+    /// `(rank, in)`.
+    pub a: PackedMatrix,
+    /// `(out, rank)`.
+    pub b: PackedMatrix,
+    /// `alpha / r` (or `/ √r`).
+    pub scale: f32,
+}
+
+/// An adapter ready to serve: every module packed.
+#[derive(Debug, Clone)]
+pub struct PackedAdapter {
+    modules: BTreeMap<(usize, Target), PackedLora>,
+}
+
+impl PackedAdapter {
+    /// The module adapting `target` in `layer`, if the adapter has one.
+    pub fn module(&self, layer: usize, target: Target) -> Option<&PackedLora> {
+        self.modules.get(&(layer, target))
+    }
+}
+
+impl Adapter {
+    /// Pack every module for the forward pass.
+    pub fn packed(&self) -> PackedAdapter {
+        PackedAdapter {
+            modules: self
+                .modules
+                .iter()
+                .map(|(&at, m)| {
+                    let inputs = m.a.len() / m.rank;
+                    let outputs = m.b.len() / m.rank;
+                    let packed = PackedLora {
+                        a: PackedMatrix::from_f32(&m.a, m.rank, inputs),
+                        b: PackedMatrix::from_f32(&m.b, outputs, m.rank),
+                        scale: m.scale,
+                    };
+                    (at, packed)
+                })
+                .collect(),
+        }
+    }
 }

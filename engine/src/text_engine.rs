@@ -272,6 +272,7 @@ impl EngineLoop {
                 start: c.start,
                 blocks: self.scheduler.blocks(c.id),
                 logits: c.samples,
+                adapter: None,
             })
             .collect();
         let prefill: usize = plan

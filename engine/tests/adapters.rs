@@ -1,12 +1,15 @@
 //! PEFT adapters checked against their base model: what loads, with which
-//! scales, and every way an adapter is refused, each with its code.
+//! scales, and every way an adapter is refused, each with its code; then
+//! adapters in the forward pass against transformers + peft, alone and mixed
+//! in one batch.
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::lora::{Adapter, AdapterLimits, Target};
-use lorry_engine::models::llama::{Config, LlamaConfigFile};
+use lorry_engine::kv::{BlockPool, BlockTable, KvCache};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter, Target};
+use lorry_engine::models::llama::{Config, Llama, LlamaConfigFile, SeqChunk};
 use lorry_engine::models::read_config;
 use serde_json::{json, Value};
 
@@ -262,4 +265,126 @@ fn bad_tensors_are_named() {
     let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
     let err = Adapter::parse(&config(json!({})), &good, &base, limits).unwrap_err();
     assert_eq!(err.code, "adapter_too_large");
+}
+
+/// `engine/tests/data/lora`: two PEFT adapters for tiny-llama and what
+/// transformers + peft compute with each (`tests/reference/make_lora_reference.py`).
+fn reference_adapter(name: &str, base: &Config) -> lorry_engine::lora::PackedAdapter {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/lora")
+        .join(name);
+    let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
+    let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    Adapter::parse(&config, &weights, base, AdapterLimits::default())
+        .unwrap()
+        .packed()
+}
+
+fn greedy_adapted(model: &Llama, prompt: &[u32], adapter: Option<&PackedAdapter>, n: usize) -> (Vec<f32>, Vec<u32>) {
+    let mut cache = model.new_cache();
+    let first = model
+        .forward_adapted(prompt, &mut cache, adapter)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let (mut logits, mut tokens) = (first.clone(), Vec::new());
+    while tokens.len() < n {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap();
+        tokens.push(next);
+        logits = model
+            .forward_adapted(&[next], &mut cache, adapter)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+    }
+    (first, tokens)
+}
+
+#[test]
+fn adapters_match_peft_alone_and_mixed_in_one_batch() {
+    let dir = std::env::temp_dir().join(format!("lorry-lora-model-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/lora/reference.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let adapters = [
+        ("base", None),
+        ("adapter-a", Some(reference_adapter("adapter-a", model.config()))),
+        ("adapter-b", Some(reference_adapter("adapter-b", model.config()))),
+    ];
+    let mut alone = Vec::new();
+    for (name, adapter) in &adapters {
+        let want = &reference[*name];
+        let want_logits: Vec<f32> = want["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let want_ids: Vec<u32> = want["greedy_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let (logits, ids) = greedy_adapted(&model, &prompt, adapter.as_ref(), want_ids.len());
+        let scale = want_logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = logits
+            .iter()
+            .zip(&want_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst / scale <= 1e-4,
+            "{name}: logits differ by {worst} against {scale}"
+        );
+        assert_eq!(ids, want_ids, "{name}: greedy tokens");
+        alone.push(logits);
+    }
+    // The three in one batch: each row's logits are exactly what it gives alone.
+    let block = 16;
+    let mut pool = BlockPool::new(64, block);
+    let mut kv = KvCache::new(model.kv_layout(block), 64);
+    let tables: Vec<BlockTable> = (0..3)
+        .map(|_| {
+            let mut table = BlockTable::default();
+            table.append(&mut pool, prompt.len()).unwrap();
+            table
+        })
+        .collect();
+    // Adapter rows not adjacent: b, base, a.
+    let order = [2, 0, 1];
+    let chunks: Vec<SeqChunk<'_>> = order
+        .iter()
+        .zip(&tables)
+        .map(|(&i, table)| SeqChunk {
+            tokens: &prompt,
+            start: 0,
+            blocks: table.blocks(),
+            logits: true,
+            adapter: adapters[i].1.as_ref(),
+        })
+        .collect();
+    let batch = model.forward_batch(&chunks, &mut kv).unwrap().to_vec2::<f32>().unwrap();
+    for (row, &i) in order.iter().enumerate() {
+        assert_eq!(batch[row], alone[i], "{} in a mixed batch", adapters[i].0);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -19,6 +19,7 @@ use serde::Deserialize;
 use super::{load_tensors, read_config, ModelError};
 use crate::gemm::PackedMatrix;
 use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
+use crate::lora::{PackedAdapter, Target};
 use crate::sampling::{Sampler, SamplingParams};
 
 type Result<T> = std::result::Result<T, ModelError>;
@@ -334,6 +335,8 @@ pub struct SeqChunk<'a> {
     pub blocks: &'a [BlockId],
     /// Whether to return the logits after the last of these tokens.
     pub logits: bool,
+    /// The LoRA adapter these tokens run with, if any.
+    pub adapter: Option<&'a PackedAdapter>,
 }
 
 /// The KV cache of one sequence run alone: its own pool, table and storage,
@@ -472,8 +475,14 @@ impl Attention {
     /// `x` is `(tokens, hidden)`: every sequence's new tokens, packed.
     fn forward(&self, x: &Tensor, pass: &Pass<'_>, kv: &mut KvCache, layer: usize) -> Result<Tensor> {
         let (tokens, _) = x.dims2()?;
-        let qkv = self.qkv_proj.forward(x)?;
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
+        let qkv = self.qkv_proj.forward(x)?;
+        let qkv = pass.lora(
+            x,
+            qkv,
+            layer,
+            &[(Target::Q, 0), (Target::K, q_width), (Target::V, q_width + kv_width)],
+        )?;
         let mut q = rows(&qkv.narrow(1, 0, q_width)?)?;
         let mut k = rows(&qkv.narrow(1, q_width, kv_width)?)?;
         let v = rows(&qkv.narrow(1, q_width + kv_width, kv_width)?)?;
@@ -483,7 +492,7 @@ impl Attention {
         let out = kv.attend(layer, &pass.seqs, self.num_heads, &q);
         let width = out.len() / tokens;
         let out = Tensor::from_vec(out, (tokens, width), x.device())?;
-        self.o_proj.forward(&out)
+        pass.lora(&out, self.o_proj.forward(&out)?, layer, &[(Target::O, 0)])
     }
 }
 
@@ -492,6 +501,63 @@ struct Pass<'a> {
     rotary: &'a Rotary,
     seqs: Vec<AttentionSeq<'a>>,
     positions: Vec<usize>,
+    /// Each adapter in the batch with the rows that run with it.
+    adapters: Vec<(&'a PackedAdapter, Vec<usize>)>,
+}
+
+impl Pass<'_> {
+    /// `y += scale · (x·Aᵀ)·Bᵀ` for the rows of each adapter, into the columns
+    /// of `y` where each of `parts` (a projection and its first column) lies:
+    /// every adapter's rows are gathered once, then shrunk and expanded on
+    /// the packed kernels, whatever mix of adapters shares the batch.
+    fn lora(&self, x: &Tensor, y: Tensor, layer: usize, parts: &[(Target, usize)]) -> Result<Tensor> {
+        if self.adapters.is_empty() {
+            return Ok(y);
+        }
+        let ((tokens, inputs), width) = (x.dims2()?, y.dim(1)?);
+        let xs = rows(x)?;
+        let mut ys = rows(&y)?;
+        for (adapter, group) in &self.adapters {
+            let mut gathered: Option<Vec<f32>> = None;
+            for &(target, offset) in parts {
+                let Some(module) = adapter.module(layer, target) else {
+                    continue;
+                };
+                let g = gathered.get_or_insert_with(|| {
+                    group
+                        .iter()
+                        .flat_map(|&r| &xs[r * inputs..(r + 1) * inputs])
+                        .copied()
+                        .collect()
+                });
+                let shrunk = module.a.matmul(g, group.len());
+                let expanded = module.b.matmul(&shrunk, group.len());
+                let out = module.b.outputs();
+                for (&r, delta) in group.iter().zip(expanded.chunks_exact(out)) {
+                    for (y, d) in ys[r * width + offset..r * width + offset + out].iter_mut().zip(delta) {
+                        *y += module.scale * d;
+                    }
+                }
+            }
+        }
+        Ok(Tensor::from_vec(ys, (tokens, width), x.device())?)
+    }
+}
+
+/// The rows of each distinct adapter among `chunks`, in row order.
+fn group_by_adapter<'a>(chunks: &[SeqChunk<'a>]) -> Vec<(&'a PackedAdapter, Vec<usize>)> {
+    let mut groups: Vec<(&PackedAdapter, Vec<usize>)> = Vec::new();
+    let mut row = 0;
+    for chunk in chunks {
+        let rows = row..row + chunk.tokens.len();
+        row = rows.end;
+        let Some(adapter) = chunk.adapter else { continue };
+        match groups.iter_mut().find(|(a, _)| std::ptr::eq(*a, adapter)) {
+            Some((_, group)) => group.extend(rows),
+            None => groups.push((adapter, rows.collect())),
+        }
+    }
+    groups
 }
 
 #[derive(Debug, Clone)]
@@ -518,15 +584,17 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, pass: &Pass<'_>, layer: usize) -> Result<Tensor> {
         let gate_up = self.gate_up_proj.forward(x)?;
+        let gate_up = pass.lora(x, gate_up, layer, &[(Target::Gate, 0), (Target::Up, self.intermediate)])?;
         let gate = gate_up.narrow(1, 0, self.intermediate)?;
         let up = gate_up.narrow(1, self.intermediate, self.intermediate)?;
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,
         };
-        self.down_proj.forward(&(gate * up)?)
+        let hidden = (gate * up)?;
+        pass.lora(&hidden, self.down_proj.forward(&hidden)?, layer, &[(Target::Down, 0)])
     }
 }
 
@@ -562,7 +630,9 @@ impl DecoderLayer {
             .self_attn
             .forward(&self.input_layernorm.forward(x)?, pass, kv, layer)?;
         let x = (x + attn)?;
-        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?, pass, layer)?;
         Ok((x + mlp)?)
     }
 }
@@ -639,6 +709,16 @@ impl Llama {
 
     /// Run `tokens` after what `cache` holds; returns the logits at the last position (vocab).
     pub fn forward(&self, tokens: &[u32], cache: &mut SequenceCache) -> Result<Tensor> {
+        self.forward_adapted(tokens, cache, None)
+    }
+
+    /// [`Llama::forward`] with a LoRA adapter.
+    pub fn forward_adapted(
+        &self,
+        tokens: &[u32],
+        cache: &mut SequenceCache,
+        adapter: Option<&PackedAdapter>,
+    ) -> Result<Tensor> {
         let start = cache.table.len();
         let short = cache.table.blocks_needed(&cache.pool, tokens.len());
         let short = short.saturating_sub(cache.pool.free_blocks());
@@ -653,6 +733,7 @@ impl Llama {
             start,
             blocks: cache.table.blocks(),
             logits: true,
+            adapter,
         };
         Ok(self.forward_batch(&[chunk], &mut cache.kv)?.squeeze(0)?)
     }
@@ -681,6 +762,7 @@ impl Llama {
                 })
                 .collect(),
             positions: chunks.iter().flat_map(|c| c.start..c.start + c.tokens.len()).collect(),
+            adapters: group_by_adapter(chunks),
         };
         let mut x = self.embed_tokens.forward(&Tensor::new(ids.as_slice(), device)?)?;
         if self.config.scale_embeddings {
