@@ -11,6 +11,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use crate::input::{InputError, Message, Prompt};
+use crate::lora::PackedAdapter;
 use crate::models::llama::Llama;
 use crate::models::ModelError;
 use crate::sampling::{Sampler, SamplingParams};
@@ -208,12 +209,24 @@ impl TextModel {
 
     /// Serve one request alone: render, tokenise, sample until a stop.
     pub fn generate(&self, request: &crate::ValidRequest) -> Result<Generation, EngineError> {
+        self.generate_adapted(request, None)
+    }
+
+    /// [`TextModel::generate`] with a LoRA adapter.
+    pub fn generate_adapted(
+        &self,
+        request: &crate::ValidRequest,
+        adapter: Option<&PackedAdapter>,
+    ) -> Result<Generation, EngineError> {
         let model_error = |e: ModelError| EngineError::Model(e.to_string());
         let mut decoding = self.start(request, usize::MAX)?;
         let mut cache = self.model.new_cache();
         let mut input = decoding.tokens.clone();
         loop {
-            let logits = self.model.forward(&input, &mut cache).map_err(model_error)?;
+            let logits = self
+                .model
+                .forward_adapted(&input, &mut cache, adapter)
+                .map_err(model_error)?;
             let logits = logits.to_vec1::<f32>().map_err(|e| model_error(e.into()))?;
             if decoding.push(&logits, self)?.is_some() {
                 return Ok(decoding.into_generation(self));

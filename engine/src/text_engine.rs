@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::chat::{Decoding, TextModel};
 use crate::kv::{BlockPool, KvCache};
+use crate::lora::PackedAdapter;
 use crate::models::llama::SeqChunk;
 use crate::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::{Backend, Completion, EngineError, Event, EventStream, Lane, Output, Usage, ValidRequest};
@@ -73,6 +74,7 @@ pub struct Counters {
 struct Job {
     request: ValidRequest,
     lane: Lane,
+    adapter: Option<Arc<PackedAdapter>>,
     events: mpsc::UnboundedSender<Event>,
 }
 
@@ -113,6 +115,26 @@ impl TextEngine {
     pub fn counters(&self) -> &Counters {
         &self.counters
     }
+
+    /// [`Backend::submit`] with a LoRA adapter: the request joins the same
+    /// continuous batch as every other, whatever their adapters.
+    pub fn submit_adapted(
+        &self,
+        request: ValidRequest,
+        lane: Lane,
+        adapter: Option<Arc<PackedAdapter>>,
+    ) -> Result<EventStream, EngineError> {
+        let (events, stream) = mpsc::unbounded_channel();
+        self.jobs
+            .send(Job {
+                request,
+                lane,
+                adapter,
+                events,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(stream)
+    }
 }
 
 impl Backend for TextEngine {
@@ -121,16 +143,13 @@ impl Backend for TextEngine {
     }
 
     fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        let (events, stream) = mpsc::unbounded_channel();
-        self.jobs
-            .send(Job { request, lane, events })
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(stream)
+        self.submit_adapted(request, lane, None)
     }
 }
 
 struct Active {
     decoding: Decoding,
+    adapter: Option<Arc<PackedAdapter>>,
     events: mpsc::UnboundedSender<Event>,
     stream: bool,
 }
@@ -207,6 +226,7 @@ impl EngineLoop {
                     id,
                     Active {
                         decoding,
+                        adapter: job.adapter,
                         events: job.events,
                         stream,
                     },
@@ -272,7 +292,7 @@ impl EngineLoop {
                 start: c.start,
                 blocks: self.scheduler.blocks(c.id),
                 logits: c.samples,
-                adapter: None,
+                adapter: self.active[&c.id].adapter.as_deref(),
             })
             .collect();
         let prefill: usize = plan

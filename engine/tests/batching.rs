@@ -4,10 +4,12 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use candle_core::Device;
 use lorry_engine::chat::{FinishReason, TextModel};
 use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, EngineError, Event, Lane, Task, ValidRequest};
 use serde_json::{json, Value};
@@ -184,5 +186,58 @@ async fn a_prompt_longer_than_the_context_fails_alone() {
     }
     let ok = request(json!({"prompt": "z", "raw": true, "max_tokens": 2}));
     assert!(collect(engine.submit(ok, Lane::Batch).unwrap()).await.is_ok());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn reference_adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/lora")
+        .join(name);
+    let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
+    let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let adapter = Adapter::parse(&config, &weights, model.model.config(), AdapterLimits::default()).unwrap();
+    Arc::new(adapter.packed())
+}
+
+#[tokio::test]
+async fn requests_for_different_adapters_share_a_batch_and_keep_their_results() {
+    let (reference, dir) = model("adapters");
+    let adapters = [
+        None,
+        Some(reference_adapter("adapter-a", &reference)),
+        Some(reference_adapter("adapter-b", &reference)),
+    ];
+    let requests = mixed_requests(&reference);
+    let engine = TextEngine::start(
+        "tiny",
+        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
+        engine_config(1 << 30, 24),
+    );
+    let streams: Vec<_> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            engine
+                .submit_adapted(r.clone(), Lane::Batch, adapters[i % 3].clone())
+                .unwrap()
+        })
+        .collect();
+    let mut differ = 0;
+    for (i, (r, stream)) in requests.iter().zip(streams).enumerate() {
+        let out = collect(stream).await.unwrap();
+        let alone = reference.generate_adapted(r, adapters[i % 3].as_deref()).unwrap();
+        let tokens = &out.completion.as_ref().unwrap().token_ids;
+        assert_eq!(tokens, &alone.token_ids, "request {i}");
+        if adapters[i % 3].is_some() && *tokens != reference.generate(r).unwrap().token_ids {
+            differ += 1;
+        }
+    }
+    assert!(differ > 0, "no adapter changed any output");
+    let steps = engine.counters().steps.load(Ordering::Relaxed);
+    let generated = engine.counters().generated_tokens.load(Ordering::Relaxed);
+    assert!(
+        steps < generated,
+        "{steps} steps for {generated} tokens: nothing was batched"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
