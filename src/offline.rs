@@ -1,7 +1,9 @@
 //! Lorry's offline modes: JSONL in, JSONL out, on one engine in this process.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
 use candle_core::Device;
@@ -9,9 +11,10 @@ use futures::stream::{FuturesOrdered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::bert::Pooling;
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
-use lorry_engine::{collect, Backend, Lane, Task, ValidRequest};
+use lorry_engine::{collect, Lane, Task, ValidRequest};
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::atomic::Ordering;
@@ -22,7 +25,8 @@ pub struct GenerateArgs {
     /// A Llama-family checkpoint directory.
     #[arg(long)]
     pub model: PathBuf,
-    /// `NAME=DIR`: a LoRA adapter to serve (arrives with multi-LoRA).
+    /// `NAME=DIR`: a LoRA adapter in PEFT's format (`adapter_config.json`,
+    /// `adapter_model.safetensors`) that lines may name in `"adapter"`; repeatable.
     #[arg(long)]
     pub adapter: Vec<String>,
     /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
@@ -39,8 +43,15 @@ pub struct GenerateArgs {
 
 /// Generate for every line of the input, all of it in continuous batches on one engine.
 pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    if !args.adapter.is_empty() {
-        bail!("--adapter: LoRA adapters are not served yet; they arrive with multi-LoRA support");
+    let mut adapter_dirs: HashMap<String, PathBuf> = HashMap::new();
+    for spec in &args.adapter {
+        let (name, dir) = spec
+            .split_once('=')
+            .filter(|(n, d)| !n.is_empty() && !d.is_empty())
+            .with_context(|| format!("--adapter {spec}: expected NAME=DIR"))?;
+        if adapter_dirs.insert(name.to_string(), PathBuf::from(dir)).is_some() {
+            bail!("--adapter {name}: named twice");
+        }
     }
     let lines: Vec<serde_json::Value> = read_lines(&args.input)?;
     let mut requests = Vec::with_capacity(lines.len());
@@ -49,23 +60,40 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             .as_object_mut()
             .with_context(|| format!("request {}: not a JSON object", n + 1))?;
         let id = object.remove("id").unwrap_or(serde_json::Value::Null);
-        match object.remove("adapter") {
-            None | Some(serde_json::Value::Null) => {}
-            Some(_) => bail!("request {id}: adapters are not served yet; they arrive with multi-LoRA support"),
-        }
+        let adapter = match object.remove("adapter") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(name)) if adapter_dirs.contains_key(&name) => Some(name),
+            Some(other) => bail!("request {id}: adapter {other} is not one of the --adapter names"),
+        };
         let request = ValidRequest::parse(Task::TextGeneration, &line)
             .map_err(|e| anyhow::anyhow!("request {id}: {} ({}: {})", e.message, e.code, e.param))?;
-        requests.push((id, request));
+        requests.push((id, request, adapter));
     }
     let model =
         TextModel::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
+    let mut adapters: HashMap<String, Arc<PackedAdapter>> = HashMap::new();
+    for (name, dir) in &adapter_dirs {
+        let read = |file: &str| {
+            let path = dir.join(file);
+            std::fs::read(&path).with_context(|| format!("--adapter {name}: reading {}", path.display()))
+        };
+        let adapter = Adapter::parse(
+            &read("adapter_config.json")?,
+            &read("adapter_model.safetensors")?,
+            model.model.config(),
+            AdapterLimits::default(),
+        )
+        .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
+        adapters.insert(name.clone(), Arc::new(adapter.packed()));
+    }
     let engine = TextEngine::start("offline", model, args.engine.config());
     let out = std::fs::File::create(&args.output).with_context(|| format!("creating {}", args.output.display()))?;
     let mut out = BufWriter::new(out);
     let bar = progress(requests.len(), "generate");
     let mut pending = FuturesOrdered::new();
-    for (id, request) in requests {
-        let events = engine.submit(request, Lane::Batch)?;
+    for (id, request, adapter) in requests {
+        let adapter = adapter.map(|name| Arc::clone(&adapters[&name]));
+        let events = engine.submit_adapted(request, Lane::Batch, adapter)?;
         let bar = bar.clone();
         pending.push_back(async move {
             let result = collect(events).await;

@@ -4,10 +4,13 @@ use std::path::Path;
 use std::process::Command;
 
 use candle_core::Device;
+use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
 use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::lora::{Adapter, AdapterLimits};
 use lorry_engine::models::bert::Pooling;
-use serde_json::Value;
+use lorry_engine::{Task, ValidRequest};
+use serde_json::{json, Value};
 
 fn scratch(tag: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("lorry-offline-{tag}-{}", uuid::Uuid::new_v4().simple()));
@@ -156,7 +159,7 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
 }
 
 #[test]
-fn lorry_generate_refuses_adapters_and_names_bad_requests() {
+fn lorry_generate_names_bad_requests_and_bad_adapters() {
     let dir = scratch("generate-bad");
     let model = dir.join("model");
     fixtures::write(Fixture::TinyLlama, &model).unwrap();
@@ -176,7 +179,74 @@ fn lorry_generate_refuses_adapters_and_names_bad_requests() {
     );
     assert!(!output.exists());
 
-    let adapter = run_lorry("generate", &model, &input, &output, &["--adapter", "mine=/nowhere"]);
-    assert!(!adapter.status.success());
-    assert!(String::from_utf8_lossy(&adapter.stderr).contains("multi-LoRA"));
+    std::fs::write(&input, "{\"id\":1,\"prompt\":\"x\",\"adapter\":\"other\"}\n").unwrap();
+    let unknown = run_lorry("generate", &model, &input, &output, &["--adapter", "mine=/nowhere"]);
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        !unknown.status.success() && stderr.contains("request 1") && stderr.contains("other"),
+        "{stderr}"
+    );
+
+    std::fs::write(&input, "{\"id\":1,\"prompt\":\"x\",\"adapter\":\"mine\"}\n").unwrap();
+    let missing = run_lorry("generate", &model, &input, &output, &["--adapter", "mine=/nowhere"]);
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        !missing.status.success() && stderr.contains("--adapter mine"),
+        "{stderr}"
+    );
+    assert!(!output.exists());
+}
+
+#[test]
+fn lorry_generate_serves_each_line_with_its_adapter() {
+    let dir = scratch("generate-lora");
+    let model_dir = dir.join("model");
+    fixtures::write(Fixture::TinyLlama, &model_dir).unwrap();
+    let adapters = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/lora");
+    let lines = [
+        json!({"id": "a", "prompt": "the quick brown fox", "raw": true, "max_tokens": 12, "adapter": "a"}),
+        json!({"id": "b", "prompt": "the quick brown fox", "raw": true, "max_tokens": 12, "adapter": "b"}),
+        json!({"id": "base", "prompt": "the quick brown fox", "raw": true, "max_tokens": 12}),
+    ];
+    let input = dir.join("in.jsonl");
+    std::fs::write(&input, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let output = dir.join("out.jsonl");
+    let (a, b) = (
+        format!("a={}", adapters.join("adapter-a").display()),
+        format!("b={}", adapters.join("adapter-b").display()),
+    );
+    let result = run_lorry(
+        "generate",
+        &model_dir,
+        &input,
+        &output,
+        &["--adapter", &a, "--adapter", &b],
+    );
+    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
+    let out: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let model = TextModel::from_dir(&model_dir, &Device::Cpu).unwrap();
+    let packed = |name: &str| {
+        let dir = adapters.join(name);
+        let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
+        let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        Adapter::parse(&config, &weights, model.model.config(), AdapterLimits::default())
+            .unwrap()
+            .packed()
+    };
+    let (pa, pb) = (packed("adapter-a"), packed("adapter-b"));
+    let mut seen = Vec::new();
+    for (line, (got, adapter)) in lines.iter().zip(out.iter().zip([Some(&pa), Some(&pb), None])) {
+        let mut body = line.clone();
+        body.as_object_mut().unwrap().retain(|k, _| k != "id" && k != "adapter");
+        let request = ValidRequest::parse(Task::TextGeneration, &body).unwrap();
+        let want = model.generate_adapted(&request, adapter).unwrap();
+        assert_eq!(got["id"], line["id"]);
+        assert_eq!(got["token_ids"], json!(want.token_ids), "{}", line["id"]);
+        seen.push(want.token_ids);
+    }
+    assert!(seen[0] != seen[2] && seen[1] != seen[2], "the adapters changed nothing");
 }
