@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::gemm::{self, Kernel, PackedMatrix};
+use lorry_engine::lora::{Adapter, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::Config;
 
 use anyhow::{bail, Context as _};
@@ -512,5 +514,125 @@ async fn continuous_versus_static(model: &TextModel, args: &EngineBenchArgs) -> 
             wall / continuous
         );
     }
+    Ok(())
+}
+
+/// `lorry bench lora`: what to measure.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoraBenchArgs {
+    /// A Llama-family checkpoint; the `bench` fixture (f32), written to a temporary directory, when absent.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Sequences decoding at once, each with its own adapter in the mixed run.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Adapter rank, on all seven projections.
+    #[arg(long, default_value_t = 16)]
+    pub rank: usize,
+    /// Prompt length, in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+}
+
+/// A random rank-`rank` adapter on every projection of every layer (seeded).
+fn random_adapter(config: &Config, rank: usize, seed: u64) -> Adapter {
+    let mut rng = lorry_engine::rng::SplitMix::new(seed);
+    let mut values = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (std * rng.normal()) as f32).collect() };
+    let mut modules = std::collections::BTreeMap::new();
+    for layer in 0..config.num_layers {
+        for target in Target::ALL {
+            let (out, inputs) = target.shape(config);
+            let weights = LoraWeights {
+                rank,
+                scale: 2.0,
+                a: values(rank * inputs, 0.02),
+                b: values(out * rank, 0.02),
+            };
+            modules.insert((layer, target), weights);
+        }
+    }
+    Adapter { modules }
+}
+
+/// Serve `requests` (each with its adapter) at once; the decode rate, pre-fill left out.
+async fn decode_rate(
+    engine: &TextEngine,
+    args: &LoraBenchArgs,
+    adapters: &[Option<Arc<PackedAdapter>>],
+) -> anyhow::Result<f64> {
+    let run = |new_tokens: usize| {
+        let requests = bench_requests(adapters.len(), args.prompt_tokens, &|_| new_tokens);
+        async move {
+            let start = Instant::now();
+            let streams: Vec<_> = requests
+                .into_iter()
+                .zip(adapters)
+                .map(|(r, a)| engine.submit_adapted(r, Lane::Batch, a.clone()))
+                .collect::<Result<_, _>>()?;
+            for stream in streams {
+                collect(stream).await?;
+            }
+            anyhow::Ok(start.elapsed())
+        }
+    };
+    let prefill = run(1).await?;
+    let total = run(args.new_tokens).await?;
+    let decode = total.saturating_sub(prefill).as_secs_f64();
+    Ok(adapters.len() as f64 * (args.new_tokens - 1) as f64 / decode)
+}
+
+/// No adapter, one shared adapter, a distinct adapter per sequence in one
+/// batch, and the same adapters served group by group.
+pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
+    let scratch = std::env::temp_dir().join(format!("lorry-bench-lora-{}", std::process::id()));
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => {
+            eprintln!("writing the bench fixture to {}", scratch.display());
+            fixtures::write(Fixture::Bench, &scratch)?;
+            scratch.clone()
+        }
+    };
+    let model = TextModel::from_dir(&dir, &Device::Cpu)?;
+    let config = model.model.config().clone();
+    eprintln!("making {} random rank-{} adapters", args.batch, args.rank);
+    let adapters: Vec<Arc<PackedAdapter>> = (0..args.batch)
+        .map(|i| Arc::new(random_adapter(&config, args.rank, 1000 + i as u64).packed()))
+        .collect();
+    let engine = TextEngine::start("bench", model, bench_engine_config(args.batch, Policy::Continuous));
+    decode_rate(&engine, args, &[None]).await?; // warm up
+    let n = args.batch;
+    let none = decode_rate(&engine, args, &vec![None; n]).await?;
+    let shared = decode_rate(&engine, args, &vec![Some(Arc::clone(&adapters[0])); n]).await?;
+    let mixed_adapters: Vec<_> = adapters.iter().cloned().map(Some).collect();
+    let mixed = decode_rate(&engine, args, &mixed_adapters).await?;
+    // Group by group: each adapter's requests (here one each) as their own batch, one after another.
+    let mut tokens = 0.0;
+    let mut seconds = 0.0;
+    for adapter in &mixed_adapters {
+        let rate = decode_rate(&engine, args, std::slice::from_ref(adapter)).await?;
+        tokens += (args.new_tokens - 1) as f64;
+        seconds += (args.new_tokens - 1) as f64 / rate;
+    }
+    let grouped = tokens / seconds;
+    println!(
+        "bench model, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} new tokens each\n",
+        args.rank, args.new_tokens
+    );
+    println!("| run | decode tok/s | vs no adapter |");
+    println!("|---|---:|---:|");
+    for (name, rate) in [
+        ("no adapter".to_string(), none),
+        ("one shared adapter".to_string(), shared),
+        (format!("{n} distinct adapters in one batch"), mixed),
+        (format!("the same {n}, group by group"), grouped),
+    ] {
+        println!("| {name} | {rate:.1} | {:.2}x |", rate / none);
+    }
+    println!("\nmixed against group by group: {:.2}x", mixed / grouped);
+    let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }

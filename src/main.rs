@@ -1,7 +1,7 @@
 //! `lorry`: the batch inference service's one binary.
 
 use clap::{Parser, Subcommand};
-use lorry::bench::{self, EngineBenchArgs, PipelineArgs};
+use lorry::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
@@ -53,6 +53,8 @@ enum Bench {
     Pipeline(PipelineArgs),
     /// Decode rates of the engine on the `bench` model against the machine's rooflines.
     Engine(EngineBenchArgs),
+    /// Decode rates with LoRA adapters: none, one shared, many mixed, group by group.
+    Lora(LoraBenchArgs),
 }
 
 #[tokio::main]
@@ -93,6 +95,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Bench(Bench::Engine(args)) => {
             bench::engine(&args).await?;
+            return Ok(());
+        }
+        Command::Bench(Bench::Lora(args)) => {
+            bench::lora(&args).await?;
             return Ok(());
         }
     };

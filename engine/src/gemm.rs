@@ -311,8 +311,20 @@ impl PackedMatrix {
         out
     }
 
+    /// [`PackedMatrix::matmul`] on the calling thread alone: for the many
+    /// small products (an adapter's few rows) that callers run side by side.
+    pub fn matmul_here(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * self.n];
+        self.product(x, m, &mut out, Kernel::Auto, false);
+        out
+    }
+
     /// [`PackedMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
+        self.product(x, m, out, kernel, true);
+    }
+
+    fn product(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel, parallel: bool) {
         assert_eq!(x.len(), m * self.k, "input shape");
         assert_eq!(out.len(), m * self.n, "output shape");
         if out.is_empty() {
@@ -320,13 +332,21 @@ impl PackedMatrix {
         }
         let kernel = kernel.resolve();
         match &*self.panels {
-            Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel),
-            Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel),
-            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel),
+            Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
+            Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
+            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
         }
     }
 
-    fn run<T: Element + Tile>(&self, panels: &[T], x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
+    fn run<T: Element + Tile>(
+        &self,
+        panels: &[T],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        kernel: Kernel,
+        parallel: bool,
+    ) {
         let (n, k) = (self.n, self.k);
         let count = n.div_ceil(NR);
         // A few tasks per thread, each a contiguous run of panels, so that the
@@ -355,7 +375,7 @@ impl PackedMatrix {
                 }
             }
             let packed_rows = &packed_rows;
-            (0..tasks).into_par_iter().for_each(|t| {
+            let task = |t: usize| {
                 let end = ((t + 1) * per_task).min(count);
                 for p in t * per_task..end {
                     let panel = &panels[p * k * NR..(p + 1) * k * NR];
@@ -401,7 +421,12 @@ impl PackedMatrix {
                         }
                     }
                 }
-            });
+            };
+            if parallel {
+                (0..tasks).into_par_iter().for_each(task);
+            } else {
+                (0..tasks).for_each(task);
+            }
         }
     }
 }
