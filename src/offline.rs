@@ -73,17 +73,8 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         TextModel::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
     let mut adapters: HashMap<String, Arc<PackedAdapter>> = HashMap::new();
     for (name, dir) in &adapter_dirs {
-        let read = |file: &str| {
-            let path = dir.join(file);
-            std::fs::read(&path).with_context(|| format!("--adapter {name}: reading {}", path.display()))
-        };
-        let adapter = Adapter::parse(
-            &read("adapter_config.json")?,
-            &read("adapter_model.safetensors")?,
-            model.model.config(),
-            AdapterLimits::default(),
-        )
-        .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
+        let adapter = Adapter::from_dir(dir, model.model.config(), AdapterLimits::default())
+            .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
         adapters.insert(name.clone(), Arc::new(adapter.packed()));
     }
     let engine = TextEngine::start("offline", model, args.engine.config());

@@ -179,6 +179,21 @@ impl Adapter {
         targets
     }
 
+    /// Read and check the adapter in `dir` (`adapter_config.json` and
+    /// `adapter_model.safetensors`) against the base model `base`.
+    pub fn from_dir(dir: &std::path::Path, base: &Config, limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let read = |file: &str| {
+            std::fs::read(dir.join(file))
+                .map_err(|e| refuse("adapter_missing_file", format!("{}: {e}", dir.join(file).display())))
+        };
+        Adapter::parse(
+            &read("adapter_config.json")?,
+            &read("adapter_model.safetensors")?,
+            base,
+            limits,
+        )
+    }
+
     /// Parse and check an adapter's two files against the base model `base`.
     pub fn parse(config: &[u8], weights: &[u8], base: &Config, limits: AdapterLimits) -> Result<Self, AdapterError> {
         let config: ConfigFile = serde_json::from_slice(config)

@@ -265,6 +265,10 @@ fn bad_tensors_are_named() {
     let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
     let err = Adapter::parse(&config(json!({})), &good, &base, limits).unwrap_err();
     assert_eq!(err.code, "adapter_too_large");
+    // A directory without the two files.
+    let err = Adapter::from_dir(&std::env::temp_dir().join("lorry-no-adapter-here"), &base, limits).unwrap_err();
+    assert_eq!(err.code, "adapter_missing_file");
+    assert!(err.message.contains("adapter_config.json"), "{err:?}");
 }
 
 /// `engine/tests/data/lora`: two PEFT adapters for tiny-llama and what
@@ -273,9 +277,7 @@ fn reference_adapter(name: &str, base: &Config) -> lorry_engine::lora::PackedAda
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
-    let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
-    Adapter::parse(&config, &weights, base, AdapterLimits::default())
+    Adapter::from_dir(&dir, base, AdapterLimits::default())
         .unwrap()
         .packed()
 }

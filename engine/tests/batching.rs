@@ -193,9 +193,7 @@ fn reference_adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
-    let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
-    let adapter = Adapter::parse(&config, &weights, model.model.config(), AdapterLimits::default()).unwrap();
+    let adapter = Adapter::from_dir(&dir, model.model.config(), AdapterLimits::default()).unwrap();
     Arc::new(adapter.packed())
 }
 

@@ -230,10 +230,7 @@ fn lorry_generate_serves_each_line_with_its_adapter() {
         .collect();
     let model = TextModel::from_dir(&model_dir, &Device::Cpu).unwrap();
     let packed = |name: &str| {
-        let dir = adapters.join(name);
-        let config = std::fs::read(dir.join("adapter_config.json")).unwrap();
-        let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
-        Adapter::parse(&config, &weights, model.model.config(), AdapterLimits::default())
+        Adapter::from_dir(&adapters.join(name), model.model.config(), AdapterLimits::default())
             .unwrap()
             .packed()
     };
