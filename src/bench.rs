@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use lorry_engine::gemm::{self, Kernel, PackedMatrix};
+use lorry_engine::gemm::{self, Kernel, PackedMatrix, Precision};
 use lorry_engine::lora::{Adapter, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::Config;
 
@@ -529,6 +529,9 @@ pub struct LoraBenchArgs {
     /// Adapter rank, on all seven projections.
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
+    /// The adapters' weight precision: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub adapter_dtype: String,
     /// Prompt length, in tokens.
     #[arg(long, default_value_t = 32)]
     pub prompt_tokens: usize,
@@ -537,10 +540,16 @@ pub struct LoraBenchArgs {
     pub new_tokens: usize,
 }
 
-/// A random rank-`rank` adapter on every projection of every layer (seeded).
-fn random_adapter(config: &Config, rank: usize, seed: u64) -> Adapter {
+/// A random rank-`rank` adapter on every projection of every layer (seeded),
+/// its weights as stored in `precision`.
+fn random_adapter(config: &Config, rank: usize, precision: Precision, seed: u64) -> Adapter {
     let mut rng = lorry_engine::rng::SplitMix::new(seed);
-    let mut values = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (std * rng.normal()) as f32).collect() };
+    let round = move |v: f32| match precision {
+        Precision::F32 => v,
+        Precision::F16 => half::f16::from_f32(v).to_f32(),
+        Precision::Bf16 => half::bf16::from_f32(v).to_f32(),
+    };
+    let mut values = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| round((std * rng.normal()) as f32)).collect() };
     let mut modules = std::collections::BTreeMap::new();
     for layer in 0..config.num_layers {
         for target in Target::ALL {
@@ -550,6 +559,7 @@ fn random_adapter(config: &Config, rank: usize, seed: u64) -> Adapter {
                 scale: 2.0,
                 a: values(rank * inputs, 0.02),
                 b: values(out * rank, 0.02),
+                precision,
             };
             modules.insert((layer, target), weights);
         }
@@ -598,9 +608,12 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     };
     let model = TextModel::from_dir(&dir, &Device::Cpu)?;
     let config = model.model.config().clone();
+    let precision = fixtures::parse_dtype(&args.adapter_dtype)
+        .map(Precision::for_dtype)
+        .with_context(|| format!("unknown --adapter-dtype {}", args.adapter_dtype))?;
     eprintln!("making {} random rank-{} adapters", args.batch, args.rank);
     let adapters: Vec<Arc<PackedAdapter>> = (0..args.batch)
-        .map(|i| Arc::new(random_adapter(&config, args.rank, 1000 + i as u64).packed()))
+        .map(|i| Arc::new(random_adapter(&config, args.rank, precision, 1000 + i as u64).packed()))
         .collect();
     let engine = TextEngine::start("bench", model, bench_engine_config(args.batch, Policy::Continuous));
     decode_rate(&engine, args, &[None]).await?; // warm up
@@ -619,8 +632,8 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     }
     let grouped = tokens / seconds;
     println!(
-        "bench model, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} new tokens each\n",
-        args.rank, args.new_tokens
+        "bench model, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each\n",
+        args.rank, args.adapter_dtype, args.new_tokens
     );
     println!("| run | decode tok/s | vs no adapter |");
     println!("|---|---:|---:|");

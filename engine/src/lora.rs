@@ -15,9 +15,10 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
 use serde::Deserialize;
 
-use crate::gemm::PackedMatrix;
+use crate::gemm::{PackedMatrix, Precision};
 use crate::models::llama::Config;
 
 /// The projections an adapter may target.
@@ -156,6 +157,9 @@ pub struct LoraWeights {
     pub a: Vec<f32>,
     /// `lora_B`, `(out, rank)` row-major.
     pub b: Vec<f32>,
+    /// The precision the file stored them in (the values above are exact
+    /// widenings); they are packed in it, as the base model's weights are.
+    pub precision: Precision,
 }
 
 /// A checked adapter: the weights of every adapted projection, by layer.
@@ -259,6 +263,12 @@ impl Adapter {
                 ));
             }
             let (out, inputs) = target.shape(base);
+            // Both halves in one precision: theirs when they agree, f32 otherwise.
+            let precision = if a.dtype() == b.dtype() {
+                Precision::for_dtype(a.dtype())
+            } else {
+                Precision::F32
+            };
             let a = matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
             let b = matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
             let scale = if settings.rslora {
@@ -273,6 +283,7 @@ impl Adapter {
                     scale: scale as f32,
                     a,
                     b,
+                    precision,
                 },
             );
         }
@@ -510,9 +521,20 @@ impl Adapter {
                 .map(|(&at, m)| {
                     let inputs = m.a.len() / m.rank;
                     let outputs = m.b.len() / m.rank;
+                    let pack = |values: &[f32], n: usize, k: usize| match m.precision {
+                        Precision::F32 => PackedMatrix::from_f32(values, n, k),
+                        Precision::F16 => {
+                            let halves: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+                            PackedMatrix::from_f16(&halves, n, k)
+                        }
+                        Precision::Bf16 => {
+                            let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                            PackedMatrix::from_bf16(&halves, n, k)
+                        }
+                    };
                     let packed = PackedLora {
-                        a: PackedMatrix::from_f32(&m.a, m.rank, inputs),
-                        b: PackedMatrix::from_f32(&m.b, outputs, m.rank),
+                        a: pack(&m.a, m.rank, inputs),
+                        b: pack(&m.b, outputs, m.rank),
                         scale: m.scale,
                     };
                     (at, packed)

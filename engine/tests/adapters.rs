@@ -390,3 +390,47 @@ fn adapters_match_peft_alone_and_mixed_in_one_batch() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results() {
+    let dir = std::env::temp_dir().join(format!("lorry-lora-half-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
+    let base = model.config().clone();
+    let prompt = [5u32, 17, 42, 99, 3, 250, 8];
+    let mut results = Vec::new();
+    for dtype in [DType::F16, DType::BF16] {
+        let half = weights(&base, &Target::ALL, 8, &HashMap::new(), dtype);
+        let widened: HashMap<String, Tensor> = half
+            .iter()
+            .map(|(k, t)| (k.clone(), t.to_dtype(DType::F32).unwrap()))
+            .collect();
+        let config = config(json!({"target_modules": "all-linear"}));
+        let (half, wide) = (
+            Adapter::parse(&config, &bytes(&half), &base, AdapterLimits::default()).unwrap(),
+            Adapter::parse(&config, &bytes(&widened), &base, AdapterLimits::default()).unwrap(),
+        );
+        let (half, wide) = (half.packed(), wide.packed());
+        let want = lorry_engine::gemm::Precision::for_dtype(dtype);
+        assert_eq!(half.module(1, Target::Down).unwrap().a.precision(), want);
+        assert_eq!(
+            wide.module(1, Target::Down).unwrap().b.precision(),
+            lorry_engine::gemm::Precision::F32
+        );
+        let logits = |adapter: &PackedAdapter| {
+            let mut cache = model.new_cache();
+            model
+                .forward_adapted(&prompt, &mut cache, Some(adapter))
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(logits(&half), logits(&wide), "{dtype:?}");
+        results.push(logits(&half));
+    }
+    let mut cache = model.new_cache();
+    let plain = model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap();
+    assert!(results.iter().all(|r| *r != plain), "the adapters changed nothing");
+    let _ = std::fs::remove_dir_all(&dir);
+}
