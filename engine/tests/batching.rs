@@ -76,6 +76,16 @@ async fn run_all(engine: &TextEngine, requests: &[ValidRequest]) -> Vec<lorry_en
     outputs
 }
 
+/// Fewer forward passes than tokens: requests shared steps.
+fn assert_batched(engine: &TextEngine) {
+    let steps = engine.counters().steps.load(Ordering::Relaxed);
+    let generated = engine.counters().generated_tokens.load(Ordering::Relaxed);
+    assert!(
+        steps < generated,
+        "{steps} steps for {generated} tokens: nothing was batched"
+    );
+}
+
 fn assert_same_as_alone(model: &TextModel, requests: &[ValidRequest], outputs: &[lorry_engine::Output]) {
     for (i, (r, out)) in requests.iter().zip(outputs).enumerate() {
         let alone = model.generate(r).unwrap();
@@ -107,12 +117,7 @@ async fn a_batched_run_gives_the_same_results_as_each_request_alone() {
     assert!(outputs
         .iter()
         .any(|o| o.completion.as_ref().unwrap().finish_reason == FinishReason::Stop));
-    let steps = engine.counters().steps.load(Ordering::Relaxed);
-    let generated = engine.counters().generated_tokens.load(Ordering::Relaxed);
-    assert!(
-        steps < generated,
-        "{steps} steps for {generated} tokens: nothing was batched"
-    );
+    assert_batched(&engine);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -231,11 +236,6 @@ async fn requests_for_different_adapters_share_a_batch_and_keep_their_results() 
         }
     }
     assert!(differ > 0, "no adapter changed any output");
-    let steps = engine.counters().steps.load(Ordering::Relaxed);
-    let generated = engine.counters().generated_tokens.load(Ordering::Relaxed);
-    assert!(
-        steps < generated,
-        "{steps} steps for {generated} tokens: nothing was batched"
-    );
+    assert_batched(&engine);
     let _ = std::fs::remove_dir_all(dir);
 }

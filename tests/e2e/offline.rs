@@ -18,6 +18,15 @@ fn scratch(tag: &str) -> std::path::PathBuf {
     dir
 }
 
+/// The lines of a JSONL file.
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// Run `lorry <command> --model M [extra] --input I --output O` as a user would.
 fn run_lorry(command: &str, model: &Path, input: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_lorry"))
@@ -46,11 +55,7 @@ fn lorry_embed_writes_one_normalised_embedding_per_line_in_order() {
     .unwrap();
     let output = dir.join("out.jsonl");
     assert!(run_lorry("embed", &model, &input, &output, &[]).status.success());
-    let lines: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<Value> = read_jsonl(&output);
     assert_eq!(lines.len(), 2);
     assert_eq!(
         (lines[0]["id"].clone(), lines[1]["id"].clone()),
@@ -118,11 +123,7 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
     let output = dir.join("out.jsonl");
     let result = run_lorry("generate", &model_dir, &input, &output, &[]);
     assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
-    let out: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let out: Vec<Value> = read_jsonl(&output);
 
     assert_eq!(out[0]["token_ids"], serde_json::json!(greedy));
     assert_eq!(out[0]["text"], full.as_str());
@@ -223,11 +224,7 @@ fn lorry_generate_serves_each_line_with_its_adapter() {
         &["--adapter", &a, "--adapter", &b],
     );
     assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
-    let out: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let out: Vec<Value> = read_jsonl(&output);
     let model = TextModel::from_dir(&model_dir, &Device::Cpu).unwrap();
     let packed = |name: &str| {
         Adapter::from_dir(&adapters.join(name), model.model.config(), AdapterLimits::default())
