@@ -509,8 +509,8 @@ struct Pass<'a> {
 impl Pass<'_> {
     /// `y += scale · (x·Aᵀ)·Bᵀ` for the rows of each adapter, into the columns
     /// of `y` where each of `parts` (a projection and its first column) lies:
-    /// every adapter's rows are gathered once, then shrunk and expanded on
-    /// the packed kernels, whatever mix of adapters shares the batch.
+    /// each adapter's rows are gathered, shrunk and expanded on the packed
+    /// kernels, whatever mix of adapters shares the batch.
     fn lora(&self, x: &Tensor, y: Tensor, layer: usize, parts: &[(Target, usize)]) -> Result<Tensor> {
         if self.adapters.is_empty() {
             return Ok(y);
