@@ -23,8 +23,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-PROMPT = [0, 75, 104, 101, 3, 200, 17, 42, 99, 150, 7, 8, 250, 31, 64, 5, 120, 121, 122, 9]
-NEW_TOKENS = 24
+from make_reference import PROMPT, decode  # the conformance data's prompt and decoding
 
 ADAPTERS = {
     "adapter-a": dict(
@@ -47,34 +46,13 @@ def base_model(fixture_dir: str):
     return AutoModelForCausalLM.from_pretrained(fixture_dir, torch_dtype=torch.float32, attn_implementation="eager")
 
 
-def run(model) -> dict:
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.tensor([PROMPT]), use_cache=True)
-        last_logits = out.logits[0, -1]
-        past, logits = out.past_key_values, last_logits
-        greedy, min_gap = [], float("inf")
-        for _ in range(NEW_TOKENS):
-            top2 = torch.topk(logits, 2).values
-            min_gap = min(min_gap, float(top2[0] - top2[1]))
-            token = int(torch.argmax(logits))
-            greedy.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
-    return {
-        "last_logits": [float(x) for x in last_logits],
-        "greedy_ids": greedy,
-        "min_greedy_gap": min_gap,
-    }
-
-
 def main(fixture_dir: str, out_dir: str) -> None:
     record = {
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "peft": peft.__version__,
         "prompt_ids": PROMPT,
-        "base": run(base_model(fixture_dir)),
+        "base": decode(base_model(fixture_dir)),
     }
     for seed, (name, options) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
@@ -82,7 +60,7 @@ def main(fixture_dir: str, out_dir: str) -> None:
         model = get_peft_model(base_model(fixture_dir), config)
         model.save_pretrained(os.path.join(out_dir, name))
         os.remove(os.path.join(out_dir, name, "README.md"))  # a generated model card
-        record[name] = run(model)
+        record[name] = decode(model)
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(record, f)
         f.write("\n")

@@ -44,10 +44,14 @@ def main(fixture_dir: str, out_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         fixture_dir, torch_dtype=torch.float32, attn_implementation="eager"
     )
+    write(out_path, {"prompt_ids": PROMPT, **decode(model)})
+
+
+def decode(model) -> dict:
+    """The logits at the prompt's last position and NEW_TOKENS greedy tokens."""
     model.eval()
     with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        out = model(ids, use_cache=True)
+        out = model(torch.tensor([PROMPT]), use_cache=True)
         last_logits = out.logits[0, -1]
         past, logits = out.past_key_values, last_logits
         greedy, min_gap = [], float("inf")
@@ -58,13 +62,11 @@ def main(fixture_dir: str, out_path: str) -> None:
             greedy.append(token)
             out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1]
-    record = {
-        "prompt_ids": PROMPT,
+    return {
         "last_logits": [float(x) for x in last_logits],
         "greedy_ids": greedy,
         "min_greedy_gap": min_gap,
     }
-    write(out_path, record)
 
 
 def write(out_path: str, record: dict) -> None:
