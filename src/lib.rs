@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use candle_core::Device;
 use lorry_api::{ApiConfig, AppState};
+use lorry_batcher::adapters::AdapterCache;
 use lorry_batcher::broker::Topology;
 use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
 use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
@@ -138,6 +139,7 @@ impl Application {
                     allow_private_webhooks: settings.webhook_allow_private,
                     realtime_timeout: settings.rt_timeout(),
                     output_url_ttl: Duration::from_secs(3600),
+                    adapter_limits: settings.adapter_limits(),
                 }),
             };
             let listener = TcpListener::bind(&settings.listen)
@@ -236,6 +238,7 @@ fn spawn_worker(
         finaliser.clone(),
         catalog.clone(),
         backends,
+        Some(AdapterCache::new(objects.clone(), settings.adapter_cache())),
         WorkerConfig {
             amqp_url: settings.amqp_url.clone(),
             topology: topology.clone(),

@@ -7,7 +7,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use lorry_batcher::adapters::AdapterCacheConfig;
 use lorry_engine::catalog::{demo_models, read_catalog_file, ModelSource};
+use lorry_engine::lora::AdapterLimits;
 
 use crate::offline::EngineArgs;
 
@@ -129,6 +131,24 @@ pub struct Settings {
     /// or `~/.local/share/lorry` when unset.
     #[arg(long, env = "LORRY_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Highest LoRA rank an uploaded adapter may have.
+    #[arg(long, env = "LORRY_ADAPTER_MAX_RANK", default_value_t = 32)]
+    pub adapter_max_rank: usize,
+    /// Largest `adapter_model.safetensors` an upload may bring, in bytes.
+    #[arg(long, env = "LORRY_ADAPTER_MAX_BYTES", default_value_t = 300 * 1024 * 1024)]
+    pub adapter_max_bytes: usize,
+    /// Memory a worker gives packed adapters in use, in MiB (the resident tier).
+    #[arg(long, env = "LORRY_ADAPTER_RESIDENT_MIB", default_value_t = 2048)]
+    pub adapter_resident_mib: usize,
+    /// Memory a worker gives raw adapter files, in MiB (the host tier).
+    #[arg(long, env = "LORRY_ADAPTER_HOST_MIB", default_value_t = 1024)]
+    pub adapter_host_mib: usize,
+    /// Disk a worker gives adapter files under the data directory, in MiB.
+    #[arg(long, env = "LORRY_ADAPTER_DISK_MIB", default_value_t = 20480)]
+    pub adapter_disk_mib: u64,
+    /// Milliseconds an adapter waits for room before requests for resident ones are held back for it.
+    #[arg(long, env = "LORRY_ADAPTER_CYCLE_MS", default_value_t = 2000)]
+    pub adapter_cycle_ms: u64,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub engine: EngineArgs,
@@ -169,6 +189,26 @@ impl Settings {
                 let dir = self.data_dir();
                 demo_models(&dir).with_context(|| format!("writing the demo models under {}", dir.display()))
             }
+        }
+    }
+
+    /// What an uploaded adapter must keep within.
+    pub fn adapter_limits(&self) -> AdapterLimits {
+        AdapterLimits {
+            max_rank: self.adapter_max_rank,
+            max_bytes: self.adapter_max_bytes,
+        }
+    }
+
+    /// The worker's adapter cache sizes.
+    pub fn adapter_cache(&self) -> AdapterCacheConfig {
+        AdapterCacheConfig {
+            resident_bytes: self.adapter_resident_mib << 20,
+            host_bytes: self.adapter_host_mib << 20,
+            disk_dir: Some(self.data_dir().join("adapters")),
+            disk_bytes: self.adapter_disk_mib << 20,
+            cycle: Duration::from_millis(self.adapter_cycle_ms),
+            limits: self.adapter_limits(),
         }
     }
 

@@ -11,6 +11,7 @@ use lorry_batcher::model::{Batch, Shape, Tally};
 use lorry_engine::input::Fields;
 use serde_json::{json, Value};
 
+use crate::adapters;
 use crate::extract::{Authenticated, JsonBody};
 use crate::submit::{self, Item, Options, Submission};
 use crate::{ApiError, AppState};
@@ -68,14 +69,26 @@ pub async fn create(
     };
     f.optional::<String>("endpoint", "a string")?;
     f.deny_unknown()?;
-    let spec = submit::model(&state, &model_name, "model")?;
+    let (base, default_adapter) = submit::split_model(&state, &model_name);
+    let spec = submit::model(&state, base, "model")?;
+    if default_adapter.is_some() && !spec.takes_adapters {
+        return Err(ApiError::invalid(
+            "adapters_not_supported",
+            "model",
+            format!("model {base} does not take LoRA adapters"),
+        ));
+    }
     let submission = Submission {
         spec,
         shape: Shape::Native,
         items,
         options,
     };
-    let new = submit::validate(&state, &account.0.id, submission, &headers, &body.raw)?;
+    let mut new = submit::validate(&state, &account.0.id, submission, &headers, &body.raw)?;
+    adapters::resolve_requests(&state, &account.0.id, base, &mut new.requests, default_adapter, |i| {
+        format!("requests[{i}].body")
+    })
+    .await?;
     let (batch, created) = submit::create(&state, new).await?;
     let tally = if created {
         submit::fresh_tally(batch.total)

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod account;
+mod adapters;
 mod batches;
 pub mod error;
 mod extract;
@@ -24,6 +25,7 @@ use lorry_batcher::broker::Topology;
 use lorry_batcher::objects::ObjectStore;
 use lorry_batcher::realtime::RealtimeClient;
 use lorry_batcher::store::Store;
+use lorry_engine::lora::AdapterLimits;
 use lorry_engine::Catalog;
 
 pub use error::ApiError;
@@ -45,6 +47,8 @@ pub struct ApiConfig {
     pub realtime_timeout: Duration,
     /// How long a presigned `output_url` stays valid.
     pub output_url_ttl: Duration,
+    /// What an uploaded adapter must keep within.
+    pub adapter_limits: AdapterLimits,
 }
 
 /// What every handler can reach; cheap to clone.
@@ -65,11 +69,27 @@ pub struct AppState {
 /// The whole HTTP API.
 pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
+    // Both adapter files in one body, the configuration capped at 1 MiB.
+    let upload_limit = state.config.adapter_limits.max_bytes + (2 << 20);
+    let uploads = DefaultBodyLimit::max(upload_limit);
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/v1/account", get(account::show))
         .route("/v1/account/webhook_secret/rotate", post(account::rotate))
+        .route(
+            "/v1/adapters",
+            post(adapters::create).layer(uploads).get(adapters::list),
+        )
+        .route("/v1/adapters/{adapter}", get(adapters::show).delete(adapters::delete))
+        .route(
+            "/client/v4/accounts/{account_id}/ai/finetunes",
+            post(adapters::create_finetune).get(adapters::list_finetunes),
+        )
+        .route(
+            "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets",
+            post(adapters::upload_asset).layer(uploads),
+        )
         .route("/v1/batches", post(batches::create).get(batches::list))
         .route("/v1/batches/{id}", get(batches::show))
         .route("/v1/batches/{id}/cancel", post(batches::cancel))

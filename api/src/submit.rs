@@ -57,6 +57,19 @@ pub fn model<'a>(state: &'a AppState, name: &str, param: &str) -> Result<&'a Mod
     })
 }
 
+/// `base:adapter` (OpenAI's fine-tuned model names) → the base model and the
+/// adapter every request uses unless it names its own. A served name that
+/// holds a colon is taken whole.
+pub fn split_model<'a>(state: &AppState, model: &'a str) -> (&'a str, Option<&'a str>) {
+    if state.catalog.get(model).is_some() {
+        return (model, None);
+    }
+    match model.rsplit_once(':') {
+        Some((base, adapter)) if !adapter.is_empty() && state.catalog.get(base).is_some() => (base, Some(adapter)),
+        _ => (model, None),
+    }
+}
+
 /// A submission as read from either API shape.
 pub struct Submission<'a> {
     /// The model.

@@ -15,14 +15,17 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, StreamExt};
+use lorry_batcher::ids::AccountId;
 use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::{Reply, RtRequest};
+use lorry_batcher::store::NewRequest;
 use lorry_batcher::BatcherError;
 use lorry_engine::input::Fields;
 use lorry_engine::Output;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::adapters;
 use crate::batches::owned_batch;
 use crate::error::CloudflareError;
 use crate::extract::{Authenticated, JsonBody};
@@ -75,7 +78,7 @@ pub async fn run(
     if let Some(map) = input.as_object_mut() {
         map.remove("queueRequest");
     }
-    realtime(&state, model, input).await
+    realtime(&state, &account.0.id, model, input).await
 }
 
 async fn queue(
@@ -130,7 +133,12 @@ async fn queue(
         items,
         options,
     };
-    let new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
+    let model = spec.name.clone();
+    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
+    adapters::resolve_requests(state, &account.0.id, &model, &mut new.requests, None, |i| {
+        format!("requests[{i}]")
+    })
+    .await?;
     let (batch, _) = submit::create(state, new).await?;
     Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
 }
@@ -175,12 +183,24 @@ async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result
     Ok(envelope(result).into_response())
 }
 
-async fn realtime(state: &AppState, model: &str, input: Value) -> Result<Response, CloudflareError> {
+async fn realtime(
+    state: &AppState,
+    account: &AccountId,
+    model: &str,
+    input: Value,
+) -> Result<Response, CloudflareError> {
     let spec = submit::model(state, model, "model")?;
     let valid = spec.validate(&input)?;
+    let mut requests = [NewRequest {
+        custom_id: None,
+        body: input,
+    }];
+    adapters::resolve_requests(state, account, model, &mut requests, None, |_| String::new()).await?;
+    let [NewRequest { body: input, .. }] = requests;
     let request = RtRequest {
         model: model.to_string(),
         body: input,
+        account_id: Some(account.clone()),
     };
     let timeout = state.config.realtime_timeout;
     let (correlation, replies) = state.realtime.submit(&request, timeout).await?;

@@ -46,6 +46,7 @@ async fn state(pool: PgPool) -> AppState {
             allow_private_webhooks: false,
             realtime_timeout: Duration::from_secs(5),
             output_url_ttl: Duration::from_secs(60),
+            adapter_limits: lorry_engine::lora::AdapterLimits::default(),
         }),
     }
 }

@@ -48,6 +48,12 @@ prefixed_id!(
     "msg_"
 );
 
+prefixed_id!(
+    /// A LoRA adapter (a Workers AI finetune): `lora_<uuid v7>`.
+    AdapterId,
+    "lora_"
+);
+
 /// An account id; accounts are created by operators, so any short token is allowed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

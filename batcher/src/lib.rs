@@ -1,5 +1,6 @@
 //! Lorry's durable core: everything between an accepted batch and its results.
 //!
+//! - [`adapters`]: the worker's tiered LoRA adapter cache (resident, host, disk, S3).
 //! - [`store`]: Postgres (batches, requests, outbox, webhook deliveries).
 //! - [`broker`]: RabbitMQ topology, connections and publishing with confirms.
 //! - [`objects`]: the S3 object store for `output.jsonl` and `errors.jsonl`.
@@ -11,6 +12,7 @@
 //! - [`realtime`]: the API side of the real-time lane (publish, await the reply).
 #![forbid(unsafe_code)]
 
+pub mod adapters;
 pub mod broker;
 pub mod error;
 pub mod finaliser;

@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use aws_sdk_s3::config::{Credentials, Region};
 use aws_sdk_s3::presigning::PresigningConfig;
-use aws_sdk_s3::primitives::ByteStream;
+pub use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::Client;
 
-use crate::ids::{AccountId, BatchId};
+use crate::ids::{AccountId, AdapterId, BatchId};
 use crate::BatcherError;
 
 type Result<T> = std::result::Result<T, BatcherError>;
@@ -106,13 +106,13 @@ impl ObjectStore {
     }
 
     /// Store an object.
-    pub async fn put(&self, key: &str, body: Vec<u8>, content_type: &str) -> Result<()> {
+    pub async fn put(&self, key: &str, body: impl Into<ByteStream>, content_type: &str) -> Result<()> {
         self.client
             .put_object()
             .bucket(&self.bucket)
             .key(key)
             .content_type(content_type)
-            .body(ByteStream::from(body))
+            .body(body.into())
             .send()
             .await
             .map_err(s3_error)?;
@@ -133,6 +133,18 @@ impl ObjectStore {
         Ok(body.into_bytes().to_vec())
     }
 
+    /// Delete an object (deleting one that is not there succeeds).
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        self.client
+            .delete_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(s3_error)?;
+        Ok(())
+    }
+
     /// A presigned GET URL valid for `ttl`.
     pub async fn presign_get(&self, key: &str, ttl: Duration) -> Result<String> {
         let config = PresigningConfig::expires_in(ttl).map_err(s3_error)?;
@@ -151,4 +163,9 @@ impl ObjectStore {
 /// Where a batch's files live: under its account.
 pub fn batch_key(account: &AccountId, batch: &BatchId, file: &str) -> String {
     format!("accounts/{account}/batches/{batch}/{file}")
+}
+
+/// Where an adapter's files live: under its account.
+pub fn adapter_key(account: &AccountId, adapter: &AdapterId, file: &str) -> String {
+    format!("accounts/{account}/adapters/{adapter}/{file}")
 }

@@ -16,6 +16,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::broker::{self, Publisher, Topology};
+use crate::ids::AccountId;
 use crate::BatcherError;
 
 /// A real-time request on the broker.
@@ -25,6 +26,9 @@ pub struct RtRequest {
     pub model: String,
     /// The validated model input.
     pub body: Value,
+    /// The caller, whose adapters the request may name.
+    #[serde(default)]
+    pub account_id: Option<AccountId>,
 }
 
 /// One message back to the API.

@@ -17,16 +17,18 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use lorry_engine::{collect, Backend, Catalog, EngineError, Lane};
+use lorry_engine::{collect, Backend, Catalog, EngineError, EventStream, InputError, Lane, ValidRequest};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::adapters::{AdapterCache, LoadError};
 use crate::broker::{self, Publisher, Topology};
 use crate::finaliser::Finaliser;
+use crate::ids::AccountId;
 use crate::model::{Chunk, RequestError};
 use crate::realtime::{self, Reply, RtRequest};
-use crate::store::{Claimed, Outcome, Store};
+use crate::store::{AdapterRecord, Claimed, Outcome, Store};
 use crate::BatcherError;
 
 /// How long a stopping worker waits for the work it holds.
@@ -48,6 +50,13 @@ pub struct WorkerConfig {
     /// ...or once the oldest has waited this long.
     pub flush_interval: Duration,
 }
+
+/// One request in flight, with its index in the batch.
+type Running =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (i32, Result<lorry_engine::Output, EngineError>)> + Send>>;
+
+/// Adapter records looked up while serving one chunk, by the reference requests carry.
+type Records = HashMap<String, Option<AdapterRecord>>;
 
 /// What processing one chunk did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -71,16 +80,19 @@ struct Inner {
     finaliser: Finaliser,
     catalog: Catalog,
     backends: HashMap<String, Arc<dyn Backend>>,
+    adapters: Option<AdapterCache>,
     config: WorkerConfig,
 }
 
 impl Worker {
-    /// A worker serving `backends`, whose inputs the `catalog` validates.
+    /// A worker serving `backends`, whose inputs the `catalog` validates;
+    /// requests naming LoRA adapters get them through `adapters`.
     pub fn new(
         store: Store,
         finaliser: Finaliser,
         catalog: Catalog,
         backends: Vec<Arc<dyn Backend>>,
+        adapters: Option<AdapterCache>,
         config: WorkerConfig,
     ) -> Self {
         let backends = backends.into_iter().map(|b| (b.model().to_string(), b)).collect();
@@ -90,6 +102,7 @@ impl Worker {
                 finaliser,
                 catalog,
                 backends,
+                adapters,
                 config,
             }),
         }
@@ -113,14 +126,35 @@ impl Worker {
             ..Default::default()
         };
         let mut ready = Vec::new();
-        let mut running = FuturesUnordered::new();
+        let mut running: FuturesUnordered<Running> = FuturesUnordered::new();
+        let mut records = Records::default();
         for Claimed { index, body, .. } in claimed {
-            let started = spec
-                .validate(&body)
-                .map_err(EngineError::from)
-                .and_then(|request| backend.submit(request, Lane::Batch));
-            match started {
-                Ok(events) => running.push(async move { (index, collect(events).await) }),
+            let request = match spec.validate(&body) {
+                Ok(request) => request,
+                Err(e) => {
+                    ready.push(outcome(index, Err(e.into())));
+                    continue;
+                }
+            };
+            if request.lora.is_some() {
+                // Waits for its adapter off the engine; the rest of the batch runs meanwhile.
+                let found = self.adapter_record(&chunk.account_id, &request, &mut records).await?;
+                let worker = self.clone();
+                let backend = Arc::clone(backend);
+                running.push(Box::pin(async move {
+                    let result = match found {
+                        Ok(record) => worker
+                            .run_adapted(&*backend, request, Lane::Batch, &record, collect)
+                            .await
+                            .and_then(|result| result),
+                        Err(e) => Err(e),
+                    };
+                    (index, result)
+                }));
+                continue;
+            }
+            match backend.submit(request, Lane::Batch) {
+                Ok(events) => running.push(Box::pin(async move { (index, collect(events).await) })),
                 Err(EngineError::Stopped) => report.deferred += 1,
                 Err(e) => ready.push(outcome(index, Err(e))),
             }
@@ -146,6 +180,68 @@ impl Worker {
             inner.finaliser.try_finalize(&chunk.batch_id).await?;
         }
         Ok(report)
+    }
+
+    /// The record of the adapter `request` names, looked up once per chunk;
+    /// an adapter deleted since the request was accepted ends it with `adapter_not_found`.
+    async fn adapter_record(
+        &self,
+        account: &AccountId,
+        request: &ValidRequest,
+        records: &mut Records,
+    ) -> Result<Result<AdapterRecord, EngineError>, BatcherError> {
+        let reference = request.lora.clone().unwrap_or_default();
+        if !records.contains_key(&reference) {
+            let found = self.inner.store.find_adapter(account, &reference).await?;
+            records.insert(reference.clone(), found.filter(|r| r.ready));
+        }
+        Ok(records[&reference].clone().ok_or_else(|| {
+            EngineError::Input(InputError::new(
+                "adapter_not_found",
+                request.lora_param,
+                format!("adapter {reference} no longer exists"),
+            ))
+        }))
+    }
+
+    /// Make the adapter resident, run the request with it, and hand its events
+    /// to `consume`; the adapter stays leased until `consume` is done.
+    async fn run_adapted<T, F, Fut>(
+        &self,
+        backend: &dyn Backend,
+        request: ValidRequest,
+        lane: Lane,
+        record: &AdapterRecord,
+        consume: F,
+    ) -> Result<T, EngineError>
+    where
+        F: FnOnce(EventStream) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let unsupported = || {
+            EngineError::Input(InputError::new(
+                "adapters_not_supported",
+                request.lora_param,
+                format!("model {} does not take LoRA adapters", backend.model()),
+            ))
+        };
+        let (Some(cache), Some(base)) = (&self.inner.adapters, backend.adapter_base()) else {
+            return Err(unsupported());
+        };
+        let lease = match cache.acquire(record, base).await {
+            Ok(lease) => lease,
+            Err(LoadError::Fetch(id, e)) => {
+                tracing::warn!(adapter = %id, error = %e, "could not fetch an adapter; the request will be delivered again");
+                return Err(EngineError::Stopped);
+            }
+            Err(LoadError::Invalid(id, e)) => {
+                return Err(EngineError::Model(format!("adapter {id} could not be served: {e}")))
+            }
+        };
+        let events = backend.submit_with_adapter(request, lane, lease.adapter())?;
+        let result = consume(events).await;
+        drop(lease);
+        Ok(result)
     }
 
     /// End a dead-lettered chunk's unfinished requests with a non-retryable error.
@@ -306,14 +402,37 @@ impl Worker {
             (Some(spec), Some(backend)) => spec
                 .validate(&request.body)
                 .map_err(EngineError::from)
-                .and_then(|r| backend.submit(r, Lane::RealTime)),
+                .map(|valid| (valid, backend)),
             _ => Err(EngineError::Model(format!(
                 "model {} is not served here",
                 request.model
             ))),
         };
         let sent = match started {
-            Ok(events) => realtime::forward(events, &reply).await,
+            Ok((valid, backend)) if valid.lora.is_some() => {
+                let account = request.account_id.clone().unwrap_or_else(|| AccountId(String::new()));
+                let found = match self.adapter_record(&account, &valid, &mut Records::default()).await {
+                    Ok(found) => found,
+                    Err(e) => Err(EngineError::Model(e.to_string())),
+                };
+                let forwarded = match found {
+                    Ok(record) => {
+                        self.run_adapted(&**backend, valid, Lane::RealTime, &record, |events| {
+                            realtime::forward(events, &reply)
+                        })
+                        .await
+                    }
+                    Err(e) => Err(e),
+                };
+                match forwarded {
+                    Ok(sent) => sent,
+                    Err(e) => reply.send(&Reply::engine_error(&e)).await,
+                }
+            }
+            Ok((valid, backend)) => match backend.submit(valid, Lane::RealTime) {
+                Ok(events) => realtime::forward(events, &reply).await,
+                Err(e) => reply.send(&Reply::engine_error(&e)).await,
+            },
             Err(e) => reply.send(&Reply::engine_error(&e)).await,
         };
         if let Err(e) = sent {

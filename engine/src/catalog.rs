@@ -2,11 +2,13 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use crate::fixtures::{self, Fixture};
 use crate::input::{InputError, ValidRequest};
+use crate::models::llama::{Config, LlamaConfigFile};
 use crate::models::ModelError;
 
 /// The built-in deterministic model used to test and benchmark the pipeline.
@@ -45,7 +47,7 @@ impl ModelSpec {
         if request.lora.is_some() && !self.takes_adapters {
             return Err(InputError::new(
                 "adapters_not_supported",
-                "lora",
+                request.lora_param,
                 format!("model {} does not take LoRA adapters", self.name),
             ));
         }
@@ -57,6 +59,7 @@ impl ModelSpec {
 #[derive(Debug, Clone, Default)]
 pub struct Catalog {
     models: BTreeMap<String, ModelSpec>,
+    bases: BTreeMap<String, Arc<Config>>,
 }
 
 impl Catalog {
@@ -76,6 +79,9 @@ impl Catalog {
         let mut catalog = Catalog::builtin();
         for source in sources {
             catalog.insert(source.spec());
+            if let Some(base) = &source.base {
+                catalog.bases.insert(source.name.clone(), Arc::clone(base));
+            }
         }
         catalog
     }
@@ -90,6 +96,11 @@ impl Catalog {
         self.models.get(name)
     }
 
+    /// The shape adapters for `name` must fit, when it takes adapters.
+    pub fn adapter_base(&self, name: &str) -> Option<&Config> {
+        self.bases.get(name).map(Arc::as_ref)
+    }
+
     /// All served model names.
     pub fn names(&self) -> Vec<String> {
         self.models.keys().cloned().collect()
@@ -102,7 +113,7 @@ impl Catalog {
 }
 
 /// A served name and the checkpoint directory behind it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelSource {
     /// The name clients use.
     pub name: String,
@@ -110,15 +121,24 @@ pub struct ModelSource {
     pub dir: PathBuf,
     /// What it does, from its `config.json`.
     pub task: Task,
+    /// The base model's shape, which LoRA adapters must fit (text generation).
+    pub base: Option<Arc<Config>>,
 }
 
 impl ModelSource {
     fn new(name: &str, dir: PathBuf) -> Result<Self, ModelError> {
         let task = task_of(&dir)?;
+        let base = match task {
+            Task::TextGeneration => Some(Arc::new(
+                crate::models::read_config::<LlamaConfigFile>(&dir)?.into_config()?,
+            )),
+            Task::Echo | Task::Embeddings => None,
+        };
         Ok(ModelSource {
             name: name.to_string(),
             dir,
             task,
+            base,
         })
     }
 
@@ -127,7 +147,7 @@ impl ModelSource {
         ModelSpec {
             name: self.name.clone(),
             task: self.task,
-            takes_adapters: false,
+            takes_adapters: self.base.is_some(),
         }
     }
 }
@@ -190,10 +210,13 @@ pub fn demo_models(data_dir: &Path) -> Result<Vec<ModelSource>, ModelError> {
     .map(|(name, fixture, folder)| {
         let dir = data_dir.join("models").join(folder);
         if !dir.join("config.json").exists() {
-            // Written aside and renamed, so a concurrent start never sees half a model.
+            // Written aside and renamed, so a concurrent start (another
+            // process, or another thread of this one) never sees half a model.
+            static STAGING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = STAGING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let staging = data_dir
                 .join("models")
-                .join(format!(".{folder}-{}", std::process::id()));
+                .join(format!(".{folder}-{}-{n}", std::process::id()));
             fixtures::write(fixture, &staging)?;
             if std::fs::rename(&staging, &dir).is_err() {
                 let _ = std::fs::remove_dir_all(&staging);

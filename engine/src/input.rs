@@ -204,8 +204,12 @@ pub struct ValidRequest {
     pub raw: bool,
     /// Stream tokens back (real-time lane only).
     pub stream: bool,
-    /// A LoRA adapter id or name, resolved by the serving layer.
+    /// A LoRA adapter id or name, resolved by the serving layer: `lora`
+    /// (Workers AI) or `adapter` (native).
     pub lora: Option<String>,
+    /// The field that named it, for errors.
+    #[serde(skip)]
+    pub lora_param: &'static str,
     /// Sampling parameters.
     pub sampling: Sampling,
     /// How token vectors become one embedding (embedding models; their default when absent).
@@ -233,7 +237,7 @@ impl ValidRequest {
         };
         let raw = f.optional("raw", "a boolean")?.unwrap_or(false);
         let stream = f.optional("stream", "a boolean")?.unwrap_or(false);
-        let lora = f.optional("lora", "a string")?;
+        let (lora, lora_param) = parse_adapter(&mut f)?;
         let sampling = parse_sampling(&mut f)?;
         f.deny_unknown()?;
         let prompt = match (prompt_text, messages, text) {
@@ -260,6 +264,7 @@ impl ValidRequest {
             raw,
             stream,
             lora,
+            lora_param,
             sampling,
             pooling: None,
         })
@@ -315,9 +320,36 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
         raw: false,
         stream: false,
         lora: None,
+        lora_param: "lora",
         sampling: Sampling::default(),
         pooling,
     })
+}
+
+/// `lora` (Workers AI) or `adapter` (native), at most one, never empty.
+fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), InputError> {
+    let lora: Option<String> = f.optional("lora", "a string")?;
+    let adapter: Option<String> = f.optional("adapter", "a string")?;
+    let (name, param) = match (lora, adapter) {
+        (Some(_), Some(_)) => {
+            return Err(InputError::new(
+                "conflicting_fields",
+                "adapter",
+                "give lora or adapter, not both",
+            ))
+        }
+        (Some(name), None) => (Some(name), "lora"),
+        (None, Some(name)) => (Some(name), "adapter"),
+        (None, None) => (None, "lora"),
+    };
+    if name.as_deref().is_some_and(|n| n.is_empty() || n.len() > 128) {
+        return Err(InputError::new(
+            "invalid_value",
+            param,
+            format!("{param} must name an adapter in 1 to 128 characters"),
+        ));
+    }
+    Ok((name, param))
 }
 
 fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {

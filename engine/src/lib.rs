@@ -122,6 +122,27 @@ pub trait Backend: Send + Sync + 'static {
     fn model(&self) -> &str;
     /// Queue a validated request; its events arrive on the returned stream.
     fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError>;
+
+    /// The shape LoRA adapters must fit, for backends that serve them.
+    fn adapter_base(&self) -> Option<&models::llama::Config> {
+        None
+    }
+
+    /// [`Backend::submit`] with a LoRA adapter packed for this model: the
+    /// request shares the continuous batch with every other, whatever its adapter.
+    fn submit_with_adapter(
+        &self,
+        request: ValidRequest,
+        lane: Lane,
+        adapter: std::sync::Arc<lora::PackedAdapter>,
+    ) -> Result<EventStream, EngineError> {
+        let _ = (lane, adapter);
+        Err(EngineError::Input(InputError::new(
+            "adapters_not_supported",
+            request.lora_param,
+            format!("model {} does not take LoRA adapters", self.model()),
+        )))
+    }
 }
 
 /// Drain a stream to its final result.

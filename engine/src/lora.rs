@@ -98,12 +98,22 @@ pub struct AdapterError {
     pub code: &'static str,
     /// What is wrong, and where.
     pub message: String,
+    /// Whether `adapter_config.json` is at fault (else the weights file is).
+    pub in_config: bool,
+}
+
+impl AdapterError {
+    fn in_config(mut self) -> Self {
+        self.in_config = true;
+        self
+    }
 }
 
 fn refuse(code: &'static str, message: impl Into<String>) -> AdapterError {
     AdapterError {
         code,
         message: message.into(),
+        in_config: false,
     }
 }
 
@@ -200,19 +210,8 @@ impl Adapter {
 
     /// Parse and check an adapter's two files against the base model `base`.
     pub fn parse(config: &[u8], weights: &[u8], base: &Config, limits: AdapterLimits) -> Result<Self, AdapterError> {
-        let config: ConfigFile = serde_json::from_slice(config)
-            .map_err(|e| refuse("adapter_config_invalid", format!("adapter_config.json: {e}")))?;
-        let settings = Settings::check(&config, limits)?;
-        if weights.len() > limits.max_bytes {
-            return Err(refuse(
-                "adapter_too_large",
-                format!(
-                    "adapter_model.safetensors is {} bytes; the limit is {}",
-                    weights.len(),
-                    limits.max_bytes
-                ),
-            ));
-        }
+        let settings = Settings::read(config, limits)?;
+        check_size(weights, limits)?;
         let tensors = candle_core::safetensors::load_buffer(weights, &Device::Cpu)
             .map_err(|e| refuse("adapter_weights_invalid", format!("adapter_model.safetensors: {e}")))?;
         let mut halves: HashMap<(usize, Target), (Option<Tensor>, Option<Tensor>)> = HashMap::new();
@@ -291,6 +290,53 @@ impl Adapter {
     }
 }
 
+/// Check `adapter_config.json` alone (rank, alpha, targets, patterns), for
+/// uploads that bring the two files one at a time. [`Adapter::parse`] checks
+/// the pair against the base model once both are there.
+pub fn check_config(config: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    Settings::read(config, limits).map(|_| ())
+}
+
+/// Check `adapter_model.safetensors` alone: size limit, a well-formed header
+/// and data, LoRA weight names of the seven projections, finite values.
+pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    check_size(weights, limits)?;
+    let tensors = candle_core::safetensors::load_buffer(weights, &Device::Cpu)
+        .map_err(|e| refuse("adapter_weights_invalid", format!("adapter_model.safetensors: {e}")))?;
+    if tensors.is_empty() {
+        return Err(refuse(
+            "adapter_missing_tensor",
+            "adapter_model.safetensors holds no LoRA weights",
+        ));
+    }
+    for (name, tensor) in tensors {
+        parse_key(&name)?;
+        let dims = tensor.dims().to_vec();
+        let [rows, cols] = dims[..] else {
+            return Err(refuse(
+                "adapter_shape_mismatch",
+                format!("{name}: shape {dims:?}; LoRA weights are matrices"),
+            ));
+        };
+        matrix(tensor, (rows, cols), &name)?;
+    }
+    Ok(())
+}
+
+fn check_size(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    if weights.len() > limits.max_bytes {
+        return Err(refuse(
+            "adapter_too_large",
+            format!(
+                "adapter_model.safetensors is {} bytes; the limit is {}",
+                weights.len(),
+                limits.max_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// What the configuration says, checked.
 struct Settings {
     rank: usize,
@@ -302,6 +348,12 @@ struct Settings {
 }
 
 impl Settings {
+    fn read(config: &[u8], limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let config: ConfigFile = serde_json::from_slice(config)
+            .map_err(|e| refuse("adapter_config_invalid", format!("adapter_config.json: {e}")).in_config())?;
+        Settings::check(&config, limits).map_err(AdapterError::in_config)
+    }
+
     fn check(config: &ConfigFile, limits: AdapterLimits) -> Result<Self, AdapterError> {
         let invalid = |m: String| refuse("adapter_config_invalid", m);
         let unsupported = |m: String| refuse("adapter_unsupported", m);
@@ -505,6 +557,11 @@ pub struct PackedAdapter {
 }
 
 impl PackedAdapter {
+    /// Memory the packed weights take.
+    pub fn bytes(&self) -> usize {
+        self.modules.values().map(|m| m.a.bytes() + m.b.bytes()).sum()
+    }
+
     /// The module adapting `target` in `layer`, if the adapter has one.
     pub fn module(&self, layer: usize, target: Target) -> Option<&PackedLora> {
         self.modules.get(&(layer, target))

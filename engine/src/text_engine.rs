@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 use crate::chat::{Decoding, TextModel};
 use crate::kv::{BlockPool, KvCache};
 use crate::lora::PackedAdapter;
+use crate::models::llama::Config;
 use crate::models::llama::SeqChunk;
 use crate::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::{Backend, Completion, EngineError, Event, EventStream, Lane, Output, Usage, ValidRequest};
@@ -83,6 +84,7 @@ struct Job {
 #[derive(Clone)]
 pub struct TextEngine {
     name: Arc<str>,
+    base: Arc<Config>,
     jobs: std_mpsc::Sender<Job>,
     counters: Arc<Counters>,
 }
@@ -94,6 +96,7 @@ impl TextEngine {
         let counters = Arc::new(Counters::default());
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let shared = Arc::clone(&counters);
+        let base = Arc::new(model.model.config().clone());
         let thread_name = format!("lorry-engine {name}");
         std::thread::Builder::new()
             .name(thread_name)
@@ -106,6 +109,7 @@ impl TextEngine {
         let _ = ready_rx.recv();
         TextEngine {
             name: name.into(),
+            base,
             jobs,
             counters,
         }
@@ -144,6 +148,19 @@ impl Backend for TextEngine {
 
     fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
         self.submit_adapted(request, lane, None)
+    }
+
+    fn adapter_base(&self) -> Option<&Config> {
+        Some(&self.base)
+    }
+
+    fn submit_with_adapter(
+        &self,
+        request: ValidRequest,
+        lane: Lane,
+        adapter: Arc<PackedAdapter>,
+    ) -> Result<EventStream, EngineError> {
+        self.submit_adapted(request, lane, Some(adapter))
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod adapters;
 mod batches;
 mod durability;
 mod models;

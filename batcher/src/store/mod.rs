@@ -2,6 +2,7 @@
 //! and webhook deliveries. Every query is written by hand and checked at run
 //! time, so the project builds without a database.
 
+mod adapters;
 mod batches;
 mod outbox;
 mod work;
@@ -13,6 +14,7 @@ use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool, Row};
 
+pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
 pub use outbox::{DueDelivery, OutboxMessage, OUTBOX_CHANNEL};
 pub use work::{Claimed, Ending, Outcome};

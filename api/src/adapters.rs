@@ -1,0 +1,571 @@
+//! LoRA adapters: uploads, listing, deletion, and resolving the adapter a
+//! request names.
+//!
+//! Two shapes reach the same records:
+//! - native `/v1/adapters`: one multipart request with both files (`model`,
+//!   `name`, `description`, `config`, `weights`); list, get, delete;
+//! - Workers AI finetunes: `POST …/ai/finetunes` makes an empty finetune,
+//!   `POST …/finetunes/{id}/finetune-assets` brings one file at a time
+//!   (`file_name`, `file`), `GET …/ai/finetunes` lists them.
+//!
+//! Every file is checked before anything is written: the configuration on its
+//! own, the weights on their own, and the pair against the base model once
+//! both are there. Files go to S3 under fresh keys, so a refused or
+//! interrupted upload never changes what a record points to.
+
+use std::collections::HashMap;
+
+use axum::body::Bytes;
+use axum::extract::{Multipart, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use lorry_batcher::ids::{AccountId, AdapterId};
+use lorry_batcher::objects::adapter_key;
+use lorry_batcher::store::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter, NewRequest};
+use lorry_engine::input::Fields;
+use lorry_engine::lora::{self, Adapter, AdapterError};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::error::CloudflareError;
+use crate::extract::{Authenticated, JsonBody};
+use crate::{ApiError, AppState};
+
+const CONFIG_FILE: &str = "adapter_config.json";
+const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// Largest `adapter_config.json`.
+const MAX_CONFIG_BYTES: usize = 1 << 20;
+const MAX_NAME: usize = 64;
+const MAX_DESCRIPTION: usize = 1024;
+
+/// `1–64` characters of `A–Z a–z 0–9 . _ -`, not shaped like an adapter id.
+fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && AdapterId::parse(name).is_none();
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "invalid_adapter_name",
+            param,
+            format!("a name is 1 to {MAX_NAME} characters of letters, digits, '.', '_' and '-'"),
+        ))
+    }
+}
+
+fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
+    if description.len() > MAX_DESCRIPTION {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param,
+            format!("description holds at most {MAX_DESCRIPTION} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// The base model an adapter names: served, and taking adapters.
+fn check_model(state: &AppState, model: &str, param: &str) -> Result<(), ApiError> {
+    crate::submit::model(state, model, param)?;
+    if state.catalog.adapter_base(model).is_none() {
+        return Err(ApiError::invalid(
+            "adapters_not_supported",
+            param,
+            format!("model {model} does not take LoRA adapters"),
+        ));
+    }
+    Ok(())
+}
+
+/// An adapter refused by the checks, as a 4xx naming the file at fault.
+fn refused(error: AdapterError, config_param: &str, weights_param: &str) -> ApiError {
+    let status = match error.code {
+        "adapter_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    let param = if error.in_config { config_param } else { weights_param };
+    ApiError::new(status, error.code, error.message).with_param(param)
+}
+
+/// Check the pair against the base model (off the async runtime: it reads every weight).
+async fn check_pair(
+    state: &AppState,
+    model: &str,
+    config: Bytes,
+    weights: Bytes,
+) -> Result<Result<AdapterSummary, AdapterError>, ApiError> {
+    let base = state.catalog.adapter_base(model).cloned().ok_or_else(|| {
+        ApiError::invalid(
+            "adapters_not_supported",
+            "model",
+            format!("model {model} does not take LoRA adapters"),
+        )
+    })?;
+    let limits = state.config.adapter_limits;
+    let checked = tokio::task::spawn_blocking(move || {
+        Adapter::parse(&config, &weights, &base, limits).map(|adapter| AdapterSummary {
+            rank: adapter.max_rank() as i32,
+            targets: adapter.targets().iter().map(|t| t.name().to_string()).collect(),
+        })
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))?;
+    Ok(checked)
+}
+
+fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
+    if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "adapter_too_large",
+            "the upload is over the adapter size limit",
+        )
+    } else {
+        ApiError::invalid("invalid_multipart", "", error.body_text())
+    }
+}
+
+/// Every part of a multipart body, by field name; a field given twice is refused.
+async fn parts(mut multipart: Multipart, allowed: &[&str]) -> Result<HashMap<String, Bytes>, ApiError> {
+    let mut parts = HashMap::new();
+    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or_default().to_string();
+        if !allowed.contains(&name.as_str()) {
+            return Err(ApiError::invalid(
+                "unknown_field",
+                name.clone(),
+                format!("unknown field {name:?}; the fields are {}", allowed.join(", ")),
+            ));
+        }
+        let data = field.bytes().await.map_err(multipart_error)?;
+        if parts.insert(name.clone(), data).is_some() {
+            return Err(ApiError::invalid(
+                "duplicate_field",
+                name.clone(),
+                format!("{name} is given more than once"),
+            ));
+        }
+    }
+    Ok(parts)
+}
+
+fn text_part(parts: &HashMap<String, Bytes>, name: &str) -> Result<Option<String>, ApiError> {
+    parts
+        .get(name)
+        .map(|bytes| {
+            String::from_utf8(bytes.to_vec())
+                .map_err(|_| ApiError::invalid("invalid_type", name, format!("{name} must be UTF-8 text")))
+        })
+        .transpose()
+}
+
+fn config_size(config: &Bytes, param: &str) -> Result<(), ApiError> {
+    if config.len() > MAX_CONFIG_BYTES {
+        return Err(ApiError::invalid(
+            "adapter_config_invalid",
+            param,
+            format!("{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Write one checked file under a fresh key.
+async fn put_asset(
+    state: &AppState,
+    account: &AccountId,
+    id: &AdapterId,
+    file: &str,
+    data: Bytes,
+) -> Result<AdapterAsset, ApiError> {
+    let key = adapter_key(account, id, &format!("{}-{file}", uuid::Uuid::now_v7().simple()));
+    let asset = if file == CONFIG_FILE {
+        AdapterAsset::Config { key: key.clone() }
+    } else {
+        AdapterAsset::Weights {
+            key: key.clone(),
+            bytes: data.len() as i64,
+            sha256: hex::encode(Sha256::digest(&data)),
+        }
+    };
+    let content_type = if file == CONFIG_FILE {
+        "application/json"
+    } else {
+        "application/octet-stream"
+    };
+    state.objects.put(&key, data, content_type).await?;
+    Ok(asset)
+}
+
+/// Delete objects no record points to any more; a failure only leaves garbage.
+async fn forget_objects(state: &AppState, keys: impl IntoIterator<Item = Option<String>>) {
+    for key in keys.into_iter().flatten() {
+        if let Err(e) = state.objects.delete(&key).await {
+            tracing::warn!(key, error = %e, "could not delete an adapter file");
+        }
+    }
+}
+
+fn asset_key(asset: &AdapterAsset) -> String {
+    match asset {
+        AdapterAsset::Config { key } | AdapterAsset::Weights { key, .. } => key.clone(),
+    }
+}
+
+fn adapter_not_found(param: &str) -> ApiError {
+    ApiError::not_found("adapter_not_found", param, "adapter")
+}
+
+/// `POST /v1/adapters`: multipart `model`, `name`, `description`?, `config`, `weights`.
+pub async fn create(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    multipart: Multipart,
+) -> Result<Response, ApiError> {
+    let parts = parts(multipart, &["model", "name", "description", "config", "weights"]).await?;
+    let model = text_part(&parts, "model")?
+        .ok_or_else(|| ApiError::invalid("missing_field", "model", "model names the base model"))?;
+    let name =
+        text_part(&parts, "name")?.ok_or_else(|| ApiError::invalid("missing_field", "name", "name is required"))?;
+    let description = text_part(&parts, "description")?.unwrap_or_default();
+    check_model(&state, &model, "model")?;
+    check_name(&name, "name")?;
+    check_description(&description, "description")?;
+    let missing = |param: &str, file: &str| {
+        ApiError::invalid("adapter_missing_file", param, format!("{param} must carry {file}"))
+    };
+    let config = parts
+        .get("config")
+        .cloned()
+        .ok_or_else(|| missing("config", CONFIG_FILE))?;
+    let weights = parts
+        .get("weights")
+        .cloned()
+        .ok_or_else(|| missing("weights", WEIGHTS_FILE))?;
+    config_size(&config, "config")?;
+    if state.store.find_adapter(&account.id, &name).await?.is_some() {
+        return Err(name_taken(&name));
+    }
+    let summary = check_pair(&state, &model, config.clone(), weights.clone())
+        .await?
+        .map_err(|e| refused(e, "config", "weights"))?;
+    let new = NewAdapter {
+        id: AdapterId::generate(),
+        account_id: account.id.clone(),
+        name: name.clone(),
+        model,
+        description,
+    };
+    let config = put_asset(&state, &account.id, &new.id, CONFIG_FILE, config).await?;
+    let weights = match put_asset(&state, &account.id, &new.id, WEIGHTS_FILE, weights).await {
+        Ok(weights) => weights,
+        Err(e) => {
+            forget_objects(&state, [Some(asset_key(&config))]).await;
+            return Err(e);
+        }
+    };
+    let keys = [Some(asset_key(&config)), Some(asset_key(&weights))];
+    match state.store.insert_adapter(&new, Some((config, weights, summary))).await {
+        Ok(Some(record)) => Ok((StatusCode::CREATED, Json(record.to_json())).into_response()),
+        Ok(None) => {
+            forget_objects(&state, keys).await;
+            Err(name_taken(&name))
+        }
+        Err(e) => {
+            forget_objects(&state, keys).await;
+            Err(e.into())
+        }
+    }
+}
+
+fn name_taken(name: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "adapter_name_taken",
+        format!("this account already has an adapter named {name}"),
+    )
+    .with_param("name")
+}
+
+/// `GET /v1/adapters`.
+pub async fn list(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+) -> Result<Json<Value>, ApiError> {
+    let adapters = state.store.list_adapters(&account.id).await?;
+    let data: Vec<Value> = adapters.iter().map(AdapterRecord::to_json).collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// `GET /v1/adapters/{id or name}`.
+pub async fn show(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(reference): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let record = state
+        .store
+        .find_adapter(&account.id, &reference)
+        .await?
+        .ok_or_else(|| adapter_not_found("adapter"))?;
+    Ok(Json(record.to_json()))
+}
+
+/// `DELETE /v1/adapters/{id or name}`: the record goes at once, then its files.
+/// Requests already accepted with it end with `adapter_not_found`.
+pub async fn delete(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(reference): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let record = state
+        .store
+        .find_adapter(&account.id, &reference)
+        .await?
+        .ok_or_else(|| adapter_not_found("adapter"))?;
+    let deleted = state
+        .store
+        .delete_adapter(&account.id, &record.id)
+        .await?
+        .ok_or_else(|| adapter_not_found("adapter"))?;
+    forget_objects(&state, [deleted.config_key, deleted.weights_key]).await;
+    Ok(Json(json!({"id": record.id, "object": "adapter", "deleted": true})))
+}
+
+fn envelope(result: Value) -> Json<Value> {
+    Json(json!({"result": result, "success": true, "errors": [], "messages": []}))
+}
+
+fn owner(account: &AccountId, account_id: &str) -> Result<(), ApiError> {
+    if account.0 != account_id {
+        return Err(ApiError::not_found("account_not_found", "account_id", "account"));
+    }
+    Ok(())
+}
+
+/// A finetune as Workers AI describes it.
+fn finetune_json(record: &AdapterRecord) -> Value {
+    json!({
+        "id": record.id,
+        "name": record.name,
+        "description": record.description,
+        "model": record.model,
+        "public": false,
+        "status": record.status(),
+        "created_at": record.created_at.to_rfc3339(),
+        "modified_at": record.modified_at.to_rfc3339(),
+    })
+}
+
+/// `POST /client/v4/accounts/{account_id}/ai/finetunes`: `{"model", "name", "description"?}`.
+pub async fn create_finetune(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(account_id): Path<String>,
+    body: JsonBody,
+) -> Result<Json<Value>, CloudflareError> {
+    owner(&account.id, &account_id)?;
+    let mut f = Fields::new(&body.value, "")?;
+    let model: String = f.required("model", "a string")?;
+    let name: String = f.required("name", "a string")?;
+    let description: String = f.optional("description", "a string")?.unwrap_or_default();
+    f.deny_unknown()?;
+    check_model(&state, &model, "model")?;
+    check_name(&name, "name")?;
+    check_description(&description, "description")?;
+    let new = NewAdapter {
+        id: AdapterId::generate(),
+        account_id: account.id.clone(),
+        name: name.clone(),
+        model,
+        description,
+    };
+    let record = state
+        .store
+        .insert_adapter(&new, None)
+        .await?
+        .ok_or_else(|| name_taken(&name))?;
+    Ok(envelope(finetune_json(&record)))
+}
+
+/// `GET /client/v4/accounts/{account_id}/ai/finetunes`.
+pub async fn list_finetunes(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(account_id): Path<String>,
+) -> Result<Json<Value>, CloudflareError> {
+    owner(&account.id, &account_id)?;
+    let adapters = state.store.list_adapters(&account.id).await?;
+    Ok(envelope(Value::Array(adapters.iter().map(finetune_json).collect())))
+}
+
+/// `POST /client/v4/accounts/{account_id}/ai/finetunes/{finetune}/finetune-assets`:
+/// multipart `file_name` (`adapter_config.json` | `adapter_model.safetensors`) and `file`.
+/// A file given again replaces the one before, once it passes the same checks.
+pub async fn upload_asset(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path((account_id, finetune)): Path<(String, String)>,
+    multipart: Multipart,
+) -> Result<Json<Value>, CloudflareError> {
+    owner(&account.id, &account_id)?;
+    let record = state
+        .store
+        .find_adapter(&account.id, &finetune)
+        .await?
+        .ok_or_else(|| adapter_not_found("finetune_id"))?;
+    let parts = parts(multipart, &["file_name", "file"]).await?;
+    let file_name = text_part(&parts, "file_name")?
+        .ok_or_else(|| ApiError::invalid("missing_field", "file_name", "file_name is required"))?;
+    let data = parts
+        .get("file")
+        .cloned()
+        .ok_or_else(|| ApiError::invalid("adapter_missing_file", "file", format!("file must carry {file_name}")))?;
+    let limits = state.config.adapter_limits;
+    // The other file, when it is already there, for the check of the pair.
+    let (config, weights) = match file_name.as_str() {
+        CONFIG_FILE => {
+            config_size(&data, "file")?;
+            lora::check_config(&data, limits).map_err(|e| refused(e, "file", "file"))?;
+            let weights = match &record.weights_key {
+                Some(key) => Some(Bytes::from(state.objects.get(key).await?)),
+                None => None,
+            };
+            (Some(data.clone()), weights)
+        }
+        WEIGHTS_FILE => {
+            let checked = {
+                let data = data.clone();
+                tokio::task::spawn_blocking(move || lora::check_weights(&data, limits))
+                    .await
+                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))?
+            };
+            checked.map_err(|e| refused(e, "file", "file"))?;
+            let config = match &record.config_key {
+                Some(key) => Some(Bytes::from(state.objects.get(key).await?)),
+                None => None,
+            };
+            (config, Some(data.clone()))
+        }
+        other => {
+            return Err(ApiError::invalid(
+                "invalid_file_name",
+                "file_name",
+                format!("file_name {other:?} is neither {CONFIG_FILE} nor {WEIGHTS_FILE}"),
+            )
+            .into())
+        }
+    };
+    let summary = match (config, weights) {
+        (Some(config), Some(weights)) => Some(
+            check_pair(&state, &record.model, config, weights)
+                .await?
+                .map_err(|e| refused(e, "file", "file"))?,
+        ),
+        _ => None,
+    };
+    let asset = put_asset(&state, &account.id, &record.id, &file_name, data).await?;
+    let updated = match state
+        .store
+        .set_adapter_asset(&record.id, &asset, summary.as_ref())
+        .await
+    {
+        Ok(updated) => updated,
+        Err(e) => {
+            forget_objects(&state, [Some(asset_key(&asset))]).await;
+            return Err(ApiError::from(e).into());
+        }
+    };
+    let replaced = match asset {
+        AdapterAsset::Config { .. } => record.config_key,
+        AdapterAsset::Weights { .. } => record.weights_key,
+    };
+    forget_objects(&state, [replaced]).await;
+    Ok(envelope(json!({
+        "finetune_id": updated.id,
+        "file_name": file_name,
+        "status": updated.status(),
+    })))
+}
+
+/// Look up the account's adapter `reference` for a request to `model`.
+pub async fn resolve(
+    state: &AppState,
+    account: &AccountId,
+    model: &str,
+    reference: &str,
+    param: &str,
+) -> Result<AdapterId, ApiError> {
+    let record = state.store.find_adapter(account, reference).await?.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "adapter_not_found",
+            format!("no adapter {reference:?} in this account"),
+        )
+        .with_param(param)
+    })?;
+    if record.model != model {
+        return Err(ApiError::invalid(
+            "adapter_model_mismatch",
+            param,
+            format!("adapter {reference} adapts {}, not {model}", record.model),
+        ));
+    }
+    if !record.ready {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "adapter_not_ready",
+            format!("adapter {reference} is missing a file; upload {CONFIG_FILE} and {WEIGHTS_FILE}"),
+        )
+        .with_param(param));
+    }
+    Ok(record.id)
+}
+
+/// Resolve the adapter every request names (`lora` or `adapter`, or
+/// `default` from the model name), and rewrite it to the adapter's id, which
+/// is what workers look up. `path(i)` is request `i`'s body path, for errors.
+pub async fn resolve_requests(
+    state: &AppState,
+    account: &AccountId,
+    model: &str,
+    requests: &mut [NewRequest],
+    default: Option<&str>,
+    path: impl Fn(usize) -> String,
+) -> Result<(), ApiError> {
+    let mut resolved: HashMap<String, AdapterId> = HashMap::new();
+    for (i, request) in requests.iter_mut().enumerate() {
+        let Some(body) = request.body.as_object_mut() else {
+            continue;
+        };
+        let named = ["lora", "adapter"]
+            .into_iter()
+            .find_map(|field| Some((field, body.get(field)?.as_str()?.to_string())));
+        let (field, reference, param) = match (named, default) {
+            (Some((field, reference)), _) => {
+                let at = path(i);
+                let param = if at.is_empty() {
+                    field.to_string()
+                } else {
+                    format!("{at}.{field}")
+                };
+                (field, reference, param)
+            }
+            (None, Some(reference)) => ("adapter", reference.to_string(), "model".to_string()),
+            (None, None) => continue,
+        };
+        let id = match resolved.get(&reference) {
+            Some(id) => id.clone(),
+            None => {
+                let id = resolve(state, account, model, &reference, &param).await?;
+                resolved.insert(reference, id.clone());
+                id
+            }
+        };
+        body.insert(field.to_string(), Value::String(id.to_string()));
+    }
+    Ok(())
+}
