@@ -147,6 +147,13 @@ struct Resident {
     last_used: u64,
 }
 
+/// An adapter's two files in memory, and when they were last used.
+struct HostFiles {
+    config: Arc<Vec<u8>>,
+    weights: Arc<Vec<u8>>,
+    used: u64,
+}
+
 struct Waiting {
     key: Key,
     since: Instant,
@@ -160,7 +167,7 @@ struct State {
     /// Resident bytes plus bytes reserved by loads in progress.
     used: usize,
     waiting: VecDeque<Waiting>,
-    host: HashMap<Key, (Arc<Vec<u8>>, Arc<Vec<u8>>, u64)>,
+    host: HashMap<Key, HostFiles>,
     host_used: usize,
     tick: u64,
     stats: AdapterStats,
@@ -256,8 +263,7 @@ impl AdapterCache {
                 Step::Load(bytes) => return self.load(record, base, key, bytes).await,
                 Step::Wait => {
                     // Woken by any change; a timeout re-checks the cycle.
-                    let recheck = (self.shared.config.cycle / 4).max(Duration::from_millis(10));
-                    let _ = tokio::time::timeout(recheck, notified).await;
+                    let _ = tokio::time::timeout(recheck(&self.shared.config), notified).await;
                 }
             }
         }
@@ -270,7 +276,7 @@ impl AdapterCache {
         state.tick += 1;
         let now = Instant::now();
         // Waiters refresh their place each time they look; one that stopped looking has gone.
-        let stale = (config.cycle / 2).max(Duration::from_millis(500));
+        let stale = 3 * recheck(config);
         state.waiting.retain(|w| now.duration_since(w.seen) < stale);
         let starved = state
             .waiting
@@ -398,9 +404,9 @@ impl AdapterCache {
             let mut state = shared.lock();
             state.tick += 1;
             let tick = state.tick;
-            if let Some((config, weights, used)) = state.host.get_mut(key) {
-                *used = tick;
-                return Ok((Arc::clone(config), Arc::clone(weights), Origin::Host));
+            if let Some(files) = state.host.get_mut(key) {
+                files.used = tick;
+                return Ok((Arc::clone(&files.config), Arc::clone(&files.weights), Origin::Host));
             }
         }
         let fail = |e: String| LoadError::Fetch(key.0.clone(), e);
@@ -448,25 +454,31 @@ impl AdapterCache {
                 let Some(oldest) = state
                     .host
                     .iter()
-                    .min_by_key(|(_, (_, _, used))| *used)
+                    .min_by_key(|(_, files)| files.used)
                     .map(|(k, _)| k.clone())
                 else {
                     break;
                 };
-                if let Some((c, w, _)) = state.host.remove(&oldest) {
-                    state.host_used -= c.len() + w.len();
+                if let Some(files) = state.host.remove(&oldest) {
+                    state.host_used -= files.config.len() + files.weights.len();
                 }
             }
-            if state
-                .host
-                .insert(key.clone(), (Arc::clone(&config), Arc::clone(&weights), state.tick))
-                .is_none()
-            {
+            let files = HostFiles {
+                config: Arc::clone(&config),
+                weights: Arc::clone(&weights),
+                used: state.tick,
+            };
+            if state.host.insert(key.clone(), files).is_none() {
                 state.host_used += size;
             }
         }
         Ok((config, weights, origin))
     }
+}
+
+/// How often a waiting request looks again when nothing wakes it.
+fn recheck(config: &AdapterCacheConfig) -> Duration {
+    (config.cycle / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
 /// Evict unleased adapters, least recently used first, until at most `target` bytes are in use.

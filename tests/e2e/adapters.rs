@@ -363,7 +363,15 @@ async fn every_bad_upload_is_refused_by_code_and_leaves_nothing() {
     };
     let nan = Tensor::new(&[[f32::NAN; 64]; 4], &Device::Cpu).unwrap();
     let fields = [("model", MODEL), ("name", "bad")];
-    let cases: Vec<(&str, Vec<(&str, &str)>, Vec<(&str, Vec<u8>)>, u16, &str, &str)> = vec![
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, &'a str)>,
+        Vec<(&'a str, Vec<u8>)>,
+        u16,
+        &'a str,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
         (
             "config not JSON",
             fields.to_vec(),
