@@ -538,6 +538,10 @@ pub struct LoraBenchArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 64)]
     pub new_tokens: usize,
+    /// Cold loads of a rank-`rank` adapter from S3 (`LORRY_S3_ENDPOINT` and
+    /// the AWS keys, as `lorry serve` reads them) to time; 0 skips them.
+    #[arg(long, default_value_t = 40)]
+    pub cold_loads: usize,
 }
 
 /// A random rank-`rank` adapter on every projection of every layer (seeded),
@@ -646,6 +650,183 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
         println!("| {name} | {rate:.1} | {:.2}x |", rate / none);
     }
     println!("\nmixed against group by group: {:.2}x", mixed / grouped);
+    if args.cold_loads > 0 {
+        let adapter = random_adapter(&config, args.rank, precision, 7);
+        if let Err(e) = cold_loads(args, &engine, &config, &adapter, none, &scratch).await {
+            println!("\ncold loads from S3 skipped: {e:#}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&scratch);
+    Ok(())
+}
+
+/// `adapter` as PEFT writes it: `adapter_config.json` and `adapter_model.safetensors`.
+fn peft_files(adapter: &Adapter, dir: &std::path::Path) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+    let mut tensors = std::collections::HashMap::new();
+    let mut rank = 0;
+    for ((layer, target), m) in &adapter.modules {
+        rank = m.rank;
+        let dtype = match m.precision {
+            Precision::F32 => DType::F32,
+            Precision::F16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        };
+        let inputs = m.a.len() / m.rank;
+        let outputs = m.b.len() / m.rank;
+        let name = |half: &str| {
+            format!(
+                "base_model.model.model.layers.{layer}.{}.{}.lora_{half}.weight",
+                target.block(),
+                target.name()
+            )
+        };
+        let a = Tensor::from_vec(m.a.clone(), (m.rank, inputs), &Device::Cpu)?.to_dtype(dtype)?;
+        let b = Tensor::from_vec(m.b.clone(), (outputs, m.rank), &Device::Cpu)?.to_dtype(dtype)?;
+        tensors.insert(name("A"), a);
+        tensors.insert(name("B"), b);
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("adapter_model.safetensors");
+    candle_core::safetensors::save(&tensors, &path)?;
+    let targets: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
+    let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets});
+    Ok((serde_json::to_vec(&config)?, std::fs::read(&path)?))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[at.min(sorted.len() - 1)]
+}
+
+/// Cold loads through the worker's adapter cache (S3 → check → pack, no
+/// disk or memory copy to help), then the base model's decode rate while
+/// loads run beside it.
+async fn cold_loads(
+    args: &LoraBenchArgs,
+    engine: &TextEngine,
+    config: &Config,
+    adapter: &Adapter,
+    base_rate: f64,
+    scratch: &std::path::Path,
+) -> anyhow::Result<()> {
+    use lorry_batcher::adapters::{AdapterCache, AdapterCacheConfig};
+    use lorry_batcher::ids::{AccountId, AdapterId};
+    use lorry_batcher::objects::{adapter_key, ObjectStore, ObjectStoreConfig};
+    use lorry_batcher::store::AdapterRecord;
+
+    let settings = crate::Settings::from_env()?;
+    let objects = ObjectStore::new(&ObjectStoreConfig {
+        endpoint: settings.s3_endpoint.clone(),
+        bucket: format!("lorry-bench-{}", std::process::id()),
+        region: settings.s3_region.clone(),
+        access_key: settings.s3_access_key.clone(),
+        secret_key: settings.s3_secret_key.expose().to_string(),
+    });
+    objects.ensure_bucket().await.context("reaching S3")?;
+    let (config_file, weights) = peft_files(adapter, &scratch.join("adapter"))?;
+    let account = AccountId("bench".into());
+    let mut records = Vec::new();
+    // Each load is of a distinct adapter (its own id and objects), so nothing is cached.
+    for _ in 0..args.cold_loads * 2 {
+        let id = AdapterId::generate();
+        let (config_key, weights_key) = (
+            adapter_key(&account, &id, "adapter_config.json"),
+            adapter_key(&account, &id, "adapter_model.safetensors"),
+        );
+        objects
+            .put(&config_key, config_file.clone(), "application/json")
+            .await?;
+        objects
+            .put(&weights_key, weights.clone(), "application/octet-stream")
+            .await?;
+        let now = chrono::Utc::now();
+        records.push(AdapterRecord {
+            id,
+            account_id: account.clone(),
+            name: String::new(),
+            model: "bench".into(),
+            description: String::new(),
+            ready: true,
+            config_key: Some(config_key),
+            weights_key: Some(weights_key),
+            weights_bytes: Some(weights.len() as i64),
+            weights_sha256: None,
+            rank: Some(args.rank as i32),
+            targets: vec![],
+            created_at: now,
+            modified_at: now,
+        });
+    }
+    let cache = AdapterCache::new(
+        objects.clone(),
+        AdapterCacheConfig {
+            host_bytes: 0,
+            disk_dir: None,
+            resident_bytes: 64 * weights.len(),
+            ..AdapterCacheConfig::default()
+        },
+    );
+    let (timed, beside) = records.split_at(args.cold_loads);
+    let mut fetch = Vec::new();
+    for record in timed {
+        let start = Instant::now();
+        objects.get(record.weights_key.as_deref().unwrap_or_default()).await?;
+        fetch.push(start.elapsed().as_secs_f64());
+        drop(cache.acquire(record, config).await?);
+    }
+    let mut loads = cache.stats().load_seconds;
+    loads.sort_by(f64::total_cmp);
+    fetch.sort_by(f64::total_cmp);
+
+    // The base model decodes while adapters load one after another beside it.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loader = tokio::spawn({
+        let (cache, config, stop) = (cache.clone(), config.clone(), Arc::clone(&stop));
+        let beside = beside.to_vec();
+        async move {
+            let mut done = 0;
+            for record in beside.iter().cycle() {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                // Evict it again so every load is cold.
+                let fresh = AdapterRecord {
+                    modified_at: chrono::Utc::now(),
+                    ..record.clone()
+                };
+                if cache.acquire(&fresh, &config).await.is_ok() {
+                    done += 1;
+                }
+            }
+            done
+        }
+    });
+    let n = args.batch;
+    let start = Instant::now();
+    let loading_rate = decode_rate(engine, args, &vec![None; n]).await?;
+    let seconds = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let loaded = loader.await?;
+    let mb = weights.len() as f64 / 1e6;
+    println!(
+        "\ncold load of a {mb:.1} MB rank-{} adapter ({}) from S3, {} loads, one at a time:\n",
+        args.rank, args.adapter_dtype, args.cold_loads
+    );
+    println!("| | p50 ms | p99 ms |");
+    println!("|---|---:|---:|");
+    println!(
+        "| S3 GET of the weights | {:.1} | {:.1} |",
+        1e3 * percentile(&fetch, 0.5),
+        1e3 * percentile(&fetch, 0.99)
+    );
+    println!(
+        "| cold load (GET both files, check, pack) | {:.1} | {:.1} |",
+        1e3 * percentile(&loads, 0.5),
+        1e3 * percentile(&loads, 0.99)
+    );
+    println!(
+        "\nbase decode, {n} sequences: {base_rate:.1} tok/s alone, {loading_rate:.1} tok/s while {loaded} adapters loaded beside it in {seconds:.1} s ({:.2}x)",
+        loading_rate / base_rate
+    );
     Ok(())
 }

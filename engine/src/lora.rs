@@ -81,7 +81,8 @@ impl Target {
         }
     }
 
-    fn block(self) -> &'static str {
+    /// The block that holds the projection: `self_attn` or `mlp`.
+    pub fn block(self) -> &'static str {
         match self {
             Target::Q | Target::K | Target::V | Target::O => "self_attn",
             _ => "mlp",
