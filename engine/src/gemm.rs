@@ -319,6 +319,30 @@ impl PackedMatrix {
         out
     }
 
+    /// `out += scale · x·Wᵀ` for one row `x`, on this thread, panels side by
+    /// side: the products of an adapter's single decoding row, which are too
+    /// small to be worth tiles. Each output is the same sum as
+    /// [`PackedMatrix::matmul`] gives, bit for bit. `false` (and nothing done)
+    /// on a CPU without AVX2, FMA and F16C.
+    pub fn row_add(&self, x: &[f32], out: &mut [f32], scale: f32) -> bool {
+        assert_eq!(x.len(), self.k, "input shape");
+        assert_eq!(out.len(), self.n, "output shape");
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::best() != Kernel::Portable {
+            // SAFETY: `best` found AVX2, FMA and F16C on this CPU.
+            unsafe {
+                match &*self.panels {
+                    Panels::F32(p) => x86::row_f32(p.as_slice(), self.n, self.k, x, out, scale),
+                    Panels::F16(p) => x86::row_f16(p.as_slice(), self.n, self.k, x, out, scale),
+                    Panels::Bf16(p) => x86::row_bf16(p.as_slice(), self.n, self.k, x, out, scale),
+                }
+            }
+            return true;
+        }
+        let _ = scale;
+        false
+    }
+
     /// [`PackedMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
         self.product(x, m, out, kernel, true);
@@ -612,6 +636,56 @@ mod x86 {
     kernel!(kernel_f16_wide, "avx2,fma,f16c,avx512f,avx512vl", f16, load_f16);
     kernel!(kernel_bf16_wide, "avx2,fma,f16c,avx512f,avx512vl", bf16, load_bf16);
 
+    /// One input row through up to `PANELS_AT_ONCE` panels at a time:
+    /// independent chains of multiply-adds, each output summed over `k` in
+    /// the microkernel's order with the same fused operations.
+    macro_rules! row_kernel {
+        ($name:ident, $t:ty, $load:ident) => {
+            /// `out[j] += scale · Σₖ x[k] · W[j][k]`.
+            ///
+            /// # Safety
+            /// The CPU must have AVX2, FMA and F16C.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name(panels: &[$t], n: usize, k: usize, x: &[f32], out: &mut [f32], scale: f32) {
+                assert!(x.len() == k && out.len() == n && panels.len() >= n.div_ceil(NR) * k * NR);
+                const PANELS_AT_ONCE: usize = 4;
+                let count = n.div_ceil(NR);
+                let mut p = 0;
+                while p < count {
+                    let group = (count - p).min(PANELS_AT_ONCE);
+                    // SAFETY (block): the assertion bounds every panel read.
+                    unsafe {
+                        let mut lo = [_mm256_setzero_ps(); PANELS_AT_ONCE];
+                        let mut hi = [_mm256_setzero_ps(); PANELS_AT_ONCE];
+                        let base = panels.as_ptr().add(p * k * NR);
+                        for kk in 0..k {
+                            let a = _mm256_broadcast_ss(&x[kk]);
+                            for g in 0..group {
+                                let b = base.add(g * k * NR + kk * NR);
+                                lo[g] = _mm256_fmadd_ps(a, $load(b), lo[g]);
+                                hi[g] = _mm256_fmadd_ps(a, $load(b.add(8)), hi[g]);
+                            }
+                        }
+                        for g in 0..group {
+                            let col = (p + g) * NR;
+                            let mut row = [0f32; NR];
+                            _mm256_storeu_ps(row.as_mut_ptr(), lo[g]);
+                            _mm256_storeu_ps(row.as_mut_ptr().add(8), hi[g]);
+                            for (o, v) in out[col..(col + NR).min(n)].iter_mut().zip(row) {
+                                *o += scale * v;
+                            }
+                        }
+                    }
+                    p += group;
+                }
+            }
+        };
+    }
+
+    row_kernel!(row_f32, f32, load_f32);
+    row_kernel!(row_f16, f16, load_f16);
+    row_kernel!(row_bf16, bf16, load_bf16);
+
     /// Dispatch on the kernel and the tile's height, for one element type.
     macro_rules! tile {
         ($t:ty, $narrow:ident, $wide:ident) => {
@@ -700,6 +774,35 @@ mod tests {
             .unwrap()
             .to_vec1()
             .unwrap()
+    }
+
+    #[test]
+    fn a_single_row_gives_the_tiled_product_bit_for_bit() {
+        let mut rng = SplitMix::new(11);
+        for (n, k) in [(16, 1024), (8, 64), (2816, 16), (1000, 16), (37, 33), (1, 5)] {
+            let w = random(n * k, &mut rng);
+            let x = random(k, &mut rng);
+            let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            for packed in [
+                PackedMatrix::from_f32(&w, n, k),
+                PackedMatrix::from_f16(&halves, n, k),
+                PackedMatrix::from_bf16(&brains, n, k),
+            ] {
+                let want = packed.matmul(&x, 1);
+                let mut got = vec![0f32; n];
+                if !packed.row_add(&x, &mut got, 1.0) {
+                    return; // no AVX2 here: callers use the tiles.
+                }
+                assert_eq!(got, want, "{n}x{k} {:?}", packed.precision());
+                // Added, scaled, onto what is there, as `y += scale · d`.
+                let base = random(n, &mut rng);
+                let mut got = base.clone();
+                packed.row_add(&x, &mut got, 0.5);
+                let want: Vec<f32> = base.iter().zip(&want).map(|(y, d)| y + 0.5 * d).collect();
+                assert_eq!(got, want, "{n}x{k} scaled");
+            }
+        }
     }
 
     #[test]

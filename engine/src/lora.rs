@@ -601,3 +601,97 @@ impl Adapter {
         }
     }
 }
+
+/// One segment of a segmented LoRA product: the rows of the batch that use
+/// `module`, and the first column of `y` its projection writes.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment<'a> {
+    /// The adapted projection.
+    pub module: &'a PackedLora,
+    /// Rows of `x` and `y`, in order.
+    pub rows: &'a [usize],
+    /// Where the projection's outputs start in a row of `y`.
+    pub offset: usize,
+}
+
+/// Heterogeneous batched LoRA, as Punica's SGMV: for every segment,
+/// `y[rows, offset..] += scale · (x[rows]·Aᵀ)·Bᵀ` (shrink, then expand),
+/// without merging weights or copying them per token. Rows in no segment are
+/// left as they are. Implemented per device: [`CpuSgmv`] here.
+pub trait Sgmv {
+    /// Apply every segment to `y`, the base projection's output for `x`.
+    fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor>;
+}
+
+/// [`Sgmv`] on the CPU, on the packed product kernels.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuSgmv;
+
+impl Sgmv for CpuSgmv {
+    fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor> {
+        use rayon::prelude::*;
+        if segments.is_empty() {
+            return Ok(y);
+        }
+        let ((tokens, inputs), width) = (x.dims2()?, y.dim(1)?);
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut ys = y.flatten_all()?.to_vec1::<f32>()?;
+        // A segment with few rows is a small product: those run side by
+        // side on the cores, each on one thread; a segment with many rows
+        // runs across the cores by itself.
+        let delta = |segment: &Segment<'_>, here: bool| {
+            let (module, rows) = (segment.module, segment.rows);
+            let (rank, out) = (module.a.outputs(), module.b.outputs());
+            if here {
+                // Row by row, straight from `x`: the usual case of one decoding row.
+                let mut delta = vec![0f32; rows.len() * out];
+                let mut shrunk = vec![0f32; rank];
+                let done = rows.iter().zip(delta.chunks_exact_mut(out)).all(|(&r, delta)| {
+                    shrunk.fill(0.0);
+                    module.a.row_add(&xs[r * inputs..(r + 1) * inputs], &mut shrunk, 1.0)
+                        && module.b.row_add(&shrunk, delta, 1.0)
+                });
+                if done {
+                    return delta;
+                }
+            }
+            let gathered: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| &xs[r * inputs..(r + 1) * inputs])
+                .copied()
+                .collect();
+            if here {
+                module
+                    .b
+                    .matmul_here(&module.a.matmul_here(&gathered, rows.len()), rows.len())
+            } else {
+                module.b.matmul(&module.a.matmul(&gathered, rows.len()), rows.len())
+            }
+        };
+        const FEW_ROWS: usize = 8;
+        let mut deltas: Vec<Vec<f32>> = vec![Vec::new(); segments.len()];
+        let small: Vec<usize> = (0..segments.len())
+            .filter(|&i| segments[i].rows.len() < FEW_ROWS)
+            .collect();
+        for (i, d) in small
+            .par_iter()
+            .map(|&i| (i, delta(&segments[i], true)))
+            .collect::<Vec<_>>()
+        {
+            deltas[i] = d;
+        }
+        for (i, segment) in segments.iter().enumerate().filter(|(_, s)| s.rows.len() >= FEW_ROWS) {
+            deltas[i] = delta(segment, false);
+        }
+        for (segment, delta) in segments.iter().zip(&deltas) {
+            let (module, out) = (segment.module, segment.module.b.outputs());
+            for (&r, delta) in segment.rows.iter().zip(delta.chunks_exact(out)) {
+                let start = r * width + segment.offset;
+                for (y, d) in ys[start..start + out].iter_mut().zip(delta) {
+                    *y += module.scale * d;
+                }
+            }
+        }
+        Tensor::from_vec(ys, (tokens, width), x.device())
+    }
+}

@@ -14,13 +14,12 @@ use std::path::Path;
 
 use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor};
 use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
-use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::{load_tensors, read_config, ModelError};
 use crate::gemm::PackedMatrix;
 use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
-use crate::lora::{PackedAdapter, PackedLora, Target};
+use crate::lora::{CpuSgmv, PackedAdapter, Segment, Sgmv, Target};
 use crate::sampling::{Sampler, SamplingParams};
 
 type Result<T> = std::result::Result<T, ModelError>;
@@ -509,64 +508,26 @@ struct Pass<'a> {
 impl Pass<'_> {
     /// `y += scale · (x·Aᵀ)·Bᵀ` for the rows of each adapter, into the columns
     /// of `y` where each of `parts` (a projection and its first column) lies:
-    /// each adapter's rows are gathered, shrunk and expanded on the packed
-    /// kernels, whatever mix of adapters shares the batch.
+    /// every (adapter, projection) pair of this layer is one segment of one
+    /// segmented product, whatever mix of adapters shares the batch.
     fn lora(&self, x: &Tensor, y: Tensor, layer: usize, parts: &[(Target, usize)]) -> Result<Tensor> {
         if self.adapters.is_empty() {
             return Ok(y);
         }
-        let ((tokens, inputs), width) = (x.dims2()?, y.dim(1)?);
-        let xs = rows(x)?;
-        let mut ys = rows(&y)?;
-        // Every (adapter, projection) pair this layer adapts, as Punica's SGMV
-        // does in one launch: an adapter with few rows is a small product, and
-        // those run side by side on the cores, each on one thread; an adapter
-        // with many rows runs across the cores by itself.
-        let work: Vec<(&PackedLora, &[usize], usize)> = self
+        let segments: Vec<Segment<'_>> = self
             .adapters
             .iter()
-            .flat_map(|(adapter, group)| {
+            .flat_map(|(adapter, rows)| {
                 parts.iter().filter_map(move |&(target, offset)| {
-                    Some((adapter.module(layer, target)?, group.as_slice(), offset))
+                    Some(Segment {
+                        module: adapter.module(layer, target)?,
+                        rows: rows.as_slice(),
+                        offset,
+                    })
                 })
             })
             .collect();
-        let delta = |&(module, group, _): &(&PackedLora, &[usize], usize), here: bool| {
-            let gathered: Vec<f32> = group
-                .iter()
-                .flat_map(|&r| &xs[r * inputs..(r + 1) * inputs])
-                .copied()
-                .collect();
-            if here {
-                module
-                    .b
-                    .matmul_here(&module.a.matmul_here(&gathered, group.len()), group.len())
-            } else {
-                module.b.matmul(&module.a.matmul(&gathered, group.len()), group.len())
-            }
-        };
-        const FEW_ROWS: usize = 8;
-        let small: Vec<usize> = (0..work.len()).filter(|&i| work[i].1.len() < FEW_ROWS).collect();
-        let mut deltas: Vec<Vec<f32>> = vec![Vec::new(); work.len()];
-        for (i, d) in small
-            .par_iter()
-            .map(|&i| (i, delta(&work[i], true)))
-            .collect::<Vec<_>>()
-        {
-            deltas[i] = d;
-        }
-        for (i, w) in work.iter().enumerate().filter(|(_, w)| w.1.len() >= FEW_ROWS) {
-            deltas[i] = delta(w, false);
-        }
-        for (&(module, group, offset), delta) in work.iter().zip(&deltas) {
-            let out = module.b.outputs();
-            for (&r, delta) in group.iter().zip(delta.chunks_exact(out)) {
-                for (y, d) in ys[r * width + offset..r * width + offset + out].iter_mut().zip(delta) {
-                    *y += module.scale * d;
-                }
-            }
-        }
-        Ok(Tensor::from_vec(ys, (tokens, width), x.device())?)
+        Ok(CpuSgmv.apply(x, y, &segments)?)
     }
 }
 
