@@ -219,6 +219,20 @@ fn adapter_not_found(param: &str) -> ApiError {
     ApiError::not_found("adapter_not_found", param, "adapter")
 }
 
+/// The account's adapter named by a path segment (id or name), or 404 naming `param`.
+async fn owned_adapter(
+    state: &AppState,
+    account: &AccountId,
+    reference: &str,
+    param: &str,
+) -> Result<AdapterRecord, ApiError> {
+    state
+        .store
+        .find_adapter(account, reference)
+        .await?
+        .ok_or_else(|| adapter_not_found(param))
+}
+
 /// `POST /v1/adapters`: multipart `model`, `name`, `description`?, `config`, `weights`.
 pub async fn create(
     State(state): State<AppState>,
@@ -306,12 +320,11 @@ pub async fn show(
     Authenticated(account): Authenticated,
     Path(reference): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let record = state
-        .store
-        .find_adapter(&account.id, &reference)
-        .await?
-        .ok_or_else(|| adapter_not_found("adapter"))?;
-    Ok(Json(record.to_json()))
+    Ok(Json(
+        owned_adapter(&state, &account.id, &reference, "adapter")
+            .await?
+            .to_json(),
+    ))
 }
 
 /// `DELETE /v1/adapters/{id or name}`: the record goes at once, then its files.
@@ -321,11 +334,7 @@ pub async fn delete(
     Authenticated(account): Authenticated,
     Path(reference): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let record = state
-        .store
-        .find_adapter(&account.id, &reference)
-        .await?
-        .ok_or_else(|| adapter_not_found("adapter"))?;
+    let record = owned_adapter(&state, &account.id, &reference, "adapter").await?;
     let deleted = state
         .store
         .delete_adapter(&account.id, &record.id)
@@ -412,11 +421,7 @@ pub async fn upload_asset(
     multipart: Multipart,
 ) -> Result<Json<Value>, CloudflareError> {
     owner(&account.id, &account_id)?;
-    let record = state
-        .store
-        .find_adapter(&account.id, &finetune)
-        .await?
-        .ok_or_else(|| adapter_not_found("finetune_id"))?;
+    let record = owned_adapter(&state, &account.id, &finetune, "finetune_id").await?;
     let parts = parts(multipart, &["file_name", "file"]).await?;
     let file_name = text_part(&parts, "file_name")?
         .ok_or_else(|| ApiError::invalid("missing_field", "file_name", "file_name is required"))?;
