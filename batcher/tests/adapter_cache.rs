@@ -169,7 +169,8 @@ async fn an_adapter_that_cannot_fit_is_refused_and_a_missing_file_fails_the_load
 }
 
 /// Requests for `record` arriving every 10 ms, each holding its lease for
-/// 40 ms, until `stop`: a busy adapter that always has one in use.
+/// 300 ms, until `stop`: a busy adapter that always has some in use (a gap
+/// would need the arrivals to stall for 300 ms).
 fn traffic(
     cache: AdapterCache,
     record: AdapterRecord,
@@ -182,7 +183,7 @@ fn traffic(
             let (cache, record, base) = (cache.clone(), record.clone(), base.clone());
             requests.spawn(async move {
                 let lease = cache.acquire(&record, &base).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(40)).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
                 drop(lease);
             });
             tokio::time::sleep(Duration::from_millis(10)).await;
