@@ -50,7 +50,8 @@ fn join_path(prefix: &str, field: &str) -> String {
 
 /// Every code an [`InputError`] can carry, so that one crossing a process
 /// boundary as text can be turned back into the same stable code.
-pub const INPUT_CODES: [&str; 11] = [
+pub const INPUT_CODES: [&str; 12] = [
+    "adapter_not_found",
     "adapters_not_supported",
     "conflicting_fields",
     "context_length_exceeded",
