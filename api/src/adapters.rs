@@ -484,6 +484,24 @@ pub async fn upload_asset(
             return Err(ApiError::from(e).into());
         }
     };
+    // An upload of the other file that ran at the same time saw this one
+    // missing: with both now there, check the pair once more.
+    let updated = match (&updated.config_key, &updated.weights_key) {
+        (Some(config_key), Some(weights_key)) if !updated.ready => {
+            let (config, weights) = tokio::try_join!(state.objects.get(config_key), state.objects.get(weights_key))?;
+            match check_pair(&state, &updated.model, config.into(), weights.into()).await? {
+                Ok(summary) => {
+                    state
+                        .store
+                        .set_adapter_asset(&record.id, &asset, Some(&summary))
+                        .await?
+                }
+                // They do not fit together: it stays pending until either is sent again.
+                Err(_) => updated,
+            }
+        }
+        _ => updated,
+    };
     let replaced = match asset {
         AdapterAsset::Config { .. } => record.config_key,
         AdapterAsset::Weights { .. } => record.weights_key,
