@@ -692,3 +692,47 @@ async fn another_account_can_neither_see_nor_use_an_adapter() {
     assert_eq!(app.get_json("/v1/adapters/private").await["id"], mine["id"]);
     app.stop().await;
 }
+
+#[tokio::test]
+async fn an_adapter_deleted_after_its_requests_were_accepted_ends_each_with_one_error() {
+    // No worker yet: the batch waits in the queue while its adapter is deleted.
+    let app = spawn_app_with(lorry::Role::Api, |_| {}).await;
+    let (status, adapter) = upload_reference(&app, "short-lived", "adapter-b").await;
+    assert_eq!(status, 201, "{adapter}");
+    let body = |adapter: Option<&str>| {
+        let mut body = json!({"prompt": "x", "raw": true, "max_tokens": 4});
+        if let Some(name) = adapter {
+            body["adapter"] = json!(name);
+        }
+        json!({"body": body})
+    };
+    let requests = [body(Some("short-lived")), body(None), body(Some("short-lived"))];
+    let response = app
+        .post("/v1/batches", &json!({"model": MODEL, "requests": requests}))
+        .await;
+    assert_eq!(response.status(), 202);
+    let batch: Value = response.json().await.unwrap();
+    let deleted = app
+        .http
+        .delete(app.url("/v1/adapters/short-lived"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+
+    let worker = crate::common::start(app.settings.clone(), lorry::Role::Worker).await;
+    let done = app
+        .wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(60))
+        .await;
+    assert_eq!(done["request_counts"]["succeeded"], 1, "{done}");
+    assert_eq!(done["request_counts"]["errored"], 2, "{done}");
+    let errors = app.fetch_jsonl(done["errors_url"].as_str().unwrap()).await;
+    let failed: Vec<(i64, &str)> = errors
+        .iter()
+        .map(|l| (l["index"].as_i64().unwrap(), l["error"]["code"].as_str().unwrap()))
+        .collect();
+    assert_eq!(failed, [(0, "adapter_not_found"), (2, "adapter_not_found")]);
+    worker.stop().await;
+    app.stop().await;
+}
