@@ -241,7 +241,10 @@ async fn delete_topology(url: &str, prefix: &str) {
     let Ok(channel) = connection.create_channel().await else {
         return;
     };
-    for queue in ["batch.@lorry/echo", "rt.@lorry/echo", "dlq"] {
+    // Every model a test deployment serves has a queue per lane.
+    let models = ["@lorry/echo", "@lorry/demo-llama", "@lorry/demo-bge"];
+    let lanes = models.iter().flat_map(|m| [format!("batch.{m}"), format!("rt.{m}")]);
+    for queue in lanes.chain(["dlq".to_string()]) {
         let _ = channel
             .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())
             .await;
