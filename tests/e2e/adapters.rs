@@ -225,13 +225,8 @@ async fn uploaded_adapters_serve_mixed_batches_with_the_engines_answers() {
         .enumerate()
         .map(|(i, (body, _))| json!({"custom_id": format!("r{i}"), "body": body}))
         .collect();
-    let response = app
-        .post("/v1/batches", &json!({"model": MODEL, "requests": requests}))
-        .await;
-    assert_eq!(response.status(), 202);
-    let batch: Value = response.json().await.unwrap();
     let done = app
-        .wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(120))
+        .run_batch(&json!({"model": MODEL, "requests": requests}), Duration::from_secs(120))
         .await;
     assert_eq!(done["request_counts"]["succeeded"], bodies.len(), "{done}");
     let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
@@ -262,17 +257,8 @@ async fn uploaded_adapters_serve_mixed_batches_with_the_engines_answers() {
 
     // `base:adapter` as the batch's model gives every request that adapter.
     let body = json!({"prompt": "once upon a time", "raw": true, "max_tokens": 10, "ignore_eos": true});
-    let response = app
-        .post(
-            "/v1/batches",
-            &json!({"model": format!("{MODEL}:alpha"), "requests": [{"body": body}]}),
-        )
-        .await;
-    assert_eq!(response.status(), 202);
-    let batch: Value = response.json().await.unwrap();
-    let done = app
-        .wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(60))
-        .await;
+    let batch = json!({"model": format!("{MODEL}:alpha"), "requests": [{"body": body}]});
+    let done = app.run_batch(&batch, Duration::from_secs(60)).await;
     let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
     assert_eq!(
         lines[0]["response"]["body"]["response"],

@@ -157,6 +157,14 @@ impl TestApp {
         }
     }
 
+    /// Submit a native batch (`202` expected) and wait until it has ended; the ended batch.
+    pub async fn run_batch(&self, body: &Value, limit: Duration) -> Value {
+        let response = self.post("/v1/batches", body).await;
+        assert_eq!(response.status(), 202);
+        let batch: Value = response.json().await.unwrap();
+        self.wait_until_ended(batch["id"].as_str().unwrap(), limit).await
+    }
+
     /// Poll until the batch has ended.
     pub async fn wait_until_ended(&self, id: &str, limit: Duration) -> Value {
         self.wait_for(id, limit, |b| {

@@ -65,16 +65,11 @@ async fn the_demo_models_serve_generations_and_embeddings_on_both_lanes() {
         })
         .collect();
     let requests: Vec<Value> = bodies.iter().map(|b| json!({"body": b})).collect();
-    let response = app
-        .post(
-            "/v1/batches",
-            &json!({"model": "@lorry/demo-llama", "requests": requests}),
-        )
-        .await;
-    assert_eq!(response.status(), 202);
-    let batch: Value = response.json().await.unwrap();
     let done = app
-        .wait_until_ended(batch["id"].as_str().unwrap(), Duration::from_secs(60))
+        .run_batch(
+            &json!({"model": "@lorry/demo-llama", "requests": requests}),
+            Duration::from_secs(60),
+        )
         .await;
     assert_eq!(done["request_counts"]["succeeded"], 40, "{done}");
     let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;

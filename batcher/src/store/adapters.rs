@@ -232,30 +232,24 @@ async fn set_asset<'e, E: sqlx::PgExecutor<'e>>(
         Some(s) => (Some(s.rank), Some(s.targets.clone())),
         None => (None, None),
     };
-    let query = match asset {
-        AdapterAsset::Config { key } => sqlx::query(
-            "UPDATE adapters SET config_key = $2,
-                 status = CASE WHEN $3::INTEGER IS NULL THEN status ELSE 'ready' END,
-                 rank = COALESCE($3, rank), targets = COALESCE($4, targets), modified_at = now()
-             WHERE id = $1 RETURNING *",
-        )
-        .bind(id.as_str())
-        .bind(key)
-        .bind(rank)
-        .bind(targets),
-        AdapterAsset::Weights { key, bytes, sha256 } => sqlx::query(
-            "UPDATE adapters SET weights_key = $2, weights_bytes = $5, weights_sha256 = $6,
-                 status = CASE WHEN $3::INTEGER IS NULL THEN status ELSE 'ready' END,
-                 rank = COALESCE($3, rank), targets = COALESCE($4, targets), modified_at = now()
-             WHERE id = $1 RETURNING *",
-        )
-        .bind(id.as_str())
-        .bind(key)
-        .bind(rank)
-        .bind(targets)
-        .bind(bytes)
-        .bind(sha256),
+    let (config_key, weights) = match asset {
+        AdapterAsset::Config { key } => (Some(key.as_str()), None),
+        AdapterAsset::Weights { key, bytes, sha256 } => (None, Some((key.as_str(), *bytes, sha256.as_str()))),
     };
+    let query = sqlx::query(
+        "UPDATE adapters SET config_key = COALESCE($2, config_key), weights_key = COALESCE($3, weights_key),
+             weights_bytes = COALESCE($4, weights_bytes), weights_sha256 = COALESCE($5, weights_sha256),
+             status = CASE WHEN $6::INTEGER IS NULL THEN status ELSE 'ready' END,
+             rank = COALESCE($6, rank), targets = COALESCE($7, targets), modified_at = now()
+         WHERE id = $1 RETURNING *",
+    )
+    .bind(id.as_str())
+    .bind(config_key)
+    .bind(weights.map(|w| w.0))
+    .bind(weights.map(|w| w.1))
+    .bind(weights.map(|w| w.2))
+    .bind(rank)
+    .bind(targets);
     let row = query.fetch_one(executor).await?;
     Ok(AdapterRecord::from_row(&row))
 }
