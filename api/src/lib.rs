@@ -12,6 +12,8 @@ mod batches;
 pub mod error;
 mod extract;
 mod health;
+mod lane;
+pub mod openai;
 mod submit;
 mod workers_ai;
 
@@ -90,6 +92,10 @@ pub fn router(state: AppState) -> Router {
             "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets",
             post(adapters::upload_asset).layer(uploads),
         )
+        .route("/v1/models", get(openai::models))
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/batches", post(batches::create).get(batches::list))
         .route("/v1/batches/{id}", get(batches::show))
         .route("/v1/batches/{id}/cancel", post(batches::cancel))

@@ -17,20 +17,17 @@ use axum::Json;
 use futures::stream::{self, StreamExt};
 use lorry_batcher::ids::AccountId;
 use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
-use lorry_batcher::realtime::{Reply, RtRequest};
-use lorry_batcher::store::NewRequest;
-use lorry_batcher::BatcherError;
+use lorry_batcher::realtime::Reply;
 use lorry_engine::input::Fields;
 use lorry_engine::Output;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use crate::adapters;
 use crate::batches::owned_batch;
 use crate::error::CloudflareError;
 use crate::extract::{Authenticated, JsonBody};
 use crate::submit::{self, Item, Options, Submission};
-use crate::{ApiError, AppState};
+use crate::{lane, ApiError, AppState};
 
 fn envelope(result: Value) -> Json<Value> {
     Json(json!({"result": result, "success": true, "errors": [], "messages": []}))
@@ -189,38 +186,17 @@ async fn realtime(
     model: &str,
     input: Value,
 ) -> Result<Response, CloudflareError> {
-    let spec = submit::model(state, model, "model")?;
-    let valid = spec.validate(&input)?;
-    let mut requests = [NewRequest {
-        custom_id: None,
-        body: input,
-    }];
-    adapters::resolve_requests(state, account, model, &mut requests, None, |_| String::new()).await?;
-    let [NewRequest { body: input, .. }] = requests;
-    let request = RtRequest {
-        model: model.to_string(),
-        body: input,
-        account_id: Some(account.clone()),
-    };
-    let timeout = state.config.realtime_timeout;
-    let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
-    if valid.stream {
-        return Ok(stream_replies(state.clone(), correlation, replies).into_response());
+    let call = lane::start(state, account, model, input).await?;
+    if call.valid.stream {
+        return Ok(stream_replies(call).into_response());
     }
-    let answer = tokio::time::timeout(timeout, final_output(replies)).await;
-    state.realtime.forget(&correlation);
-    match answer {
-        Err(_) => Err(BatcherError::Timeout(timeout).into()),
-        Ok(Err(error)) => Err(error.into()),
-        Ok(Ok(output)) => {
-            let usage = usage_json(&output);
-            let mut result = output.body;
-            if let Some(map) = result.as_object_mut() {
-                map.insert("usage".into(), usage);
-            }
-            Ok(envelope(result).into_response())
-        }
+    let output = call.output().await?;
+    let usage = usage_json(&output);
+    let mut result = output.body;
+    if let Some(map) = result.as_object_mut() {
+        map.insert("usage".into(), usage);
     }
+    Ok(envelope(result).into_response())
 }
 
 fn usage_json(output: &Output) -> Value {
@@ -232,78 +208,23 @@ fn usage_json(output: &Output) -> Value {
     })
 }
 
-async fn final_output(mut replies: mpsc::UnboundedReceiver<Reply>) -> Result<Output, ApiError> {
-    while let Some(reply) = replies.recv().await {
-        match reply {
-            Reply::Token { .. } => {}
-            Reply::Done { output } => return Ok(output),
-            Reply::Error { code, message, param } => return Err(engine_failure(code, message, param)),
-        }
-    }
-    Err(engine_failure(
-        "engine_stopped".into(),
-        "the worker went away".into(),
-        None,
-    ))
-}
-
-/// A bad input found by the model (a prompt too long for it, say) is the
-/// client's 400 naming the field; anything else is a 502 carrying the engine's code.
-fn engine_failure(code: String, message: String, param: Option<String>) -> ApiError {
-    if let Some(param) = param {
-        return ApiError::from(lorry_engine::InputError {
-            code: lorry_engine::input::input_code(&code),
-            param,
-            message,
-        });
-    }
-    let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
-    error.param = Some(code);
-    error
-}
-
 /// Workers AI's stream: `data: {"response": "<piece>"}` events, then `data: [DONE]`.
-fn stream_replies(
-    state: AppState,
-    correlation: String,
-    replies: mpsc::UnboundedReceiver<Reply>,
-) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
-    let events = stream::unfold((replies, false), |(mut replies, done)| async move {
-        if done {
-            return None;
-        }
-        let event = match replies.recv().await {
-            Some(Reply::Token { text }) => Event::default().data(json!({"response": text}).to_string()),
-            Some(Reply::Done { output }) => {
+/// A client that goes away drops the call, which cancels the request.
+fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let events = stream::unfold(call, |mut call| async move {
+        let events = match call.next().await? {
+            Reply::Token { text } => vec![Event::default().data(json!({"response": text}).to_string())],
+            Reply::Done { output } => {
                 let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
-                return Some((
-                    stream::iter(vec![Event::default().data(usage), Event::default().data("[DONE]")]),
-                    (replies, true),
-                ));
+                vec![Event::default().data(usage), Event::default().data("[DONE]")]
             }
-            Some(Reply::Error { code, message, param }) => Event::default()
+            Reply::Error { code, message, param } => vec![Event::default()
                 .event("error")
-                .data(json!({"code": code, "message": message, "param": param}).to_string()),
-            None => return None,
+                .data(json!({"code": code, "message": message, "param": param}).to_string())],
         };
-        Some((stream::iter(vec![event]), (replies, false)))
+        Some((stream::iter(events), call))
     })
     .flatten()
     .map(Ok);
-    let guard = ForgetOnDrop { state, correlation };
-    Sse::new(events.chain(stream::once(async move {
-        drop(guard);
-        Ok(Event::default().comment("end"))
-    })))
-}
-
-struct ForgetOnDrop {
-    state: AppState,
-    correlation: String,
-}
-
-impl Drop for ForgetOnDrop {
-    fn drop(&mut self) {
-        self.state.realtime.forget(&self.correlation);
-    }
+    Sse::new(events)
 }

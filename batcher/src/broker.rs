@@ -6,6 +6,8 @@
 //!   delivery limit; a message delivered that many times goes to the
 //!   dead-letter exchange `<p>.dlx` and its queue `<p>.dlq`.
 //! - `<p>.events`: a topic exchange of CloudEvents, routed by event type.
+//! - `<p>.rt.cancel`: a fanout exchange on which the API announces real-time
+//!   requests whose client went away; every worker binds a private queue to it.
 
 use futures::future::try_join_all;
 use lapin::options::{
@@ -67,6 +69,11 @@ impl Topology {
         format!("{}.events", self.prefix)
     }
 
+    /// The fanout exchange of real-time cancellations.
+    pub fn rt_cancel_exchange(&self) -> String {
+        format!("{}.rt.cancel", self.prefix)
+    }
+
     /// Declare the shared exchanges and queues and both lanes of every model (idempotent).
     pub async fn declare<'a>(&self, channel: &Channel, models: impl IntoIterator<Item = &'a str>) -> Result<()> {
         let durable = ExchangeDeclareOptions {
@@ -86,6 +93,14 @@ impl Topology {
                 &self.dead_letter_exchange(),
                 ExchangeKind::Direct,
                 durable,
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .exchange_declare(
+                &self.rt_cancel_exchange(),
+                ExchangeKind::Fanout,
+                ExchangeDeclareOptions::default(),
                 FieldTable::default(),
             )
             .await?;

@@ -14,6 +14,7 @@ use lorry_engine::{EngineError, Event, EventStream, Output};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::broker::{self, Publisher, Topology};
 use crate::ids::AccountId;
@@ -106,9 +107,22 @@ impl ReplyTo<'_> {
     }
 }
 
-/// Relay an engine's events as replies until the request ends.
-pub async fn forward(mut events: EventStream, reply: &ReplyTo<'_>) -> Result<(), BatcherError> {
-    while let Some(event) = events.recv().await {
+/// Relay an engine's events as replies until the request ends, or until
+/// `cancel` fires: then the stream is dropped, which cancels the request in the engine.
+pub async fn forward(
+    mut events: EventStream,
+    reply: &ReplyTo<'_>,
+    cancel: &CancellationToken,
+) -> Result<(), BatcherError> {
+    loop {
+        let event = tokio::select! {
+            _ = cancel.cancelled() => {
+                tracing::debug!(correlation = reply.correlation, "real-time request cancelled by its client");
+                return Ok(());
+            }
+            event = events.recv() => event,
+        };
+        let Some(event) = event else { break };
         let message = match event {
             Event::Token(text) => Reply::Token { text },
             Event::Finished(output) => Reply::Done { output },
@@ -120,6 +134,57 @@ pub async fn forward(mut events: EventStream, reply: &ReplyTo<'_>) -> Result<(),
         }
     }
     reply.send(&Reply::error("engine_stopped", "the engine stopped")).await
+}
+
+/// How many cancelled requests a worker remembers, for cancellations that
+/// arrive before the request itself.
+const REMEMBERED_CANCELS: usize = 4096;
+
+/// A worker's real-time requests in flight, by correlation id, and the ones
+/// their clients abandoned.
+#[derive(Clone, Default)]
+pub struct Cancels {
+    inner: Arc<Mutex<CancelState>>,
+}
+
+#[derive(Default)]
+struct CancelState {
+    running: HashMap<String, CancellationToken>,
+    early: std::collections::VecDeque<String>,
+}
+
+impl Cancels {
+    /// The token of a request about to run (already cancelled if its
+    /// cancellation came first); call [`Cancels::finish`] when it ends.
+    pub fn start(&self, correlation: &str) -> CancellationToken {
+        let token = CancellationToken::new();
+        let mut state = self.inner.lock().expect("cancels lock");
+        if let Some(at) = state.early.iter().position(|c| c == correlation) {
+            state.early.remove(at);
+            token.cancel();
+        }
+        state.running.insert(correlation.to_string(), token.clone());
+        token
+    }
+
+    /// The request ended.
+    pub fn finish(&self, correlation: &str) {
+        self.inner.lock().expect("cancels lock").running.remove(correlation);
+    }
+
+    /// Cancel a request, now if it runs here, or when it arrives.
+    pub fn cancel(&self, correlation: &str) {
+        let mut state = self.inner.lock().expect("cancels lock");
+        match state.running.get(correlation) {
+            Some(token) => token.cancel(),
+            None => {
+                if state.early.len() == REMEMBERED_CANCELS {
+                    state.early.pop_front();
+                }
+                state.early.push_back(correlation.to_string());
+            }
+        }
+    }
 }
 
 type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Reply>>>>;
@@ -250,6 +315,17 @@ impl RealtimeClient {
     /// Stop waiting for a request's replies.
     pub fn forget(&self, correlation: &str) {
         self.waiters.lock().expect("waiters lock").remove(correlation);
+    }
+
+    /// Tell every worker that nobody waits for this request any more, so the
+    /// one serving it stops and frees its sequence.
+    pub async fn cancel(&self, correlation: &str) -> Result<(), BatcherError> {
+        self.forget(correlation);
+        let link = self.link().await?;
+        let exchange = self.topology.rt_cancel_exchange();
+        link.publisher
+            .publish(&exchange, "", correlation.as_bytes(), BasicProperties::default())
+            .await
     }
 }
 

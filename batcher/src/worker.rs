@@ -14,7 +14,9 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 use lorry_engine::{collect, Backend, Catalog, EngineError, EventStream, InputError, Lane, ValidRequest};
@@ -27,7 +29,7 @@ use crate::broker::{self, Publisher, Topology};
 use crate::finaliser::Finaliser;
 use crate::ids::AccountId;
 use crate::model::{Chunk, RequestError};
-use crate::realtime::{self, Reply, RtRequest};
+use crate::realtime::{self, Cancels, Reply, RtRequest};
 use crate::store::{AdapterRecord, Claimed, Outcome, Store};
 use crate::BatcherError;
 
@@ -82,6 +84,7 @@ struct Inner {
     backends: HashMap<String, Arc<dyn Backend>>,
     adapters: Option<AdapterCache>,
     config: WorkerConfig,
+    cancels: Cancels,
 }
 
 impl Worker {
@@ -104,6 +107,7 @@ impl Worker {
                 backends,
                 adapters,
                 config,
+                cancels: Cancels::default(),
             }),
         }
     }
@@ -283,6 +287,7 @@ impl Worker {
             .await?;
             consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
         }
+        consumers.spawn(self.clone().follow_cancels(cancel_consumer(&connection, topology).await?, stop.clone()));
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
         // Consumers end on `stop` after their work in hand is settled, or when the connection drops.
@@ -324,6 +329,31 @@ impl Worker {
             let _ =
                 tokio::time::timeout(SHUTDOWN_GRACE, async { while in_flight.join_next().await.is_some() {} }).await;
         }
+        drop(channel);
+        ended
+    }
+
+    /// Cancel the real-time requests whose clients went away, as the API announces them.
+    async fn follow_cancels(
+        self,
+        (channel, mut deliveries): (Channel, lapin::Consumer),
+        stop: CancellationToken,
+    ) -> Result<(), BatcherError> {
+        let ended = loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => break Ok(()),
+                next = deliveries.next() => next,
+            };
+            match next {
+                Some(Ok(delivery)) => {
+                    if let Ok(correlation) = std::str::from_utf8(&delivery.data) {
+                        self.inner.cancels.cancel(correlation);
+                    }
+                }
+                Some(Err(e)) => break Err(BatcherError::from(e)),
+                None => break Err(BatcherError::BrokerLost("the cancel consumer was cancelled".into())),
+            }
+        };
         drop(channel);
         ended
     }
@@ -398,6 +428,7 @@ impl Worker {
             }
         };
         let inner = &self.inner;
+        let cancel = inner.cancels.start(correlation.as_str());
         let started = match (inner.catalog.get(&request.model), inner.backends.get(&request.model)) {
             (Some(spec), Some(backend)) => spec
                 .validate(&request.body)
@@ -418,7 +449,7 @@ impl Worker {
                 let forwarded = match found {
                     Ok(record) => {
                         self.run_adapted(&**backend, valid, Lane::RealTime, &record, |events| {
-                            realtime::forward(events, &reply)
+                            realtime::forward(events, &reply, &cancel)
                         })
                         .await
                     }
@@ -430,11 +461,12 @@ impl Worker {
                 }
             }
             Ok((valid, backend)) => match backend.submit(valid, Lane::RealTime) {
-                Ok(events) => realtime::forward(events, &reply).await,
+                Ok(events) => realtime::forward(events, &reply, &cancel).await,
                 Err(e) => reply.send(&Reply::engine_error(&e)).await,
             },
             Err(e) => reply.send(&Reply::engine_error(&e)).await,
         };
+        inner.cancels.finish(correlation.as_str());
         if let Err(e) = sent {
             tracing::debug!(error = %e, "could not answer a real-time request");
         }
@@ -474,6 +506,39 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
             completion_tokens: 0,
         },
     }
+}
+
+/// A private queue bound to the cancellation exchange, gone with the connection.
+async fn cancel_consumer(connection: &Connection, topology: &Topology) -> Result<(Channel, lapin::Consumer), BatcherError> {
+    let channel = connection.create_channel().await?;
+    let queue = channel
+        .queue_declare(
+            "",
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_bind(
+            queue.name().as_str(),
+            &topology.rt_cancel_exchange(),
+            "",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let options = BasicConsumeOptions {
+        no_ack: true,
+        ..Default::default()
+    };
+    let consumer = channel
+        .basic_consume(queue.name().as_str(), "", options, FieldTable::default())
+        .await?;
+    Ok((channel, consumer))
 }
 
 async fn consumer(

@@ -257,7 +257,7 @@ async fn delete_topology(url: &str, prefix: &str) {
             .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())
             .await;
     }
-    for exchange in ["events", "dlx"] {
+    for exchange in ["events", "dlx", "rt.cancel"] {
         let _ = channel
             .exchange_delete(&format!("{prefix}.{exchange}"), ExchangeDeleteOptions::default())
             .await;

@@ -1,0 +1,137 @@
+//! One request on the real-time lane, for every API shape: validated,
+//! adapter resolved, published, and awaited or streamed. A call dropped before
+//! its last reply (the client went away) is announced to the workers, so the
+//! one serving it stops and frees its sequence.
+
+use std::time::Duration;
+
+use lorry_batcher::ids::AccountId;
+use lorry_batcher::realtime::{RealtimeClient, Reply, RtRequest};
+use lorry_batcher::store::NewRequest;
+use lorry_batcher::BatcherError;
+use lorry_engine::{Output, ValidRequest};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::{adapters, submit, ApiError, AppState};
+
+/// A request published on the real-time lane.
+pub struct Call {
+    /// The request as validated.
+    pub valid: ValidRequest,
+    replies: mpsc::UnboundedReceiver<Reply>,
+    guard: Pending,
+    timeout: Duration,
+}
+
+/// Validate `input` for `model`, resolve its adapter, and publish it.
+pub async fn start(state: &AppState, account: &AccountId, model: &str, input: Value) -> Result<Call, ApiError> {
+    let spec = submit::model(state, model, "model")?;
+    let valid = spec.validate(&input)?;
+    let mut requests = [NewRequest {
+        custom_id: None,
+        body: input,
+    }];
+    adapters::resolve_requests(state, account, model, &mut requests, None, |_| String::new()).await?;
+    let [NewRequest { body: input, .. }] = requests;
+    let request = RtRequest {
+        model: model.to_string(),
+        body: input,
+        account_id: Some(account.clone()),
+    };
+    let timeout = state.config.realtime_timeout;
+    let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
+    Ok(Call {
+        valid,
+        replies,
+        guard: Pending {
+            client: state.realtime.clone(),
+            correlation,
+            open: true,
+        },
+        timeout,
+    })
+}
+
+impl Call {
+    /// The final output, within the lane's timeout.
+    pub async fn output(mut self) -> Result<Output, ApiError> {
+        let answer = tokio::time::timeout(self.timeout, async {
+            while let Some(reply) = self.replies.recv().await {
+                match reply {
+                    Reply::Token { .. } => {}
+                    Reply::Done { output } => return Ok(output),
+                    Reply::Error { code, message, param } => return Err(engine_failure(code, message, param)),
+                }
+            }
+            Err(engine_failure("engine_stopped".into(), "the worker went away".into(), None))
+        })
+        .await;
+        match answer {
+            // Nobody waits any more: stop the worker too.
+            Err(_) => Err(BatcherError::Timeout(self.timeout).into()),
+            Ok(result) => {
+                self.guard.open = false;
+                self.guard.client.forget(&self.guard.correlation);
+                result
+            }
+        }
+    }
+
+    /// The next reply; `None` after the last one. Dropping the call before
+    /// then cancels the request.
+    pub async fn next(&mut self) -> Option<Reply> {
+        if !self.guard.open {
+            return None;
+        }
+        let reply = self.replies.recv().await;
+        match &reply {
+            Some(r) if !r.is_last() => {}
+            _ => {
+                self.guard.open = false;
+                self.guard.client.forget(&self.guard.correlation);
+            }
+        }
+        reply
+    }
+}
+
+/// Cancels the request unless its last reply arrived.
+struct Pending {
+    client: RealtimeClient,
+    correlation: String,
+    open: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let client = self.client.clone();
+        let correlation = std::mem::take(&mut self.correlation);
+        client.forget(&correlation);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(e) = client.cancel(&correlation).await {
+                    tracing::debug!(error = %e, "could not announce a cancelled real-time request");
+                }
+            });
+        }
+    }
+}
+
+/// A bad input found by the model (a prompt too long for it, say) is the
+/// client's 400 naming the field; anything else is a 502 carrying the engine's code.
+pub fn engine_failure(code: String, message: String, param: Option<String>) -> ApiError {
+    if let Some(param) = param {
+        return ApiError::from(lorry_engine::InputError {
+            code: lorry_engine::input::input_code(&code),
+            param,
+            message,
+        });
+    }
+    let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
+    error.param = Some(code);
+    error
+}

@@ -1,0 +1,549 @@
+//! The OpenAI-compatible surface: `/v1/models`, `/v1/chat/completions`,
+//! `/v1/completions` and `/v1/embeddings` on the real-time lane. Each request
+//! is translated into the engine's input (the shape the batch lane and Workers
+//! AI use), and each output back into OpenAI's objects; the batch files of
+//! `/v1/batches` go through the same translation.
+
+use std::convert::Infallible;
+
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use futures::stream::{self, StreamExt};
+use lorry_batcher::realtime::Reply;
+use lorry_engine::catalog::Task;
+use lorry_engine::input::Fields;
+use lorry_engine::{InputError, Output};
+use serde_json::{json, Map, Value};
+
+use crate::extract::{Authenticated, JsonBody};
+use crate::{lane, submit, ApiError, AppState};
+
+/// The OpenAI endpoints a request (or a batch file's line) may target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// Every endpoint.
+    pub const ALL: [Endpoint; 3] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings];
+
+    /// The route.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+
+    /// The endpoint of a route.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        Endpoint::ALL.into_iter().find(|e| e.path() == path)
+    }
+
+    fn task_fits(self, task: Task) -> bool {
+        match self {
+            Endpoint::Chat | Endpoint::Completions => matches!(task, Task::TextGeneration | Task::Echo),
+            Endpoint::Embeddings => task == Task::Embeddings,
+        }
+    }
+}
+
+/// An OpenAI request turned into the engine's input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Translated {
+    /// The served model.
+    pub model: String,
+    /// The model as the client named it (`base` or `base:adapter`), echoed in answers.
+    pub requested: String,
+    /// The engine's input (`messages`/`prompt`/`text`, sampling, `adapter`).
+    pub input: Value,
+    /// Answer with server-sent events.
+    pub stream: bool,
+    /// Send a last chunk with the usage.
+    pub include_usage: bool,
+}
+
+/// Read an OpenAI request body for `endpoint`: every field checked, unknown
+/// fields refused, each error naming the field as the client spelled it.
+pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<Translated, ApiError> {
+    let mut f = Fields::new(body, "")?;
+    let requested: String = f.required("model", "a string")?;
+    let (base, adapter) = submit::split_model(state, &requested);
+    let spec = submit::model(state, base, "model")?;
+    if !endpoint.task_fits(spec.task) {
+        let message = match spec.task {
+            Task::Embeddings => format!("model {base} makes embeddings; use /v1/embeddings"),
+            _ => format!("model {base} generates text; use /v1/chat/completions or /v1/completions"),
+        };
+        return Err(ApiError::invalid("model_task_mismatch", "model", message));
+    }
+    if adapter.is_some() && !spec.takes_adapters {
+        return Err(ApiError::invalid(
+            "adapters_not_supported",
+            "model",
+            format!("model {base} does not take LoRA adapters"),
+        ));
+    }
+    let mut input = Map::new();
+    let mut stream = false;
+    let mut include_usage = false;
+    // Engine field → the client's spelling, for errors the engine reports.
+    let mut renamed: Vec<(&str, &str)> = Vec::new();
+    match endpoint {
+        Endpoint::Embeddings => {
+            let texts = match f.raw("input") {
+                None => return Err(ApiError::invalid("missing_field", "input", "input is required")),
+                Some(Value::String(s)) => json!([s]),
+                Some(Value::Array(items)) if items.iter().all(Value::is_string) => Value::Array(items.clone()),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "invalid_type",
+                        "input",
+                        "input must be a string or an array of strings (token arrays are not taken)",
+                    ))
+                }
+            };
+            input.insert("text".into(), texts);
+            renamed.push(("text", "input"));
+            match f.optional::<String>("encoding_format", "\"float\" or \"base64\"")?.as_deref() {
+                None | Some("float") | Some("base64") => {}
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "invalid_value",
+                        "encoding_format",
+                        "encoding_format must be \"float\" or \"base64\"",
+                    ))
+                }
+            }
+            if f.raw("dimensions").is_some() {
+                return Err(ApiError::invalid(
+                    "unsupported_parameter",
+                    "dimensions",
+                    "dimensions is not supported: embeddings have the model's own width",
+                ));
+            }
+            f.optional::<String>("user", "a string")?;
+        }
+        Endpoint::Chat | Endpoint::Completions => {
+            if endpoint == Endpoint::Chat {
+                let messages = f
+                    .raw("messages")
+                    .ok_or_else(|| ApiError::invalid("missing_field", "messages", "messages is required"))?;
+                input.insert("messages".into(), chat_messages(messages)?);
+            } else {
+                let prompt = match f.raw("prompt") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+                        items[0].as_str().unwrap_or_default().to_string()
+                    }
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "invalid_type",
+                            "prompt",
+                            "prompt must be a string (or an array of exactly one string)",
+                        ))
+                    }
+                    None => return Err(ApiError::invalid("missing_field", "prompt", "prompt is required")),
+                };
+                input.insert("prompt".into(), Value::String(prompt));
+                input.insert("raw".into(), Value::Bool(true));
+                match f.optional::<bool>("echo", "a boolean")? {
+                    None | Some(false) => {}
+                    Some(true) => return Err(unsupported("echo", "echo is not supported")),
+                }
+                if f.raw("suffix").is_some() {
+                    return Err(unsupported("suffix", "suffix is not supported"));
+                }
+                match f.optional::<u32>("best_of", "a positive integer")? {
+                    None | Some(1) => {}
+                    Some(_) => return Err(unsupported("best_of", "best_of must be 1")),
+                }
+            }
+            let max_tokens: Option<Value> = f.raw("max_tokens").cloned();
+            let max_completion: Option<Value> = if endpoint == Endpoint::Chat {
+                f.raw("max_completion_tokens").cloned()
+            } else {
+                None
+            };
+            match (max_tokens, max_completion) {
+                (Some(_), Some(_)) => {
+                    return Err(ApiError::invalid(
+                        "conflicting_fields",
+                        "max_completion_tokens",
+                        "give max_tokens or max_completion_tokens, not both",
+                    ))
+                }
+                (Some(n), None) => {
+                    input.insert("max_tokens".into(), n);
+                }
+                (None, Some(n)) => {
+                    input.insert("max_tokens".into(), n);
+                    renamed.push(("max_tokens", "max_completion_tokens"));
+                }
+                (None, None) => {}
+            }
+            for name in [
+                "temperature",
+                "top_p",
+                "seed",
+                "stop",
+                "frequency_penalty",
+                "presence_penalty",
+            ] {
+                if let Some(value) = f.raw(name) {
+                    input.insert(name.into(), value.clone());
+                }
+            }
+            match f.optional::<u32>("n", "an integer")? {
+                None | Some(1) => {}
+                Some(_) => return Err(unsupported("n", "n must be 1")),
+            }
+            match f.raw("logprobs") {
+                None | Some(Value::Bool(false)) => {}
+                Some(_) => return Err(unsupported("logprobs", "logprobs are not supported")),
+            }
+            stream = f.optional("stream", "a boolean")?.unwrap_or(false);
+            if let Some(options) = f.raw("stream_options") {
+                let mut o = Fields::new(options, "stream_options")?;
+                include_usage = o.optional("include_usage", "a boolean")?.unwrap_or(false);
+                o.deny_unknown()?;
+                if !stream {
+                    return Err(ApiError::invalid(
+                        "invalid_value",
+                        "stream_options",
+                        "stream_options is only allowed with stream: true",
+                    ));
+                }
+            }
+            f.optional::<String>("user", "a string")?;
+            if let Some(name) = adapter {
+                input.insert("adapter".into(), Value::String(name.to_string()));
+                renamed.push(("adapter", "model"));
+            }
+        }
+    }
+    f.deny_unknown()?;
+    let input = Value::Object(input);
+    spec.validate(&input).map_err(|e| rename(e, &renamed))?;
+    Ok(Translated {
+        model: spec.name.clone(),
+        requested,
+        input,
+        stream,
+        include_usage,
+    })
+}
+
+fn unsupported(param: &str, message: &str) -> ApiError {
+    ApiError::invalid("unsupported_parameter", param, message)
+}
+
+/// An engine error about one of its fields, named as the client spelled it.
+pub fn rename(mut error: InputError, renamed: &[(&str, &str)]) -> InputError {
+    for (engine, client) in renamed {
+        if error.param == *engine {
+            error.param = client.to_string();
+        } else if let Some(rest) = error.param.strip_prefix(engine).filter(|r| r.starts_with('[')) {
+            error.param = format!("{client}{rest}");
+        }
+    }
+    error
+}
+
+/// OpenAI messages → the engine's `{role, content}` list: content as a string
+/// or as text parts; `developer` is a system message.
+fn chat_messages(value: &Value) -> Result<Value, ApiError> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("invalid_type", "messages", "messages must be an array"))?;
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let path = format!("messages[{i}]");
+        let mut f = Fields::new(item, &path)?;
+        let role: String = f.required("role", "a string")?;
+        let role = if role == "developer" { "system".to_string() } else { role };
+        let content = match f.raw("content") {
+            None => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    let mut p = Fields::new(part, &format!("{path}.content[{j}]"))?;
+                    let kind: String = p.required("type", "a string")?;
+                    if kind != "text" {
+                        return Err(ApiError::invalid(
+                            "unsupported_parameter",
+                            format!("{path}.content[{j}].type"),
+                            "only text content parts are supported",
+                        ));
+                    }
+                    let piece: String = p.required("text", "a string")?;
+                    p.deny_unknown()?;
+                    text.push_str(&piece);
+                }
+                text
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "invalid_type",
+                    format!("{path}.content"),
+                    format!("{path}.content must be a string or an array of text parts"),
+                ))
+            }
+        };
+        f.optional::<String>("name", "a string")?;
+        f.deny_unknown()?;
+        out.push(json!({"role": role, "content": content}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// What a finished request needs to become an OpenAI answer body.
+pub struct Finished<'a> {
+    /// The engine's output body.
+    pub body: &'a Value,
+    /// `stop` or `length`, for text.
+    pub finish_reason: Option<&'a str>,
+    /// Tokens read.
+    pub prompt_tokens: i64,
+    /// Tokens written.
+    pub completion_tokens: i64,
+}
+
+/// The OpenAI answer body of a finished request.
+pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Finished<'_>, base64: bool) -> Value {
+    let usage = json!({
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    });
+    let text = done.body["response"].as_str().unwrap_or_default();
+    let finish_reason = done.finish_reason.unwrap_or("stop");
+    match endpoint {
+        Endpoint::Chat => json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null},
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }],
+            "usage": usage,
+        }),
+        Endpoint::Completions => json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
+            "usage": usage,
+        }),
+        Endpoint::Embeddings => {
+            let rows = done.body["data"].as_array().cloned().unwrap_or_default();
+            let data: Vec<Value> = rows
+                .into_iter()
+                .enumerate()
+                .map(|(index, row)| {
+                    let embedding = if base64 {
+                        let bytes: Vec<u8> = row
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .flat_map(|x| (x.as_f64().unwrap_or_default() as f32).to_le_bytes())
+                            .collect();
+                        Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+                    } else {
+                        row
+                    };
+                    json!({"object": "embedding", "index": index, "embedding": embedding})
+                })
+                .collect();
+            json!({
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
+            })
+        }
+    }
+}
+
+fn finish_reason(output: &Output) -> &'static str {
+    match output.completion.as_ref().map(|c| c.finish_reason) {
+        Some(lorry_engine::chat::FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<AppState>, _account: Authenticated) -> Json<Value> {
+    let mut data: Vec<Value> = state
+        .catalog
+        .iter()
+        .map(|spec| {
+            let task = match spec.task {
+                Task::Embeddings => "embeddings",
+                Task::TextGeneration | Task::Echo => "text-generation",
+            };
+            json!({
+                "id": spec.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "lorry",
+                "task": task,
+                "adapters": spec.takes_adapters,
+            })
+        })
+        .collect();
+    data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(state: State<AppState>, account: Authenticated, body: JsonBody) -> Result<Response, ApiError> {
+    generate(state, account, body, Endpoint::Chat).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(state: State<AppState>, account: Authenticated, body: JsonBody) -> Result<Response, ApiError> {
+    generate(state, account, body, Endpoint::Completions).await
+}
+
+/// `POST /v1/embeddings`.
+pub async fn embeddings(
+    State(state): State<AppState>,
+    account: Authenticated,
+    body: JsonBody,
+) -> Result<Response, ApiError> {
+    let request = translate(&state, Endpoint::Embeddings, &body.value)?;
+    let base64 = body.value["encoding_format"] == "base64";
+    let call = lane::start(&state, &account.0.id, &request.model, request.input).await?;
+    let output = call.output().await?;
+    let done = Finished {
+        body: &output.body,
+        finish_reason: None,
+        prompt_tokens: output.usage.prompt_tokens as i64,
+        completion_tokens: 0,
+    };
+    Ok(Json(answer(Endpoint::Embeddings, "", now(), &request.requested, &done, base64)).into_response())
+}
+
+async fn generate(
+    State(state): State<AppState>,
+    account: Authenticated,
+    body: JsonBody,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    let mut request = translate(&state, endpoint, &body.value)?;
+    if let Some(map) = request.input.as_object_mut() {
+        map.insert("stream".into(), Value::Bool(request.stream));
+    }
+    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    let call = lane::start(&state, &account.0.id, &request.model, request.input.clone()).await?;
+    if request.stream {
+        return Ok(stream_chunks(call, endpoint, id, request).into_response());
+    }
+    let output = call.output().await?;
+    let done = Finished {
+        body: &output.body,
+        finish_reason: Some(finish_reason(&output)),
+        prompt_tokens: output.usage.prompt_tokens as i64,
+        completion_tokens: output.usage.completion_tokens as i64,
+    };
+    Ok(Json(answer(endpoint, &id, now(), &request.requested, &done, false)).into_response())
+}
+
+/// One streamed chunk: a delta of text, or the end with its finish reason.
+fn chunk(endpoint: Endpoint, id: &str, created: i64, request: &Translated, text: Option<&str>, finish: Option<&str>) -> Value {
+    let choice = match endpoint {
+        Endpoint::Chat => {
+            let delta = match text {
+                Some(t) => json!({"content": t}),
+                None => json!({}),
+            };
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        }
+        _ => json!({"index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish}),
+    };
+    let object = if endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+    let mut value = json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": request.requested,
+        "choices": [choice],
+    });
+    if request.include_usage {
+        value["usage"] = Value::Null;
+    }
+    value
+}
+
+/// OpenAI's stream: a first chunk with the assistant's role (chat), one chunk
+/// per piece of text, a last chunk with the finish reason, the usage chunk
+/// when asked, then `data: [DONE]`. An error mid-stream is an `error` object.
+/// A client that goes away drops the call, which cancels the request.
+fn stream_chunks(
+    call: lane::Call,
+    endpoint: Endpoint,
+    id: String,
+    request: Translated,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let created = now();
+    let data = |v: Value| Event::default().data(v.to_string());
+    let mut first = Vec::new();
+    if endpoint == Endpoint::Chat {
+        let mut opening = chunk(endpoint, &id, created, &request, Some(""), None);
+        opening["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+        first.push(data(opening));
+    }
+    let rest = stream::unfold((call, id, request), move |(mut call, id, request)| async move {
+        let events = match call.next().await? {
+            Reply::Token { text } => vec![data(chunk(endpoint, &id, created, &request, Some(&text), None))],
+            Reply::Done { output } => {
+                let mut events = vec![data(chunk(
+                    endpoint,
+                    &id,
+                    created,
+                    &request,
+                    None,
+                    Some(finish_reason(&output)),
+                ))];
+                if request.include_usage {
+                    let (p, c) = (output.usage.prompt_tokens, output.usage.completion_tokens);
+                    let mut last = chunk(endpoint, &id, created, &request, None, None);
+                    last["choices"] = json!([]);
+                    last["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                    events.push(data(last));
+                }
+                events.push(Event::default().data("[DONE]"));
+                events
+            }
+            Reply::Error { code, message, param } => {
+                let error = lane::engine_failure(code, message, param);
+                vec![data(error.body()), Event::default().data("[DONE]")]
+            }
+        };
+        Some((stream::iter(events), (call, id, request)))
+    })
+    .flatten();
+    Sse::new(stream::iter(first).chain(rest).map(Ok))
+}
