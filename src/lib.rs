@@ -136,6 +136,7 @@ impl Application {
                     chunk_size: settings.chunk_size,
                     max_requests: settings.max_batch_requests,
                     max_body_bytes: settings.max_body_bytes,
+                    max_file_bytes: settings.max_file_bytes,
                     allow_private_webhooks: settings.webhook_allow_private,
                     realtime_timeout: settings.rt_timeout(),
                     output_url_ttl: Duration::from_secs(3600),

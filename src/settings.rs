@@ -90,6 +90,9 @@ pub struct Settings {
     /// Largest request body in bytes.
     #[arg(long, env = "LORRY_MAX_BODY_BYTES", default_value_t = 10 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Largest batch input file (`POST /v1/files`) in bytes.
+    #[arg(long, env = "LORRY_MAX_FILE_BYTES", default_value_t = 200 * 1024 * 1024)]
+    pub max_file_bytes: usize,
     /// Most requests in one batch.
     #[arg(long, env = "LORRY_MAX_BATCH_REQUESTS", default_value_t = 50_000)]
     pub max_batch_requests: usize,

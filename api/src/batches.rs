@@ -8,10 +8,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lorry_batcher::ids::BatchId;
 use lorry_batcher::model::{Batch, Shape, Tally};
+use lorry_batcher::openai::Endpoint;
+use lorry_batcher::store::NewBatch;
 use lorry_engine::input::Fields;
 use serde_json::{json, Value};
 
-use crate::adapters;
+use crate::{adapters, files};
 use crate::extract::{Authenticated, JsonBody};
 use crate::submit::{self, Item, Options, Submission};
 use crate::{ApiError, AppState};
@@ -50,45 +52,11 @@ pub async fn create(
     body: JsonBody,
 ) -> Result<Response, ApiError> {
     let mut f = Fields::new(&body.value, "")?;
-    if f.raw("input_file_id").is_some() {
-        return Err(ApiError::invalid(
-            "files_not_supported",
-            "input_file_id",
-            "file-based batches are not served yet; send the requests inline",
-        ));
-    }
-    let model_name: String = f.required("model", "a string")?;
-    let requests = f
-        .raw("requests")
-        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "requests is required"))?;
-    let items = native_items(requests)?;
-    let options = Options {
-        completion_window: f.optional("completion_window", "a string")?,
-        metadata: f.raw("metadata").cloned(),
-        webhook_url: submit::webhook_url(&mut f)?,
+    let new = if f.raw("input_file_id").is_some() {
+        from_file(&state, &account, &headers, &body, f).await?
+    } else {
+        inline(&state, &account, &headers, &body, f).await?
     };
-    f.optional::<String>("endpoint", "a string")?;
-    f.deny_unknown()?;
-    let (base, default_adapter) = submit::split_model(&state, &model_name);
-    let spec = submit::model(&state, base, "model")?;
-    if default_adapter.is_some() && !spec.takes_adapters {
-        return Err(ApiError::invalid(
-            "adapters_not_supported",
-            "model",
-            format!("model {base} does not take LoRA adapters"),
-        ));
-    }
-    let submission = Submission {
-        spec,
-        shape: Shape::Native,
-        items,
-        options,
-    };
-    let mut new = submit::validate(&state, &account.0.id, submission, &headers, &body.raw)?;
-    adapters::resolve_requests(&state, &account.0.id, base, &mut new.requests, default_adapter, |i| {
-        format!("requests[{i}].body")
-    })
-    .await?;
     let (batch, created) = submit::create(&state, new).await?;
     let tally = if created {
         submit::fresh_tally(batch.total)
@@ -102,6 +70,98 @@ pub async fn create(
             .insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     Ok(response)
+}
+
+/// The native shape: `{"model", "requests": [{"custom_id"?, "body"}], …}`.
+async fn inline(
+    state: &AppState,
+    account: &Authenticated,
+    headers: &HeaderMap,
+    body: &JsonBody,
+    mut f: Fields<'_>,
+) -> Result<NewBatch, ApiError> {
+    let model_name: String = f.required("model", "a string")?;
+    let requests = f
+        .raw("requests")
+        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "requests is required"))?;
+    let items = native_items(requests)?;
+    let options = Options {
+        completion_window: f.optional("completion_window", "a string")?,
+        metadata: f.raw("metadata").cloned(),
+        webhook_url: submit::webhook_url(&mut f)?,
+        openai: None,
+    };
+    f.optional::<String>("endpoint", "a string")?;
+    f.deny_unknown()?;
+    let (base, default_adapter) = submit::split_model(state, &model_name);
+    let spec = submit::model(state, base, "model")?;
+    if default_adapter.is_some() && !spec.takes_adapters {
+        return Err(ApiError::invalid(
+            "adapters_not_supported",
+            "model",
+            format!("model {base} does not take LoRA adapters"),
+        ));
+    }
+    let submission = Submission {
+        spec,
+        shape: Shape::Native,
+        items,
+        options,
+    };
+    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
+    adapters::resolve_requests(state, &account.0.id, base, &mut new.requests, default_adapter, |i| {
+        format!("requests[{i}].body")
+    })
+    .await?;
+    Ok(new)
+}
+
+/// OpenAI's shape: `{"input_file_id", "endpoint", "completion_window", "metadata"?}`;
+/// the requests come from the file, each line's body translated as its endpoint reads it.
+async fn from_file(
+    state: &AppState,
+    account: &Authenticated,
+    headers: &HeaderMap,
+    body: &JsonBody,
+    mut f: Fields<'_>,
+) -> Result<NewBatch, ApiError> {
+    let file_id: String = f.required("input_file_id", "a string")?;
+    let endpoint: String = f.required("endpoint", "a string")?;
+    let endpoint = Endpoint::from_path(&endpoint).ok_or_else(|| {
+        ApiError::invalid(
+            "invalid_value",
+            "endpoint",
+            "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings",
+        )
+    })?;
+    let completion_window: Option<String> = f.optional("completion_window", "a string")?;
+    let metadata = f.raw("metadata").cloned();
+    let webhook_url = submit::webhook_url(&mut f)?;
+    f.deny_unknown()?;
+    let (items, first) = files::batch_items(state, &account.0.id, &file_id, endpoint).await?;
+    let options = Options {
+        completion_window,
+        metadata,
+        webhook_url,
+        openai: Some(json!({
+            "endpoint": endpoint.path(),
+            "input_file_id": file_id,
+            "model": first.requested,
+        })),
+    };
+    let spec = submit::model(state, &first.model, "model")?;
+    let submission = Submission {
+        spec,
+        shape: Shape::OpenAi,
+        items,
+        options,
+    };
+    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
+    adapters::resolve_requests(state, &account.0.id, &first.model, &mut new.requests, None, |i| {
+        format!("input_file_id.line[{}].body.model", i + 1)
+    })
+    .await?;
+    Ok(new)
 }
 
 fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {

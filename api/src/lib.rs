@@ -11,6 +11,7 @@ mod adapters;
 mod batches;
 pub mod error;
 mod extract;
+mod files;
 mod health;
 mod lane;
 pub mod openai;
@@ -43,6 +44,8 @@ pub struct ApiConfig {
     pub max_requests: usize,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// Largest batch input file, in bytes.
+    pub max_file_bytes: usize,
     /// Allow webhook targets on loopback and private networks.
     pub allow_private_webhooks: bool,
     /// How long a real-time request may wait for its answer.
@@ -96,6 +99,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
+        .route(
+            "/v1/files",
+            post(files::create)
+                .layer(DefaultBodyLimit::max(state.config.max_file_bytes))
+                .get(files::list),
+        )
+        .route("/v1/files/{id}", get(files::show).delete(files::delete))
+        .route("/v1/files/{id}/content", get(files::content))
         .route("/v1/batches", post(batches::create).get(batches::list))
         .route("/v1/batches/{id}", get(batches::show))
         .route("/v1/batches/{id}/cancel", post(batches::cancel))

@@ -10,8 +10,8 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine as _;
 use futures::stream::{self, StreamExt};
+use lorry_batcher::openai::{answer, Endpoint, Finished};
 use lorry_batcher::realtime::Reply;
 use lorry_engine::catalog::Task;
 use lorry_engine::input::Fields;
@@ -20,43 +20,6 @@ use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
 use crate::{lane, submit, ApiError, AppState};
-
-/// The OpenAI endpoints a request (or a batch file's line) may target.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completions,
-    /// `/v1/embeddings`.
-    Embeddings,
-}
-
-impl Endpoint {
-    /// Every endpoint.
-    pub const ALL: [Endpoint; 3] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings];
-
-    /// The route.
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Embeddings => "/v1/embeddings",
-        }
-    }
-
-    /// The endpoint of a route.
-    pub fn from_path(path: &str) -> Option<Endpoint> {
-        Endpoint::ALL.into_iter().find(|e| e.path() == path)
-    }
-
-    fn task_fits(self, task: Task) -> bool {
-        match self {
-            Endpoint::Chat | Endpoint::Completions => matches!(task, Task::TextGeneration | Task::Echo),
-            Endpoint::Embeddings => task == Task::Embeddings,
-        }
-    }
-}
 
 /// An OpenAI request turned into the engine's input.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,7 +43,7 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
     let requested: String = f.required("model", "a string")?;
     let (base, adapter) = submit::split_model(state, &requested);
     let spec = submit::model(state, base, "model")?;
-    if !endpoint.task_fits(spec.task) {
+    if !endpoint.serves(spec.task) {
         let message = match spec.task {
             Task::Embeddings => format!("model {base} makes embeddings; use /v1/embeddings"),
             _ => format!("model {base} generates text; use /v1/chat/completions or /v1/completions"),
@@ -306,79 +269,6 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
         out.push(json!({"role": role, "content": content}));
     }
     Ok(Value::Array(out))
-}
-
-/// What a finished request needs to become an OpenAI answer body.
-pub struct Finished<'a> {
-    /// The engine's output body.
-    pub body: &'a Value,
-    /// `stop` or `length`, for text.
-    pub finish_reason: Option<&'a str>,
-    /// Tokens read.
-    pub prompt_tokens: i64,
-    /// Tokens written.
-    pub completion_tokens: i64,
-}
-
-/// The OpenAI answer body of a finished request.
-pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Finished<'_>, base64: bool) -> Value {
-    let usage = json!({
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    });
-    let text = done.body["response"].as_str().unwrap_or_default();
-    let finish_reason = done.finish_reason.unwrap_or("stop");
-    match endpoint {
-        Endpoint::Chat => json!({
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": null},
-                "logprobs": null,
-                "finish_reason": finish_reason,
-            }],
-            "usage": usage,
-        }),
-        Endpoint::Completions => json!({
-            "id": id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
-            "usage": usage,
-        }),
-        Endpoint::Embeddings => {
-            let rows = done.body["data"].as_array().cloned().unwrap_or_default();
-            let data: Vec<Value> = rows
-                .into_iter()
-                .enumerate()
-                .map(|(index, row)| {
-                    let embedding = if base64 {
-                        let bytes: Vec<u8> = row
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            .flat_map(|x| (x.as_f64().unwrap_or_default() as f32).to_le_bytes())
-                            .collect();
-                        Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
-                    } else {
-                        row
-                    };
-                    json!({"object": "embedding", "index": index, "embedding": embedding})
-                })
-                .collect();
-            json!({
-                "object": "list",
-                "data": data,
-                "model": model,
-                "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
-            })
-        }
-    }
 }
 
 fn finish_reason(output: &Output) -> &'static str {

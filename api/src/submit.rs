@@ -43,6 +43,8 @@ pub struct Options {
     pub metadata: Option<Value>,
     /// Webhook target.
     pub webhook_url: Option<String>,
+    /// OpenAI's fields, for a batch made from a file.
+    pub openai: Option<Value>,
 }
 
 /// Look a model up, or refuse with 404 naming `param`.
@@ -162,6 +164,7 @@ pub fn validate(
         webhook_url,
         idempotency_key: idempotency_key(headers)?,
         request_hash: hex::encode(Sha256::digest(raw)),
+        openai: options.openai,
         requests,
     })
 }

@@ -10,10 +10,11 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::Topology;
-use crate::ids::BatchId;
+use crate::ids::{BatchId, FileId};
 use crate::model::{Batch, BatchStatus, RequestStatus};
 use crate::objects::{batch_key, ObjectStore};
-use crate::store::{Ending, OutboxMessage, Store};
+use crate::openai::{output_line, Endpoint};
+use crate::store::{Ending, NewFile, OutboxMessage, Store};
 use crate::BatcherError;
 
 /// How long a presigned `output_url` in a webhook stays valid.
@@ -87,18 +88,36 @@ impl Finaliser {
     /// Write the output of a batch in `finalizing` and end it.
     pub async fn finalize(&self, batch: Batch) -> Result<bool, BatcherError> {
         let finished = self.store.finished_requests(&batch.id).await?;
-        let mut output = Vec::new();
-        let mut errors = Vec::new();
+        // A batch made from a file writes OpenAI's lines: every success in the
+        // output file, every failure in the error file.
+        let openai = batch.openai.as_ref().and_then(|o| {
+            let endpoint = Endpoint::from_path(o["endpoint"].as_str()?)?;
+            Some((endpoint, o["model"].as_str().unwrap_or(&batch.model).to_string()))
+        });
+        let created = batch.times.created_at.timestamp();
+        let (mut output, mut errors) = (Vec::new(), Vec::new());
+        let (mut output_lines, mut error_lines) = (0, 0);
         for request in &finished {
-            let mut line = serde_json::to_vec(&request.result_line(&batch.id))?;
+            let line = match &openai {
+                Some((endpoint, model)) => output_line(&batch.id, *endpoint, model, created, request),
+                None => request.result_line(&batch.id),
+            };
+            let mut line = serde_json::to_vec(&line)?;
             line.push(b'\n');
-            if request.status != RequestStatus::Succeeded {
+            let failed = request.status != RequestStatus::Succeeded;
+            if failed {
                 errors.extend_from_slice(&line);
+                error_lines += 1;
             }
-            output.extend_from_slice(&line);
+            if !failed || openai.is_none() {
+                output.extend_from_slice(&line);
+                output_lines += 1;
+            }
         }
         let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");
+        let output_bytes = output.len();
         self.objects.put(&output_key, output, "application/jsonl").await?;
+        let errors_bytes = errors.len();
         let errors_key = if errors.is_empty() {
             None
         } else {
@@ -106,6 +125,32 @@ impl Finaliser {
             self.objects.put(&key, errors, "application/jsonl").await?;
             Some(key)
         };
+        let mut files = Vec::new();
+        let mut openai_fields = None;
+        if let (Some(_), Some(fields)) = (&openai, &batch.openai) {
+            let mut fields = fields.clone();
+            let mut record = |name: &str, key: &str, bytes: usize, lines: i32| {
+                let file = NewFile {
+                    id: FileId::generate(),
+                    account_id: batch.account_id.clone(),
+                    purpose: "batch_output".into(),
+                    filename: name.into(),
+                    bytes: bytes as i64,
+                    lines,
+                    object_key: key.into(),
+                };
+                let id = file.id.to_string();
+                files.push(file);
+                id
+            };
+            if output_lines > 0 {
+                fields["output_file_id"] = json!(record("output.jsonl", &output_key, output_bytes, output_lines));
+            }
+            if let Some(key) = &errors_key {
+                fields["error_file_id"] = json!(record("errors.jsonl", key, errors_bytes, error_lines));
+            }
+            openai_fields = Some(fields);
+        }
         let status = match batch.end_reason.as_deref() {
             Some("cancelled") => BatchStatus::Cancelled,
             Some("expired") => BatchStatus::Expired,
@@ -114,6 +159,7 @@ impl Finaliser {
         let at = Utc::now();
         let mut ended = batch.clone();
         ended.status = status;
+        ended.openai = openai_fields.clone().or(ended.openai);
         match status {
             BatchStatus::Cancelled => ended.times.cancelled_at = Some(at),
             BatchStatus::Expired => ended.times.expired_at = Some(at),
@@ -134,6 +180,8 @@ impl Finaliser {
             errors_key,
             events: vec![event],
             webhook: Some(webhook),
+            files,
+            openai: openai_fields,
         };
         let done = self.store.finish(&batch, &ending).await?;
         if done {

@@ -54,6 +54,12 @@ prefixed_id!(
     "lora_"
 );
 
+prefixed_id!(
+    /// A file of the OpenAI files API: `file-<uuid v7>`.
+    FileId,
+    "file-"
+);
+
 /// An account id; accounts are created by operators, so any short token is allowed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

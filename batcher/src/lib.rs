@@ -1,7 +1,7 @@
 //! Lorry's durable core: everything between an accepted batch and its results.
 //!
 //! - [`adapters`]: the worker's tiered LoRA adapter cache (resident, host, disk, S3).
-//! - [`store`]: Postgres (batches, requests, outbox, webhook deliveries).
+//! - [`store`]: Postgres (batches, requests, files, adapters, outbox, webhook deliveries).
 //! - [`broker`]: RabbitMQ topology, connections and publishing with confirms.
 //! - [`objects`]: the S3 object store for `output.jsonl` and `errors.jsonl`.
 //! - [`relay`]: publishes the outbox to RabbitMQ.
@@ -9,6 +9,7 @@
 //!   commits results idempotently, acks only after the commit.
 //! - [`finaliser`]: ends batches, writes their output, expires and sweeps.
 //! - [`webhooks`]: signed, retried completion webhooks (Standard Webhooks).
+//! - [`openai`]: OpenAI's answer objects and batch output lines, built from results.
 //! - [`realtime`]: the API side of the real-time lane (publish, await the reply).
 #![forbid(unsafe_code)]
 
@@ -19,6 +20,7 @@ pub mod finaliser;
 pub mod ids;
 pub mod model;
 pub mod objects;
+pub mod openai;
 pub mod realtime;
 pub mod relay;
 pub mod store;

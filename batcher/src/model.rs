@@ -113,6 +113,8 @@ pub enum Shape {
     Native,
     /// `/client/v4/accounts/{id}/ai/run/{model}` with `queueRequest`.
     WorkersAi,
+    /// `/v1/batches` with an `input_file_id` (OpenAI's Batch API).
+    OpenAi,
 }
 
 impl Shape {
@@ -121,6 +123,7 @@ impl Shape {
         match self {
             Shape::Native => "native",
             Shape::WorkersAi => "workers_ai",
+            Shape::OpenAi => "openai",
         }
     }
 }
@@ -181,6 +184,9 @@ pub struct Batch {
     pub model: String,
     /// The API shape that created it.
     pub shape: Shape,
+    /// For a batch made from a file: `{"endpoint", "input_file_id", "model"}`,
+    /// and its output files once it has ended.
+    pub openai: Option<Value>,
     /// Lifecycle status.
     pub status: BatchStatus,
     /// `cancelled` or `expired` once either was asked.
@@ -224,7 +230,7 @@ impl Batch {
     /// The batch object clients see (OpenAI's shape plus Lorry's counts).
     pub fn to_json(&self, tally: &Tally, output_url: Option<String>, errors_url: Option<String>) -> Value {
         let t = &self.times;
-        json!({
+        let mut value = json!({
             "id": self.id,
             "object": "batch",
             "model": self.model,
@@ -244,7 +250,18 @@ impl Batch {
             "output_url": output_url,
             "errors_url": errors_url,
             "metadata": self.metadata.clone().unwrap_or(Value::Null),
-        })
+        });
+        // OpenAI's fields for a batch made from a file.
+        if let (Some(openai), Some(map)) = (&self.openai, value.as_object_mut()) {
+            for key in ["endpoint", "input_file_id", "model"] {
+                map.insert(key.into(), openai[key].clone());
+            }
+            for key in ["output_file_id", "error_file_id"] {
+                map.insert(key.into(), openai.get(key).cloned().unwrap_or(Value::Null));
+            }
+            map.insert("errors".into(), Value::Null);
+        }
+        value
     }
 }
 
@@ -273,6 +290,8 @@ pub struct FinishedRequest {
     pub status: RequestStatus,
     /// The model's response body, when it succeeded.
     pub response: Option<Value>,
+    /// Why a generation ended (`stop`, `length`).
+    pub finish_reason: Option<String>,
     /// The error, when it did not.
     pub error: Option<RequestError>,
     /// Tokens.

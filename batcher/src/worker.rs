@@ -493,6 +493,7 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
             result: Ok(output.body),
             prompt_tokens: output.usage.prompt_tokens as i32,
             completion_tokens: output.usage.completion_tokens as i32,
+            finish_reason: output.completion.as_ref().map(|c| c.finish_reason.as_str()),
         },
         Err(e) => Outcome {
             index,
@@ -504,6 +505,7 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
             }),
             prompt_tokens: 0,
             completion_tokens: 0,
+            finish_reason: None,
         },
     }
 }

@@ -18,6 +18,7 @@ async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, B
         account_id: AccountId("acct".into()),
         model: "@lorry/echo".into(),
         shape: Shape::Native,
+        openai: None,
         completion_window: "1h".into(),
         window,
         metadata: None,
@@ -54,6 +55,7 @@ fn ok(index: i32) -> Outcome {
         result: Ok(json!({"response": index})),
         prompt_tokens: 1,
         completion_tokens: 1,
+        finish_reason: Some("stop"),
     }
 }
 

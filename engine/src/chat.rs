@@ -346,6 +346,16 @@ pub enum FinishReason {
     Length,
 }
 
+impl FinishReason {
+    /// OpenAI's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
 /// One finished generation.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Generation {

@@ -26,6 +26,8 @@ pub struct NewBatch {
     pub model: String,
     /// The API shape it came in.
     pub shape: Shape,
+    /// OpenAI's fields, for a batch made from a file.
+    pub openai: Option<Value>,
     /// The window as given, e.g. `24h`.
     pub completion_window: String,
     /// The window as a duration.
@@ -76,7 +78,7 @@ pub struct Page {
 
 const BATCH_COLUMNS: &str = "id, account_id, model, shape, status, end_reason, total, completion_window, metadata,
     webhook_url, output_key, errors_key, created_at, in_progress_at, expires_at, finalizing_at, completed_at,
-    failed_at, expired_at, cancelling_at, cancelled_at";
+    failed_at, expired_at, cancelling_at, cancelled_at, openai";
 
 pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
     let status: String = row.try_get("status")?;
@@ -86,11 +88,12 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
         id: BatchId::parse(&id).ok_or_else(|| corrupt("batch id", &id))?,
         account_id: AccountId(row.try_get("account_id")?),
         model: row.try_get("model")?,
-        shape: if shape == "workers_ai" {
-            Shape::WorkersAi
-        } else {
-            Shape::Native
+        shape: match shape.as_str() {
+            "workers_ai" => Shape::WorkersAi,
+            "openai" => Shape::OpenAi,
+            _ => Shape::Native,
         },
+        openai: row.try_get("openai")?,
         status: BatchStatus::parse(&status).ok_or_else(|| corrupt("batch status", &status))?,
         end_reason: row.try_get("end_reason")?,
         total: row.try_get("total")?,
@@ -125,6 +128,7 @@ pub(super) fn finished_from_row(row: &PgRow) -> Result<FinishedRequest> {
         custom_id: row.try_get("custom_id")?,
         status: RequestStatus::parse(&status).ok_or_else(|| corrupt("request status", &status))?,
         response: row.try_get("response")?,
+        finish_reason: row.try_get("finish_reason")?,
         error: error.map(serde_json::from_value::<RequestError>).transpose()?,
         prompt_tokens: row.try_get("prompt_tokens")?,
         completion_tokens: row.try_get("completion_tokens")?,
@@ -138,9 +142,9 @@ impl Store {
         let window_secs = new.window.as_secs_f64();
         let inserted = sqlx::query(&format!(
             "INSERT INTO batches (id, account_id, model, shape, status, total, completion_window, metadata,
-                 webhook_url, idempotency_key, request_hash, in_progress_at, expires_at)
+                 webhook_url, idempotency_key, request_hash, in_progress_at, expires_at, openai)
              VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7, $8, $9, $10, now(),
-                 now() + make_interval(secs => $11))
+                 now() + make_interval(secs => $11), $12)
              ON CONFLICT (account_id, idempotency_key) DO NOTHING
              RETURNING {BATCH_COLUMNS}"
         ))
@@ -155,6 +159,7 @@ impl Store {
         .bind(&new.idempotency_key)
         .bind(&new.request_hash)
         .bind(window_secs)
+        .bind(&new.openai)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = inserted else {
@@ -254,7 +259,7 @@ impl Store {
     /// Every finished request of a batch, in index order.
     pub async fn finished_requests(&self, id: &BatchId) -> Result<Vec<FinishedRequest>> {
         let rows = sqlx::query(
-            "SELECT idx, custom_id, status, response, error, prompt_tokens, completion_tokens
+            "SELECT idx, custom_id, status, response, finish_reason, error, prompt_tokens, completion_tokens
              FROM requests WHERE batch_id = $1 AND status NOT IN ('pending', 'running') ORDER BY idx",
         )
         .bind(id.as_str())

@@ -4,6 +4,7 @@
 
 mod adapters;
 mod batches;
+mod files;
 mod outbox;
 mod work;
 
@@ -16,6 +17,7 @@ use sqlx::{ConnectOptions, PgPool, Row};
 
 pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
+pub use files::{FileRecord, NewFile};
 pub use outbox::{DueDelivery, OutboxMessage, OUTBOX_CHANNEL};
 pub use work::{Claimed, Ending, Outcome};
 

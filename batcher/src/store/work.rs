@@ -35,11 +35,13 @@ pub struct Outcome {
     pub prompt_tokens: i32,
     /// Tokens.
     pub completion_tokens: i32,
+    /// Why a generation ended (`stop`, `length`).
+    pub finish_reason: Option<&'static str>,
 }
 
 const BATCH_RETURNING: &str = "RETURNING id, account_id, model, shape, status, end_reason, total, completion_window,
     metadata, webhook_url, output_key, errors_key, created_at, in_progress_at, expires_at, finalizing_at,
-    completed_at, failed_at, expired_at, cancelling_at, cancelled_at";
+    completed_at, failed_at, expired_at, cancelling_at, cancelled_at, openai";
 
 /// How a batch ends, and what announces it.
 #[derive(Debug, Clone)]
@@ -56,6 +58,11 @@ pub struct Ending {
     pub events: Vec<OutboxMessage>,
     /// The webhook to send, if the batch asked for one: (event type, body).
     pub webhook: Option<(String, Value)>,
+    /// Output files to record (batches made from a file), and the batch's
+    /// `openai` fields naming them.
+    pub files: Vec<super::NewFile>,
+    /// The batch's `openai` fields after the end.
+    pub openai: Option<Value>,
 }
 
 async fn announce(
@@ -117,7 +124,9 @@ impl Store {
         let mut error = Vec::with_capacity(outcomes.len());
         let mut pt = Vec::with_capacity(outcomes.len());
         let mut ct = Vec::with_capacity(outcomes.len());
+        let mut finish = Vec::with_capacity(outcomes.len());
         for o in outcomes {
+            finish.push(o.finish_reason);
             idx.push(o.index);
             pt.push(o.prompt_tokens);
             ct.push(o.completion_tokens);
@@ -136,9 +145,9 @@ impl Store {
         }
         let done = sqlx::query(
             "UPDATE requests r SET status = u.status, response = u.response, error = u.error,
-                 prompt_tokens = u.pt, completion_tokens = u.ct, finished_at = now()
-             FROM UNNEST($2::int[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int[], $7::int[])
-                 AS u(idx, status, response, error, pt, ct)
+                 prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
+             FROM UNNEST($2::int[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
+                 AS u(idx, status, response, error, pt, ct, finish)
              WHERE r.batch_id = $1 AND r.idx = u.idx AND r.status = 'running'",
         )
         .bind(batch.as_str())
@@ -148,6 +157,7 @@ impl Store {
         .bind(&error)
         .bind(&pt)
         .bind(&ct)
+        .bind(&finish)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
@@ -213,7 +223,7 @@ impl Store {
     pub async fn finish(&self, batch: &Batch, ending: &Ending) -> Result<bool> {
         let mut tx = self.pool.begin().await?;
         let done = sqlx::query(
-            "UPDATE batches SET status = $2, output_key = $3, errors_key = $4,
+            "UPDATE batches SET status = $2, output_key = $3, errors_key = $4, openai = coalesce($6, openai),
                  completed_at = CASE WHEN $2 = 'completed' THEN $5 END,
                  expired_at = CASE WHEN $2 = 'expired' THEN $5 END,
                  cancelled_at = CASE WHEN $2 = 'cancelled' THEN $5 END
@@ -224,11 +234,15 @@ impl Store {
         .bind(&ending.output_key)
         .bind(&ending.errors_key)
         .bind(ending.at)
+        .bind(&ending.openai)
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
             tx.rollback().await?;
             return Ok(false);
+        }
+        for file in &ending.files {
+            super::files::insert_file(&mut tx, file).await?;
         }
         announce(&mut tx, batch, &ending.events, ending.webhook.as_ref()).await?;
         tx.commit().await?;

@@ -1,0 +1,348 @@
+//! OpenAI's files API (`/v1/files`) and the batch input it holds.
+//!
+//! A batch input file is JSONL, one request per line:
+//! `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings", "body"}`.
+//! Every line is checked at upload (JSON, fields, a served model, the body as
+//! that endpoint reads it), and a refusal names the line; nothing is stored
+//! for a refused file.
+
+use std::collections::{HashMap, HashSet};
+
+use axum::body::Bytes;
+use axum::extract::{Multipart, Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use lorry_batcher::ids::{AccountId, FileId};
+use lorry_batcher::openai::Endpoint;
+use lorry_batcher::store::{FileRecord, NewFile};
+use lorry_engine::input::Fields;
+use serde_json::{json, Value};
+
+use crate::extract::Authenticated;
+use crate::openai::{translate, Translated};
+use crate::submit::Item;
+use crate::{ApiError, AppState};
+
+/// The largest `custom_id`.
+const MAX_CUSTOM_ID: usize = 512;
+
+/// One checked line of a batch input file.
+pub struct Line {
+    /// 1-based line number.
+    pub number: usize,
+    /// The client's id.
+    pub custom_id: String,
+    /// The endpoint the line targets.
+    pub endpoint: Endpoint,
+    /// The body, translated.
+    pub request: Translated,
+}
+
+fn line_error(number: usize, error: ApiError) -> ApiError {
+    let field = error.param.clone().unwrap_or_default();
+    let at = if field.is_empty() {
+        format!("line {number}")
+    } else {
+        format!("line {number}: {field}")
+    };
+    let mut refused = ApiError::new(error.status, error.code, format!("{at}: {}", error.message));
+    refused.param = Some(format!("file.line[{number}]{}{field}", if field.is_empty() { "" } else { "." }));
+    refused
+}
+
+/// Check every line of a batch input file; the first bad line is refused, named.
+pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError> {
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| ApiError::invalid("invalid_file", "file", "the file must be UTF-8 JSON lines"))?;
+    let mut lines = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, raw) in text.lines().enumerate() {
+        let number = i + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        if lines.len() == state.config.max_requests {
+            return Err(ApiError::invalid(
+                "too_many_requests",
+                "file",
+                format!("a batch file holds at most {} requests", state.config.max_requests),
+            ));
+        }
+        let value: Value = serde_json::from_str(raw).map_err(|e| {
+            line_error(number, ApiError::invalid("invalid_json", "", format!("not valid JSON: {e}")))
+        })?;
+        let line = read_line(state, &value).map_err(|e| line_error(number, e))?;
+        let (custom_id, endpoint, request) = line;
+        if !seen.insert(custom_id.clone()) {
+            return Err(line_error(
+                number,
+                ApiError::invalid(
+                    "duplicate_custom_id",
+                    "custom_id",
+                    format!("custom_id {custom_id:?} appears more than once"),
+                ),
+            ));
+        }
+        lines.push(Line {
+            number,
+            custom_id,
+            endpoint,
+            request,
+        });
+    }
+    if lines.is_empty() {
+        return Err(ApiError::invalid("empty_file", "file", "the file holds no requests"));
+    }
+    Ok(lines)
+}
+
+fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Translated), ApiError> {
+    let mut f = Fields::new(value, "")?;
+    let custom_id: String = f.required("custom_id", "a string")?;
+    if custom_id.is_empty() || custom_id.len() > MAX_CUSTOM_ID {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            "custom_id",
+            format!("custom_id must be 1 to {MAX_CUSTOM_ID} characters"),
+        ));
+    }
+    let method: String = f.required("method", "a string")?;
+    if method != "POST" {
+        return Err(ApiError::invalid("invalid_value", "method", "method must be POST"));
+    }
+    let url: String = f.required("url", "a string")?;
+    let endpoint = Endpoint::from_path(&url).ok_or_else(|| {
+        ApiError::invalid(
+            "invalid_value",
+            "url",
+            "url must be /v1/chat/completions, /v1/completions or /v1/embeddings",
+        )
+    })?;
+    let body = f
+        .raw("body")
+        .ok_or_else(|| ApiError::invalid("missing_field", "body", "body is required"))?;
+    f.deny_unknown()?;
+    let request = translate(state, endpoint, body).map_err(|e| {
+        let field = e.param.clone().unwrap_or_default();
+        let mut e = e;
+        e.param = Some(if field.is_empty() { "body".into() } else { format!("body.{field}") });
+        e
+    })?;
+    if request.stream {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            "body.stream",
+            "a batch request cannot stream",
+        ));
+    }
+    Ok((custom_id, endpoint, request))
+}
+
+/// The requests of a batch made from a file: every line must target `endpoint`
+/// and name the same model. Returns the items and the model as the lines name it.
+pub async fn batch_items(
+    state: &AppState,
+    account: &AccountId,
+    file_id: &str,
+    endpoint: Endpoint,
+) -> Result<(Vec<Item>, Translated), ApiError> {
+    let file = owned_file(state, account, file_id, "input_file_id").await?;
+    if file.purpose != "batch" {
+        return Err(ApiError::invalid(
+            "invalid_file_purpose",
+            "input_file_id",
+            "the input file must have been uploaded with purpose=batch",
+        ));
+    }
+    let bytes = state.objects.get(&file.object_key).await?;
+    let lines = check_lines(state, &bytes)?;
+    let first = lines[0].request.clone();
+    let mut items = Vec::with_capacity(lines.len());
+    for line in lines {
+        let path = format!("input_file_id.line[{}]", line.number);
+        if line.endpoint != endpoint {
+            return Err(ApiError::invalid(
+                "endpoint_mismatch",
+                format!("{path}.url"),
+                format!("line {}: url must be the batch's endpoint {}", line.number, endpoint.path()),
+            ));
+        }
+        if line.request.requested != first.requested {
+            return Err(ApiError::invalid(
+                "model_mismatch",
+                format!("{path}.body.model"),
+                format!(
+                    "line {}: every line of a batch must name the same model ({})",
+                    line.number, first.requested
+                ),
+            ));
+        }
+        items.push(Item {
+            custom_id: Some(line.custom_id),
+            body: line.request.input,
+            custom_id_path: format!("{path}.custom_id"),
+            path: format!("{path}.body"),
+        });
+    }
+    Ok((items, first))
+}
+
+/// The account's file named by `raw_id`, or 404.
+pub async fn owned_file(state: &AppState, account: &AccountId, raw_id: &str, param: &str) -> Result<FileRecord, ApiError> {
+    let missing = || ApiError::not_found("file_not_found", param, "file");
+    let id = FileId::parse(raw_id).ok_or_else(missing)?;
+    state.store.file(account, &id).await?.ok_or_else(missing)
+}
+
+fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
+    if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "file_too_large", "the file is over the size limit")
+            .with_param("file")
+    } else {
+        ApiError::invalid("invalid_multipart", "", error.body_text())
+    }
+}
+
+/// `POST /v1/files`: multipart `purpose` (`batch`) and `file` (JSONL).
+pub async fn create(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    mut multipart: Multipart,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let mut purpose: Option<String> = None;
+    let mut file: Option<(String, Bytes)> = None;
+    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or_default().to_string();
+        match name.as_str() {
+            "purpose" if purpose.is_none() => {
+                let bytes = field.bytes().await.map_err(multipart_error)?;
+                purpose = Some(String::from_utf8_lossy(&bytes).into_owned());
+            }
+            "file" if file.is_none() => {
+                let filename = field.file_name().unwrap_or("upload.jsonl").to_string();
+                file = Some((filename, field.bytes().await.map_err(multipart_error)?));
+            }
+            "purpose" | "file" => {
+                return Err(ApiError::invalid("duplicate_field", name.clone(), format!("{name} is given more than once")))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "unknown_field",
+                    name.clone(),
+                    format!("unknown field {name:?}; the fields are purpose and file"),
+                ))
+            }
+        }
+    }
+    match purpose.as_deref() {
+        Some("batch") => {}
+        None => return Err(ApiError::invalid("missing_field", "purpose", "purpose is required")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                "purpose",
+                "purpose must be batch: files here are batch input",
+            ))
+        }
+    }
+    let (filename, bytes) = file.ok_or_else(|| ApiError::invalid("missing_field", "file", "file is required"))?;
+    if filename.is_empty() || filename.len() > 255 || filename.contains(['/', '\\']) {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            "file",
+            "the file name must be 1 to 255 characters without slashes",
+        ));
+    }
+    let lines = check_lines(&state, &bytes)?;
+    let id = FileId::generate();
+    let key = format!("accounts/{}/files/{id}/{filename}", account.id);
+    let size = bytes.len() as i64;
+    state.objects.put(&key, bytes, "application/jsonl").await?;
+    let new = NewFile {
+        id,
+        account_id: account.id.clone(),
+        purpose: "batch".into(),
+        filename,
+        bytes: size,
+        lines: lines.len() as i32,
+        object_key: key.clone(),
+    };
+    match state.store.insert_file(&new).await {
+        Ok(record) => Ok((StatusCode::OK, Json(record.to_json()))),
+        Err(e) => {
+            // Nothing half-written: the bytes go if the record could not be made.
+            let _ = state.objects.delete(&key).await;
+            Err(e.into())
+        }
+    }
+}
+
+/// `GET /v1/files?purpose&limit&after`: newest first.
+pub async fn list(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = match query.get("limit") {
+        None => 100,
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=10_000).contains(n))
+            .ok_or_else(|| ApiError::invalid("invalid_value", "limit", "limit must be an integer from 1 to 10000"))?,
+    };
+    let after = match query.get("after") {
+        None => None,
+        Some(raw) => {
+            Some(FileId::parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a file id"))?)
+        }
+    };
+    let purpose = query.get("purpose").map(String::as_str);
+    let (files, has_more) = state.store.list_files(&account.id, purpose, limit, after.as_ref()).await?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": files.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
+        "first_id": files.first().map(|f| &f.id),
+        "last_id": files.last().map(|f| &f.id),
+        "has_more": has_more,
+    })))
+}
+
+/// `GET /v1/files/{id}`.
+pub async fn show(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(owned_file(&state, &account.id, &id, "file_id").await?.to_json()))
+}
+
+/// `GET /v1/files/{id}/content`.
+pub async fn content(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let file = owned_file(&state, &account.id, &id, "file_id").await?;
+    let bytes = state.objects.get(&file.object_key).await?;
+    Ok(([(header::CONTENT_TYPE, "application/jsonl")], bytes).into_response())
+}
+
+/// `DELETE /v1/files/{id}`: the record first, then the bytes.
+pub async fn delete(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let file = owned_file(&state, &account.id, &id, "file_id").await?;
+    let deleted = state
+        .store
+        .delete_file(&account.id, &file.id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("file_not_found", "file_id", "file"))?;
+    if let Err(e) = state.objects.delete(&deleted.object_key).await {
+        tracing::warn!(file = %deleted.id, error = %e, "could not delete a file's bytes");
+    }
+    Ok(Json(json!({"id": deleted.id, "object": "file", "deleted": true})))
+}

@@ -1,0 +1,162 @@
+//! OpenAI's answer objects, built from stored results: the real-time routes
+//! answer with them, and a batch made from a file writes its output file
+//! lines with them.
+
+use base64::Engine as _;
+use lorry_engine::catalog::Task;
+use serde_json::{json, Value};
+
+use crate::ids::BatchId;
+use crate::model::{FinishedRequest, RequestStatus};
+
+/// The OpenAI endpoints a request (or a batch file's line) may target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// Every endpoint.
+    pub const ALL: [Endpoint; 3] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings];
+
+    /// The route.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+
+    /// The endpoint of a route.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        Endpoint::ALL.into_iter().find(|e| e.path() == path)
+    }
+
+    /// Whether models of `task` answer on this endpoint.
+    pub fn serves(self, task: Task) -> bool {
+        match self {
+            Endpoint::Chat | Endpoint::Completions => matches!(task, Task::TextGeneration | Task::Echo),
+            Endpoint::Embeddings => task == Task::Embeddings,
+        }
+    }
+}
+
+/// What a finished request needs to become an OpenAI answer body.
+pub struct Finished<'a> {
+    /// The engine's output body.
+    pub body: &'a Value,
+    /// `stop` or `length`, for text.
+    pub finish_reason: Option<&'a str>,
+    /// Tokens read.
+    pub prompt_tokens: i64,
+    /// Tokens written.
+    pub completion_tokens: i64,
+}
+
+/// The OpenAI answer body of a finished request.
+pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Finished<'_>, base64: bool) -> Value {
+    let usage = json!({
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    });
+    let text = done.body["response"].as_str().unwrap_or_default();
+    let finish_reason = done.finish_reason.unwrap_or("stop");
+    match endpoint {
+        Endpoint::Chat => json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null},
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }],
+            "usage": usage,
+        }),
+        Endpoint::Completions => json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
+            "usage": usage,
+        }),
+        Endpoint::Embeddings => {
+            let rows = done.body["data"].as_array().cloned().unwrap_or_default();
+            let data: Vec<Value> = rows
+                .into_iter()
+                .enumerate()
+                .map(|(index, row)| {
+                    let embedding = if base64 {
+                        let bytes: Vec<u8> = row
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .flat_map(|x| (x.as_f64().unwrap_or_default() as f32).to_le_bytes())
+                            .collect();
+                        Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+                    } else {
+                        row
+                    };
+                    json!({"object": "embedding", "index": index, "embedding": embedding})
+                })
+                .collect();
+            json!({
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
+            })
+        }
+    }
+}
+
+/// One line of a batch's output or error file, in OpenAI's format:
+/// `{"id","custom_id","response":{"status_code","request_id","body"},"error"}`.
+pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i64, request: &FinishedRequest) -> Value {
+    let request_id = format!("{batch}-{}", request.index);
+    let id = format!("batch_req_{}_{}", batch.as_str().trim_start_matches("batch_"), request.index);
+    match (&request.response, request.status) {
+        (Some(body), RequestStatus::Succeeded) => {
+            let done = Finished {
+                body,
+                finish_reason: request.finish_reason.as_deref(),
+                prompt_tokens: request.prompt_tokens.into(),
+                completion_tokens: request.completion_tokens.into(),
+            };
+            let prefix = match endpoint {
+                Endpoint::Chat => "chatcmpl",
+                Endpoint::Completions => "cmpl",
+                Endpoint::Embeddings => "emb",
+            };
+            let body = answer(endpoint, &format!("{prefix}-{request_id}"), created, model, &done, false);
+            json!({
+                "id": id,
+                "custom_id": request.custom_id,
+                "response": {"status_code": 200, "request_id": request_id, "body": body},
+                "error": null,
+            })
+        }
+        _ => {
+            let error = request.error.as_ref();
+            json!({
+                "id": id,
+                "custom_id": request.custom_id,
+                "response": null,
+                "error": {
+                    "code": error.map(|e| e.code.as_str()).unwrap_or("request_failed"),
+                    "message": error.map(|e| e.message.as_str()).unwrap_or("the request failed"),
+                },
+            })
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! Files of the OpenAI files API: batch input uploaded by clients and the
+//! output and error files of ended batches. The bytes live in S3; a record
+//! names them. Every read is scoped to the owning account.
+
+use chrono::{DateTime, Utc};
+use serde_json::{json, Value};
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row, Transaction};
+
+use super::{Result, Store};
+use crate::ids::{AccountId, FileId};
+
+/// One file as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FileRecord {
+    /// `file-…`.
+    pub id: FileId,
+    /// The owner.
+    pub account_id: AccountId,
+    /// `batch` (input) or `batch_output`.
+    pub purpose: String,
+    /// The name it was uploaded under, or `output.jsonl` / `errors.jsonl`.
+    pub filename: String,
+    /// Size.
+    pub bytes: i64,
+    /// JSON lines in it.
+    pub lines: i32,
+    /// Where the bytes are.
+    pub object_key: String,
+    /// When it was created.
+    pub created_at: DateTime<Utc>,
+}
+
+impl FileRecord {
+    fn from_row(row: &PgRow) -> Self {
+        FileRecord {
+            id: FileId::parse(row.get::<&str, _>("id")).expect("file ids are written by Lorry"),
+            account_id: AccountId(row.get("account_id")),
+            purpose: row.get("purpose"),
+            filename: row.get("filename"),
+            bytes: row.get("bytes"),
+            lines: row.get("lines"),
+            object_key: row.get("object_key"),
+            created_at: row.get("created_at"),
+        }
+    }
+
+    /// OpenAI's file object.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at.timestamp(),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": null,
+        })
+    }
+}
+
+/// A file to record.
+#[derive(Debug, Clone)]
+pub struct NewFile {
+    /// Its id.
+    pub id: FileId,
+    /// The owner.
+    pub account_id: AccountId,
+    /// `batch` or `batch_output`.
+    pub purpose: String,
+    /// Its name.
+    pub filename: String,
+    /// Size.
+    pub bytes: i64,
+    /// JSON lines in it.
+    pub lines: i32,
+    /// Where the bytes are.
+    pub object_key: String,
+}
+
+const FILE_COLUMNS: &str = "id, account_id, purpose, filename, bytes, lines, object_key, created_at";
+
+pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFile) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO files (id, account_id, purpose, filename, bytes, lines, object_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(file.id.as_str())
+    .bind(&file.account_id.0)
+    .bind(&file.purpose)
+    .bind(&file.filename)
+    .bind(file.bytes)
+    .bind(file.lines)
+    .bind(&file.object_key)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+impl Store {
+    /// Record a file whose bytes are already in S3.
+    pub async fn insert_file(&self, file: &NewFile) -> Result<FileRecord> {
+        let mut tx = self.pool.begin().await?;
+        insert_file(&mut tx, file).await?;
+        tx.commit().await?;
+        Ok(self
+            .file(&file.account_id, &file.id)
+            .await?
+            .expect("a file just written is there"))
+    }
+
+    /// The account's file, if it has one by that id.
+    pub async fn file(&self, account: &AccountId, id: &FileId) -> Result<Option<FileRecord>> {
+        let row = sqlx::query(&format!(
+            "SELECT {FILE_COLUMNS} FROM files WHERE account_id = $1 AND id = $2"
+        ))
+        .bind(&account.0)
+        .bind(id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.as_ref().map(FileRecord::from_row))
+    }
+
+    /// The account's files, newest first: up to `limit`, older than `after` if given,
+    /// and whether more follow.
+    pub async fn list_files(
+        &self,
+        account: &AccountId,
+        purpose: Option<&str>,
+        limit: i64,
+        after: Option<&FileId>,
+    ) -> Result<(Vec<FileRecord>, bool)> {
+        let rows = sqlx::query(&format!(
+            "SELECT {FILE_COLUMNS} FROM files
+             WHERE account_id = $1 AND ($2::text IS NULL OR purpose = $2) AND ($3::text IS NULL OR id < $3)
+             ORDER BY id DESC LIMIT $4"
+        ))
+        .bind(&account.0)
+        .bind(purpose)
+        .bind(after.map(FileId::as_str))
+        .bind(limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut files: Vec<FileRecord> = rows.iter().map(FileRecord::from_row).collect();
+        let more = files.len() as i64 > limit;
+        files.truncate(limit as usize);
+        Ok((files, more))
+    }
+
+    /// Delete the account's file record; returns it if there was one.
+    pub async fn delete_file(&self, account: &AccountId, id: &FileId) -> Result<Option<FileRecord>> {
+        let row = sqlx::query(&format!(
+            "DELETE FROM files WHERE account_id = $1 AND id = $2 RETURNING {FILE_COLUMNS}"
+        ))
+        .bind(&account.0)
+        .bind(id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.as_ref().map(FileRecord::from_row))
+    }
+}
