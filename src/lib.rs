@@ -64,6 +64,7 @@ pub struct Application {
     port: Option<u16>,
     tasks: JoinSet<()>,
     stop: CancellationToken,
+    backends: Vec<Arc<dyn Backend>>,
 }
 
 /// Connect to Postgres, create the database if asked, and apply migrations.
@@ -108,10 +109,11 @@ impl Application {
             poll: Duration::from_millis(500),
         };
         tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
+        let mut backends = Vec::new();
         if role.has_worker() {
-            let backends = start_backends(&settings, &sources).await?;
+            backends = start_backends(&settings, &sources).await?;
             spawn_worker(
-                &settings, &store, &objects, &topology, &catalog, backends, &stop, &mut tasks,
+                &settings, &store, &objects, &topology, &catalog, backends.clone(), &stop, &mut tasks,
             );
         }
         let mut app = Application {
@@ -119,6 +121,7 @@ impl Application {
             port: None,
             tasks,
             stop,
+            backends,
         };
         if role.has_api() {
             let state = AppState {
@@ -150,6 +153,11 @@ impl Application {
             app.listener = Some((listener, lorry_api::router(state)));
         }
         Ok(app)
+    }
+
+    /// The engines this process's worker runs (none without a worker role).
+    pub fn backends(&self) -> &[Arc<dyn Backend>] {
+        &self.backends
     }
 
     /// The port the API listens on, if this process serves it.

@@ -162,6 +162,9 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
                 "stop",
                 "frequency_penalty",
                 "presence_penalty",
+                // Extensions other OpenAI-compatible servers take too.
+                "top_k",
+                "ignore_eos",
             ] {
                 if let Some(value) = f.raw(name) {
                     input.insert(name.into(), value.clone());
@@ -347,7 +350,15 @@ async fn generate(
     }
     let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-    let call = lane::start(&state, &account.0.id, &request.model, request.input.clone()).await?;
+    let call = lane::start(&state, &account.0.id, &request.model, request.input.clone())
+        .await
+        .map_err(|mut e| {
+            // The adapter came from `model: "base:adapter"`.
+            if e.param.as_deref() == Some("adapter") {
+                e.param = Some("model".into());
+            }
+            e
+        })?;
     if request.stream {
         return Ok(stream_chunks(call, endpoint, id, request).into_response());
     }

@@ -123,6 +123,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Queue a validated request; its events arrive on the returned stream.
     fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError>;
 
+    /// Counters of the engine's work, for engines that keep them.
+    fn counters(&self) -> Option<&text_engine::Counters> {
+        None
+    }
+
     /// The shape LoRA adapters must fit, for backends that serve them.
     fn adapter_base(&self) -> Option<&models::llama::Config> {
         None

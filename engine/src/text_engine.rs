@@ -150,6 +150,10 @@ impl Backend for TextEngine {
         self.submit_adapted(request, lane, None)
     }
 
+    fn counters(&self) -> Option<&Counters> {
+        Some(TextEngine::counters(self))
+    }
+
     fn adapter_base(&self) -> Option<&Config> {
         Some(&self.base)
     }

@@ -65,6 +65,8 @@ pub struct TestApp {
     pub http: reqwest::Client,
     stop: CancellationToken,
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    /// The engines of this process's worker.
+    pub backends: Vec<std::sync::Arc<dyn lorry_engine::Backend>>,
 }
 
 /// Start Lorry in this process with `role` and settings adjusted by `tweak`.
@@ -89,6 +91,7 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
         .expect("building the app");
     let port = app.port().unwrap_or(0);
     let stop = app.stopper();
+    let backends = app.backends().to_vec();
     let handle = tokio::spawn(app.run_until_stopped());
     let store = Store::connect(&settings.database_url, 4).await.unwrap();
     TestApp {
@@ -99,6 +102,7 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
         http: reqwest::Client::new(),
         stop,
         handle: Some(handle),
+        backends,
     }
 }
 

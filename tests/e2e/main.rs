@@ -9,6 +9,7 @@ mod batches;
 mod durability;
 mod models;
 mod offline;
+mod openai;
 mod realtime;
 mod webhooks;
 mod workers_ai;
