@@ -43,6 +43,7 @@ async fn state(pool: PgPool) -> AppState {
             chunk_size: 64,
             max_requests: 50_000,
             max_body_bytes: 10 * 1024 * 1024,
+            max_file_bytes: 1 << 20,
             allow_private_webhooks: false,
             realtime_timeout: Duration::from_secs(5),
             output_url_ttl: Duration::from_secs(60),
@@ -264,13 +265,20 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
             "metadata",
         ),
         (
-            "file-based batch",
+            "file-based batch naming no file of the account",
             json_body(
                 json!({"input_file_id": "file_1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
             ),
-            StatusCode::BAD_REQUEST,
-            "files_not_supported",
+            StatusCode::NOT_FOUND,
+            "file_not_found",
             "input_file_id",
+        ),
+        (
+            "file-based batch with an unknown endpoint",
+            json_body(json!({"input_file_id": "file_1", "endpoint": "/v1/images", "completion_window": "24h"})),
+            StatusCode::BAD_REQUEST,
+            "invalid_value",
+            "endpoint",
         ),
     ];
     for (name, body, status, code, param) in cases {
