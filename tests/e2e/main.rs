@@ -11,5 +11,6 @@ mod models;
 mod offline;
 mod openai;
 mod realtime;
+mod sdk;
 mod webhooks;
 mod workers_ai;

@@ -1,0 +1,65 @@
+//! The official `openai` Python SDK against Lorry, base_url only: models,
+//! chat (whole and streamed), completions, embeddings, errors, and files +
+//! batches to completion and output download. `scripts/test` installs the SDK
+//! in a virtual environment and names its interpreter in
+//! `LORRY_TEST_OPENAI_PYTHON`.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::common::{spawn_app, TOKEN};
+
+const RUN: &str = "/client/v4/accounts/default/ai/run";
+
+#[tokio::test]
+async fn the_official_openai_sdk_runs_every_flow() {
+    let python = std::env::var("LORRY_TEST_OPENAI_PYTHON").expect(
+        "LORRY_TEST_OPENAI_PYTHON names a Python with the openai package; run the suite with scripts/test, which makes one",
+    );
+    let app = spawn_app().await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/openai_flows.py");
+    let run = tokio::process::Command::new(python)
+        .arg(script)
+        .env("LORRY_BASE_URL", &app.address)
+        .env("LORRY_TOKEN", TOKEN)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(300), run)
+        .await
+        .expect("the SDK script ended")
+        .expect("the SDK script started");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the SDK script failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).expect("the script prints one JSON report");
+
+    // What the SDK got is the engine's own greedy answer, on every route.
+    let answer = |body: Value, model: &'static str| {
+        let app = &app;
+        async move {
+            let v: Value = app.post(&format!("{RUN}/{model}"), &body).await.json().await.unwrap();
+            assert_eq!(v["success"], true, "{v}");
+            v["result"].clone()
+        }
+    };
+    let chat = answer(
+        json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "ignore_eos": true}),
+        "@lorry/demo-llama",
+    )
+    .await;
+    assert_eq!(report["chat"], chat["response"], "{report}");
+    assert_eq!(report["batch"], json!([chat["response"], chat["response"], chat["response"]]));
+    let completion = answer(
+        json!({"prompt": "Once upon", "raw": true, "max_tokens": 4, "ignore_eos": true}),
+        "@lorry/demo-llama",
+    )
+    .await;
+    assert_eq!(report["completion"], completion["response"]);
+    let embedded = answer(json!({"text": ["a first text", "second"]}), "@lorry/demo-bge").await;
+    assert_eq!(report["embedding"], embedded["data"][1]);
+    app.stop().await;
+}

@@ -1,0 +1,102 @@
+"""The official `openai` SDK against a running Lorry, base_url only.
+
+Run by the end-to-end suite (tests/e2e/sdk.rs) with LORRY_BASE_URL and
+LORRY_TOKEN set; prints one JSON object with what the Rust side checks
+against the engine's own answers, and exits non-zero on any failure.
+"""
+
+import json
+import os
+import sys
+import time
+
+import openai
+from openai import OpenAI
+
+LLAMA = "@lorry/demo-llama"
+BGE = "@lorry/demo-bge"
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+def main() -> None:
+    client = OpenAI(base_url=os.environ["LORRY_BASE_URL"] + "/v1", api_key=os.environ["LORRY_TOKEN"], max_retries=0)
+    report = {}
+
+    models = {m.id: m for m in client.models.list().data}
+    assert LLAMA in models and BGE in models, models
+    report["models"] = sorted(models)
+
+    chat = client.chat.completions.create(
+        model=LLAMA, messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.object == "chat.completion", chat
+    assert chat.choices[0].finish_reason == "length", chat
+    assert chat.usage.completion_tokens == 6, chat.usage
+    report["chat"] = chat.choices[0].message.content
+
+    chunks = list(
+        client.chat.completions.create(
+            model=LLAMA,
+            messages=MESSAGES,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == report["chat"], (streamed, report["chat"])
+    assert chunks[-1].usage.completion_tokens == 6, chunks[-1]
+
+    completion = client.completions.create(model=LLAMA, prompt="Once upon", max_tokens=4, extra_body={"ignore_eos": True})
+    report["completion"] = completion.choices[0].text
+
+    # The SDK asks for base64 and decodes it itself.
+    embeddings = client.embeddings.create(model=BGE, input=["a first text", "second"])
+    assert [e.index for e in embeddings.data] == [0, 1]
+    report["embedding"] = embeddings.data[1].embedding
+
+    try:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+        raise AssertionError("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        assert e.code == "model_not_found", e
+
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": LLAMA, "messages": MESSAGES, "max_tokens": 6, "ignore_eos": True},
+        }
+        for i in range(3)
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(data), uploaded
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "sdk"}
+    )
+    deadline = time.time() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 3 and batch.request_counts.completed == 3, batch.request_counts
+    output = client.files.content(batch.output_file_id).text
+    results = [json.loads(line) for line in output.splitlines()]
+    assert [r["custom_id"] for r in results] == ["req-0", "req-1", "req-2"], results
+    report["batch"] = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
+    assert any(b.id == batch.id for b in client.batches.list().data)
+    assert client.files.delete(uploaded.id).deleted
+
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # the suite shows this
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        raise
