@@ -716,7 +716,7 @@ fn peft_files(adapter: &Adapter, dir: &std::path::Path) -> anyhow::Result<(Vec<u
     Ok((serde_json::to_vec(&config)?, std::fs::read(&path)?))
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[at.min(sorted.len() - 1)]
 }

@@ -6,6 +6,7 @@
 //! [`Application::stopper`] says stop, then drains.
 
 pub mod bench;
+pub mod isolation;
 pub mod offline;
 pub mod settings;
 

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use lorry::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
+use lorry::isolation::{self, IsolationArgs};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
@@ -55,6 +56,8 @@ enum Bench {
     Engine(EngineBenchArgs),
     /// Decode rates with LoRA adapters: none, one shared, many mixed, group by group.
     Lora(LoraBenchArgs),
+    /// Real-time latency against a running stack, idle and while a large batch drains.
+    Isolation(IsolationArgs),
 }
 
 #[tokio::main]
@@ -99,6 +102,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Bench(Bench::Lora(args)) => {
             bench::lora(&args).await?;
+            return Ok(());
+        }
+        Command::Bench(Bench::Isolation(args)) => {
+            isolation::isolation(&args).await?;
             return Ok(());
         }
     };
