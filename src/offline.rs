@@ -130,6 +130,10 @@ pub struct EngineArgs {
     /// Tokens computed per engine step (decoding plus chunked pre-fill).
     #[arg(long, env = "LORRY_STEP_TOKENS", default_value_t = 512)]
     pub step_tokens: usize,
+    /// Steps in a row batch work sits out while real-time requests run (0: batch and
+    /// real-time rows always share steps).
+    #[arg(long, env = "LORRY_RT_HOLD_STEPS", default_value_t = 32)]
+    pub rt_hold_steps: usize,
 }
 
 impl EngineArgs {
@@ -139,6 +143,7 @@ impl EngineArgs {
             kv_cache_bytes: self.kv_cache_mb << 20,
             max_seqs: self.max_seqs,
             token_budget: self.step_tokens,
+            rt_hold_steps: self.rt_hold_steps,
             ..EngineConfig::default()
         }
     }

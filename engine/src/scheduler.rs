@@ -11,6 +11,13 @@
 //! batch before real time — its blocks freed, to be recomputed from its tokens
 //! when it is admitted again.
 //!
+//! While real-time sequences run, batch sequences sit out (keeping their
+//! blocks) for up to `rt_hold_steps` steps in a row, then share one step: a
+//! step's cost grows with its rows, so a chat user's tokens come at the pace
+//! of an idle engine while a flood of batch work waits a few milliseconds, and
+//! under sustained real-time load the batch lane still gets a step in every
+//! `rt_hold_steps + 1`.
+//!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
 
@@ -42,6 +49,8 @@ pub struct SchedulerConfig {
     pub rt_reserved_seqs: usize,
     /// KV blocks batch admission must leave free.
     pub rt_reserved_blocks: usize,
+    /// Steps in a row batch work sits out while real-time sequences run (0: never).
+    pub rt_hold_steps: usize,
     /// Admission policy.
     pub policy: Policy,
 }
@@ -95,6 +104,8 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     arrivals: u64,
     preemptions: u64,
+    /// Steps in a row batch work has sat out.
+    held: usize,
 }
 
 impl Scheduler {
@@ -113,6 +124,7 @@ impl Scheduler {
             running: Vec::new(),
             arrivals: 0,
             preemptions: 0,
+            held: 0,
         }
     }
 
@@ -199,12 +211,18 @@ impl Scheduler {
                 })
                 .collect()
         };
-        let batch_decodes = by_lane_and_age(Lane::Batch, true, self).len();
+        let real_time = self.running.iter().any(|id| self.seqs[id].lane == Lane::RealTime);
+        let hold = real_time && self.held < self.config.rt_hold_steps;
+        self.held = if hold { self.held + 1 } else { 0 };
+        let batch_decodes = if hold { 0 } else { by_lane_and_age(Lane::Batch, true, self).len() };
         for id in by_lane_and_age(Lane::RealTime, true, self) {
             self.plan_one(id, &mut budget, 0, &mut plan);
         }
         for id in by_lane_and_age(Lane::RealTime, false, self) {
             self.plan_one(id, &mut budget, batch_decodes, &mut plan);
+        }
+        if hold {
+            return plan;
         }
         for id in by_lane_and_age(Lane::Batch, true, self) {
             self.plan_one(id, &mut budget, 0, &mut plan);
@@ -363,6 +381,7 @@ mod tests {
             token_budget,
             rt_reserved_seqs: 0,
             rt_reserved_blocks: 0,
+            rt_hold_steps: 0,
             policy: Policy::Continuous,
         }
     }
@@ -439,6 +458,40 @@ mod tests {
         let plan = s.schedule();
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
+    }
+
+    #[test]
+    fn batch_work_sits_out_while_real_time_runs_for_a_bounded_number_of_steps() {
+        let mut c = config(8, 64);
+        c.rt_hold_steps = 3;
+        let mut s = Scheduler::new(c, BlockPool::new(64, 4));
+        s.add(1, Lane::Batch, 4);
+        s.add(2, Lane::Batch, 4);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        assert_eq!(plan.chunks.len(), 2);
+        s.add(10, Lane::RealTime, 4);
+        s.add(3, Lane::Batch, 4);
+        let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
+        for _ in 0..3 {
+            let plan = s.schedule();
+            assert_eq!(ids(&plan), vec![10], "batch work waits while real time runs");
+            run(&mut s, &plan);
+        }
+        // Then one step for everything, batch admission included, and the hold again.
+        let plan = s.schedule();
+        assert_eq!(ids(&plan), vec![10, 1, 2, 3]);
+        run(&mut s, &plan);
+        let plan = s.schedule();
+        assert_eq!(ids(&plan), vec![10]);
+        run(&mut s, &plan);
+        // Once real time has ended, batch work runs every step.
+        s.remove(10);
+        for _ in 0..2 {
+            let plan = s.schedule();
+            assert_eq!(ids(&plan), vec![1, 2, 3]);
+            run(&mut s, &plan);
+        }
     }
 
     #[test]
@@ -521,6 +574,7 @@ mod tests {
                 token_budget: 24,
                 rt_reserved_seqs: 1,
                 rt_reserved_blocks: 2,
+                rt_hold_steps: 3,
                 policy: Policy::Continuous,
             },
             BlockPool::new(24, 4),

@@ -39,6 +39,8 @@ pub struct EngineConfig {
     pub rt_reserved_seqs: usize,
     /// Percent of the KV blocks batch admission leaves for the real-time lane.
     pub rt_reserved_blocks_percent: usize,
+    /// Steps in a row batch work sits out while real-time sequences run.
+    pub rt_hold_steps: usize,
     /// Continuous (the default) or static batching.
     pub policy: Policy,
 }
@@ -52,6 +54,7 @@ impl Default for EngineConfig {
             token_budget: 512,
             rt_reserved_seqs: 4,
             rt_reserved_blocks_percent: 10,
+            rt_hold_steps: 32,
             policy: Policy::Continuous,
         }
     }
@@ -197,6 +200,7 @@ impl EngineLoop {
                 token_budget: config.token_budget.max(config.max_seqs),
                 rt_reserved_seqs: config.rt_reserved_seqs.min(config.max_seqs.saturating_sub(1)),
                 rt_reserved_blocks: blocks * config.rt_reserved_blocks_percent / 100,
+                rt_hold_steps: config.rt_hold_steps,
                 policy: config.policy,
             },
             BlockPool::new(blocks as u32, config.block_size),
