@@ -28,10 +28,10 @@ pub struct IsolationArgs {
     #[arg(long, default_value = "@lorry/demo-llama")]
     pub model: String,
     /// Real-time requests per second.
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 8.0)]
     pub rate: f64,
     /// Real-time requests in each phase.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 240)]
     pub requests: usize,
     /// Tokens each real-time request generates.
     #[arg(long, default_value_t = 16)]
@@ -39,8 +39,8 @@ pub struct IsolationArgs {
     /// Requests in the batch that floods the stack.
     #[arg(long, default_value_t = 10_000)]
     pub flood: usize,
-    /// Tokens each batch request generates.
-    #[arg(long, default_value_t = 16)]
+    /// Tokens each batch request generates (enough that the batch outlasts the probe).
+    #[arg(long, default_value_t = 32)]
     pub flood_tokens: u32,
 }
 
