@@ -100,7 +100,11 @@ fn has_text(seen: &str) -> bool {
     seen.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .any(|c| c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()))
+        .any(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
 }
 
 /// The probes of one phase, on a fixed schedule.
@@ -146,7 +150,13 @@ fn summarise(probes: &[Probe]) -> Summary {
     }
     first.sort_by(f64::total_cmp);
     total.sort_by(f64::total_cmp);
-    let pct = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { crate::bench::percentile(v, p) };
+    let pct = |v: &[f64], p: f64| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            crate::bench::percentile(v, p)
+        }
+    };
     Summary {
         answered: first.len(),
         refused,
@@ -194,7 +204,11 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
         .await
         .context("posting the flood")?;
     if response.status().as_u16() != 202 {
-        bail!("the flood's POST answered {}: {}", response.status(), response.text().await?);
+        bail!(
+            "the flood's POST answered {}: {}",
+            response.status(),
+            response.text().await?
+        );
     }
     let batch: Value = response.json().await?;
     let id = batch["id"].as_str().context("batch id")?.to_string();
@@ -210,7 +224,8 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
     eprintln!("flood of {} running; probing again", args.flood);
     let flooded = summarise(&phase(&http, args).await);
     let after = batch_state(&http, args, &id).await?;
-    let left = after["request_counts"]["pending"].as_i64().unwrap_or(0) + after["request_counts"]["running"].as_i64().unwrap_or(0);
+    let left = after["request_counts"]["pending"].as_i64().unwrap_or(0)
+        + after["request_counts"]["running"].as_i64().unwrap_or(0);
 
     let ended = loop {
         let state = batch_state(&http, args, &id).await?;
@@ -230,7 +245,10 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
     println!();
     println!("| phase | answered | 429 | failed | TTFT p50 (ms) | TTFT p99 (ms) | total p50 (ms) | total p99 (ms) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    for (name, s) in [("idle", &idle), (&*format!("{}-request batch draining", args.flood), &flooded)] {
+    for (name, s) in [
+        ("idle", &idle),
+        (&*format!("{}-request batch draining", args.flood), &flooded),
+    ] {
         println!(
             "| {name} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             s.answered, s.refused, s.failed, s.first_token.0, s.first_token.1, s.total.0, s.total.1

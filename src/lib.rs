@@ -114,7 +114,14 @@ impl Application {
         if role.has_worker() {
             backends = start_backends(&settings, &sources).await?;
             spawn_worker(
-                &settings, &store, &objects, &topology, &catalog, backends.clone(), &stop, &mut tasks,
+                &settings,
+                &store,
+                &objects,
+                &topology,
+                &catalog,
+                backends.clone(),
+                &stop,
+                &mut tasks,
             );
         }
         let mut app = Application {

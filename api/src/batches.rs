@@ -13,9 +13,9 @@ use lorry_batcher::store::NewBatch;
 use lorry_engine::input::Fields;
 use serde_json::{json, Value};
 
-use crate::{adapters, files};
 use crate::extract::{Authenticated, JsonBody};
 use crate::submit::{self, Item, Options, Submission};
+use crate::{adapters, files};
 use crate::{ApiError, AppState};
 
 /// The batch object, with fresh presigned URLs once it has ended.

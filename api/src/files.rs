@@ -47,7 +47,10 @@ fn line_error(number: usize, error: ApiError) -> ApiError {
         format!("line {number}: {field}")
     };
     let mut refused = ApiError::new(error.status, error.code, format!("{at}: {}", error.message));
-    refused.param = Some(format!("file.line[{number}]{}{field}", if field.is_empty() { "" } else { "." }));
+    refused.param = Some(format!(
+        "file.line[{number}]{}{field}",
+        if field.is_empty() { "" } else { "." }
+    ));
     refused
 }
 
@@ -70,7 +73,10 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
             ));
         }
         let value: Value = serde_json::from_str(raw).map_err(|e| {
-            line_error(number, ApiError::invalid("invalid_json", "", format!("not valid JSON: {e}")))
+            line_error(
+                number,
+                ApiError::invalid("invalid_json", "", format!("not valid JSON: {e}")),
+            )
         })?;
         let line = read_line(state, &value).map_err(|e| line_error(number, e))?;
         let (custom_id, endpoint, request) = line;
@@ -126,7 +132,11 @@ fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Trans
     let request = translate(state, endpoint, body).map_err(|e| {
         let field = e.param.clone().unwrap_or_default();
         let mut e = e;
-        e.param = Some(if field.is_empty() { "body".into() } else { format!("body.{field}") });
+        e.param = Some(if field.is_empty() {
+            "body".into()
+        } else {
+            format!("body.{field}")
+        });
         e
     })?;
     if request.stream {
@@ -165,7 +175,11 @@ pub async fn batch_items(
             return Err(ApiError::invalid(
                 "endpoint_mismatch",
                 format!("{path}.url"),
-                format!("line {}: url must be the batch's endpoint {}", line.number, endpoint.path()),
+                format!(
+                    "line {}: url must be the batch's endpoint {}",
+                    line.number,
+                    endpoint.path()
+                ),
             ));
         }
         if line.request.requested != first.requested {
@@ -189,7 +203,12 @@ pub async fn batch_items(
 }
 
 /// The account's file named by `raw_id`, or 404.
-pub async fn owned_file(state: &AppState, account: &AccountId, raw_id: &str, param: &str) -> Result<FileRecord, ApiError> {
+pub async fn owned_file(
+    state: &AppState,
+    account: &AccountId,
+    raw_id: &str,
+    param: &str,
+) -> Result<FileRecord, ApiError> {
     let missing = || ApiError::not_found("file_not_found", param, "file");
     let id = FileId::parse(raw_id).ok_or_else(missing)?;
     state.store.file(account, &id).await?.ok_or_else(missing)
@@ -197,8 +216,12 @@ pub async fn owned_file(state: &AppState, account: &AccountId, raw_id: &str, par
 
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "file_too_large", "the file is over the size limit")
-            .with_param("file")
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "file_too_large",
+            "the file is over the size limit",
+        )
+        .with_param("file")
     } else {
         ApiError::invalid("invalid_multipart", "", error.body_text())
     }
@@ -224,7 +247,11 @@ pub async fn create(
                 file = Some((filename, field.bytes().await.map_err(multipart_error)?));
             }
             "purpose" | "file" => {
-                return Err(ApiError::invalid("duplicate_field", name.clone(), format!("{name} is given more than once")))
+                return Err(ApiError::invalid(
+                    "duplicate_field",
+                    name.clone(),
+                    format!("{name} is given more than once"),
+                ))
             }
             _ => {
                 return Err(ApiError::invalid(
@@ -294,12 +321,15 @@ pub async fn list(
     };
     let after = match query.get("after") {
         None => None,
-        Some(raw) => {
-            Some(FileId::parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a file id"))?)
-        }
+        Some(raw) => Some(
+            FileId::parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a file id"))?,
+        ),
     };
     let purpose = query.get("purpose").map(String::as_str);
-    let (files, has_more) = state.store.list_files(&account.id, purpose, limit, after.as_ref()).await?;
+    let (files, has_more) = state
+        .store
+        .list_files(&account.id, purpose, limit, after.as_ref())
+        .await?;
     Ok(Json(json!({
         "object": "list",
         "data": files.iter().map(FileRecord::to_json).collect::<Vec<_>>(),

@@ -64,7 +64,11 @@ impl Call {
                     Reply::Error { code, message, param } => return Err(engine_failure(code, message, param)),
                 }
             }
-            Err(engine_failure("engine_stopped".into(), "the worker went away".into(), None))
+            Err(engine_failure(
+                "engine_stopped".into(),
+                "the worker went away".into(),
+                None,
+            ))
         })
         .await;
         match answer {

@@ -78,7 +78,10 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
             };
             input.insert("text".into(), texts);
             renamed.push(("text", "input"));
-            match f.optional::<String>("encoding_format", "\"float\" or \"base64\"")?.as_deref() {
+            match f
+                .optional::<String>("encoding_format", "\"float\" or \"base64\"")?
+                .as_deref()
+            {
                 None | Some("float") | Some("base64") => {}
                 Some(_) => {
                     return Err(ApiError::invalid(
@@ -237,7 +240,11 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
         let path = format!("messages[{i}]");
         let mut f = Fields::new(item, &path)?;
         let role: String = f.required("role", "a string")?;
-        let role = if role == "developer" { "system".to_string() } else { role };
+        let role = if role == "developer" {
+            "system".to_string()
+        } else {
+            role
+        };
         let content = match f.raw("content") {
             None => String::new(),
             Some(Value::String(s)) => s.clone(),
@@ -335,7 +342,15 @@ pub async fn embeddings(
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: 0,
     };
-    Ok(Json(answer(Endpoint::Embeddings, "", now(), &request.requested, &done, base64)).into_response())
+    Ok(Json(answer(
+        Endpoint::Embeddings,
+        "",
+        now(),
+        &request.requested,
+        &done,
+        base64,
+    ))
+    .into_response())
 }
 
 async fn generate(
@@ -373,7 +388,14 @@ async fn generate(
 }
 
 /// One streamed chunk: a delta of text, or the end with its finish reason.
-fn chunk(endpoint: Endpoint, id: &str, created: i64, request: &Translated, text: Option<&str>, finish: Option<&str>) -> Value {
+fn chunk(
+    endpoint: Endpoint,
+    id: &str,
+    created: i64,
+    request: &Translated,
+    text: Option<&str>,
+    finish: Option<&str>,
+) -> Value {
     let choice = match endpoint {
         Endpoint::Chat => {
             let delta = match text {
@@ -384,7 +406,11 @@ fn chunk(endpoint: Endpoint, id: &str, created: i64, request: &Translated, text:
         }
         _ => json!({"index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish}),
     };
-    let object = if endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+    let object = if endpoint == Endpoint::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
     let mut value = json!({
         "id": id,
         "object": object,

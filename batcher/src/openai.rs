@@ -124,7 +124,11 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
 /// `{"id","custom_id","response":{"status_code","request_id","body"},"error"}`.
 pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i64, request: &FinishedRequest) -> Value {
     let request_id = format!("{batch}-{}", request.index);
-    let id = format!("batch_req_{}_{}", batch.as_str().trim_start_matches("batch_"), request.index);
+    let id = format!(
+        "batch_req_{}_{}",
+        batch.as_str().trim_start_matches("batch_"),
+        request.index
+    );
     match (&request.response, request.status) {
         (Some(body), RequestStatus::Succeeded) => {
             let done = Finished {
@@ -138,7 +142,14 @@ pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i6
                 Endpoint::Completions => "cmpl",
                 Endpoint::Embeddings => "emb",
             };
-            let body = answer(endpoint, &format!("{prefix}-{request_id}"), created, model, &done, false);
+            let body = answer(
+                endpoint,
+                &format!("{prefix}-{request_id}"),
+                created,
+                model,
+                &done,
+                false,
+            );
             json!({
                 "id": id,
                 "custom_id": request.custom_id,

@@ -287,7 +287,10 @@ impl Worker {
             .await?;
             consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
         }
-        consumers.spawn(self.clone().follow_cancels(cancel_consumer(&connection, topology).await?, stop.clone()));
+        consumers.spawn(
+            self.clone()
+                .follow_cancels(cancel_consumer(&connection, topology).await?, stop.clone()),
+        );
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
         // Consumers end on `stop` after their work in hand is settled, or when the connection drops.
@@ -511,7 +514,10 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
 }
 
 /// A private queue bound to the cancellation exchange, gone with the connection.
-async fn cancel_consumer(connection: &Connection, topology: &Topology) -> Result<(Channel, lapin::Consumer), BatcherError> {
+async fn cancel_consumer(
+    connection: &Connection,
+    topology: &Topology,
+) -> Result<(Channel, lapin::Consumer), BatcherError> {
     let channel = connection.create_channel().await?;
     let queue = channel
         .queue_declare(

@@ -214,7 +214,11 @@ impl Scheduler {
         let real_time = self.running.iter().any(|id| self.seqs[id].lane == Lane::RealTime);
         let hold = real_time && self.held < self.config.rt_hold_steps;
         self.held = if hold { self.held + 1 } else { 0 };
-        let batch_decodes = if hold { 0 } else { by_lane_and_age(Lane::Batch, true, self).len() };
+        let batch_decodes = if hold {
+            0
+        } else {
+            by_lane_and_age(Lane::Batch, true, self).len()
+        };
         for id in by_lane_and_age(Lane::RealTime, true, self) {
             self.plan_one(id, &mut budget, 0, &mut plan);
         }

@@ -101,7 +101,11 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
     assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
 
     // Text completion: the prompt as it is, no template.
-    let want = run_text(&app, json!({"prompt": "Once upon", "raw": true, "max_tokens": 5, "ignore_eos": true})).await;
+    let want = run_text(
+        &app,
+        json!({"prompt": "Once upon", "raw": true, "max_tokens": 5, "ignore_eos": true}),
+    )
+    .await;
     let done: Value = app
         .post(
             "/v1/completions",
@@ -122,7 +126,10 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
         .await
         .unwrap();
     let floats: Value = app
-        .post("/v1/embeddings", &json!({"model": BGE, "input": ["a first text", "second"]}))
+        .post(
+            "/v1/embeddings",
+            &json!({"model": BGE, "input": ["a first text", "second"]}),
+        )
         .await
         .json()
         .await
@@ -152,14 +159,46 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
 
     // Refusals in OpenAI's error shape, naming the field as the client spelled it.
     for (body, code, param) in [
-        (json!({"model": LLAMA, "messages": messages, "n": 2}), "unsupported_parameter", "n"),
-        (json!({"model": LLAMA, "messages": messages, "bogus": 1}), "unknown_field", "bogus"),
-        (json!({"model": LLAMA, "messages": messages, "max_completion_tokens": 0}), "out_of_range", "max_completion_tokens"),
-        (json!({"model": LLAMA, "messages": [{"role": "robot", "content": "x"}]}), "invalid_value", "messages[0].role"),
-        (json!({"model": BGE, "messages": messages}), "model_task_mismatch", "model"),
-        (json!({"model": "nope", "messages": messages}), "model_not_found", "model"),
-        (json!({"model": format!("{LLAMA}:no-such-adapter"), "messages": messages}), "adapter_not_found", "model"),
-        (json!({"model": LLAMA, "messages": messages, "stream_options": {"include_usage": true}}), "invalid_value", "stream_options"),
+        (
+            json!({"model": LLAMA, "messages": messages, "n": 2}),
+            "unsupported_parameter",
+            "n",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "bogus": 1}),
+            "unknown_field",
+            "bogus",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "max_completion_tokens": 0}),
+            "out_of_range",
+            "max_completion_tokens",
+        ),
+        (
+            json!({"model": LLAMA, "messages": [{"role": "robot", "content": "x"}]}),
+            "invalid_value",
+            "messages[0].role",
+        ),
+        (
+            json!({"model": BGE, "messages": messages}),
+            "model_task_mismatch",
+            "model",
+        ),
+        (
+            json!({"model": "nope", "messages": messages}),
+            "model_not_found",
+            "model",
+        ),
+        (
+            json!({"model": format!("{LLAMA}:no-such-adapter"), "messages": messages}),
+            "adapter_not_found",
+            "model",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "stream_options": {"include_usage": true}}),
+            "invalid_value",
+            "stream_options",
+        ),
     ] {
         let refused = app.post("/v1/chat/completions", &body).await;
         let status = refused.status().as_u16();
@@ -195,8 +234,10 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         .http
         .post(app.url("/v1/chat/completions"))
         .bearer_auth(TOKEN)
-        .json(&json!({"model": LLAMA, "messages": [{"role": "user", "content": "go on"}],
-                      "max_tokens": 480, "ignore_eos": true, "stream": true}))
+        .json(
+            &json!({"model": LLAMA, "messages": [{"role": "user", "content": "go on"}],
+                      "max_tokens": 480, "ignore_eos": true, "stream": true}),
+        )
         .send()
         .await
         .unwrap();
@@ -233,9 +274,10 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
 }
 
 async fn upload(app: &TestApp, name: &str, body: Vec<u8>) -> reqwest::Response {
-    let form = reqwest::multipart::Form::new()
-        .text("purpose", "batch")
-        .part("file", reqwest::multipart::Part::bytes(body).file_name(name.to_string()));
+    let form = reqwest::multipart::Form::new().text("purpose", "batch").part(
+        "file",
+        reqwest::multipart::Part::bytes(body).file_name(name.to_string()),
+    );
     app.http
         .post(app.url("/v1/files"))
         .bearer_auth(TOKEN)
@@ -267,8 +309,16 @@ async fn files_and_batches_run_to_completion_with_openai_output_files() {
     assert_eq!(file["filename"], "requests.jsonl");
     let file_id = file["id"].as_str().unwrap().to_string();
     assert!(file_id.starts_with("file-"));
-    assert_eq!(app.get_json(&format!("/v1/files/{file_id}")).await["bytes"], file["bytes"]);
-    let content = app.get(&format!("/v1/files/{file_id}/content")).await.bytes().await.unwrap();
+    assert_eq!(
+        app.get_json(&format!("/v1/files/{file_id}")).await["bytes"],
+        file["bytes"]
+    );
+    let content = app
+        .get(&format!("/v1/files/{file_id}/content"))
+        .await
+        .bytes()
+        .await
+        .unwrap();
     assert_eq!(content.to_vec(), jsonl(&lines));
 
     let created = app
@@ -290,7 +340,12 @@ async fn files_and_batches_run_to_completion_with_openai_output_files() {
     assert_eq!(ended["request_counts"]["failed"], 1);
 
     let output_id = ended["output_file_id"].as_str().expect("an output file").to_string();
-    let output = app.get(&format!("/v1/files/{output_id}/content")).await.text().await.unwrap();
+    let output = app
+        .get(&format!("/v1/files/{output_id}/content"))
+        .await
+        .text()
+        .await
+        .unwrap();
     let output: Vec<Value> = output.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(output.len(), 2);
     for (got, (custom_id, content)) in output.iter().zip([("a", "first"), ("b", "second")]) {
@@ -310,7 +365,12 @@ async fn files_and_batches_run_to_completion_with_openai_output_files() {
         assert_eq!(body["usage"]["completion_tokens"], 4);
     }
     let error_id = ended["error_file_id"].as_str().expect("an error file").to_string();
-    let errors = app.get(&format!("/v1/files/{error_id}/content")).await.text().await.unwrap();
+    let errors = app
+        .get(&format!("/v1/files/{error_id}/content"))
+        .await
+        .text()
+        .await
+        .unwrap();
     let errors: Vec<Value> = errors.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(errors.len(), 1);
     assert_eq!(errors[0]["custom_id"], "c");
@@ -349,10 +409,22 @@ async fn bad_batch_files_are_refused_naming_the_line_and_nothing_is_kept() {
     other_model["custom_id"] = json!("two");
     other_model["body"]["model"] = json!("@lorry/echo");
     let cases: Vec<(Vec<u8>, &str, &str)> = vec![
-        (b"{\"custom_id\": \"ok\"\nnot json\n".to_vec(), "invalid_json", "file.line[1]"),
-        (jsonl(&[good.clone(), bad_role]), "invalid_value", "file.line[2].body.messages[0].role"),
+        (
+            b"{\"custom_id\": \"ok\"\nnot json\n".to_vec(),
+            "invalid_json",
+            "file.line[1]",
+        ),
+        (
+            jsonl(&[good.clone(), bad_role]),
+            "invalid_value",
+            "file.line[2].body.messages[0].role",
+        ),
         (jsonl(&[good.clone(), bad_url]), "invalid_value", "file.line[2].url"),
-        (jsonl(&[good.clone(), good.clone()]), "duplicate_custom_id", "file.line[2].custom_id"),
+        (
+            jsonl(&[good.clone(), good.clone()]),
+            "duplicate_custom_id",
+            "file.line[2].custom_id",
+        ),
         (Vec::new(), "empty_file", "file"),
     ];
     for (body, code, param) in cases {

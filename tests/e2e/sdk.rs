@@ -52,7 +52,10 @@ async fn the_official_openai_sdk_runs_every_flow() {
     )
     .await;
     assert_eq!(report["chat"], chat["response"], "{report}");
-    assert_eq!(report["batch"], json!([chat["response"], chat["response"], chat["response"]]));
+    assert_eq!(
+        report["batch"],
+        json!([chat["response"], chat["response"], chat["response"]])
+    );
     let completion = answer(
         json!({"prompt": "Once upon", "raw": true, "max_tokens": 4, "ignore_eos": true}),
         "@lorry/demo-llama",
