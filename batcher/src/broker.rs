@@ -152,6 +152,22 @@ fn quorum(dead_letter: Option<(u32, &str)>) -> FieldTable {
     args
 }
 
+/// A server-named queue only this connection uses, gone with it; returns its name.
+pub async fn private_queue(channel: &Channel) -> Result<String> {
+    let queue = channel
+        .queue_declare(
+            "",
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(queue.name().to_string())
+}
+
 /// Run `session` until it ends cleanly or `stop` is cancelled, starting it
 /// again after each failure with exponential backoff (100 ms doubling to 5 s).
 pub async fn reconnecting<F, Fut>(what: &str, stop: &CancellationToken, mut session: F)

@@ -233,18 +233,7 @@ impl RealtimeClient {
             .declare(publisher.channel(), self.models.iter().map(String::as_str))
             .await?;
         let replies = connection.create_channel().await?;
-        let queue = replies
-            .queue_declare(
-                "",
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        let reply_queue = queue.name().to_string();
+        let reply_queue = broker::private_queue(&replies).await?;
         let mut consumer = replies
             .basic_consume(&reply_queue, "", BasicConsumeOptions::default(), FieldTable::default())
             .await?;

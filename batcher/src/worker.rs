@@ -14,9 +14,7 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 use lorry_engine::{collect, Backend, Catalog, EngineError, EventStream, InputError, Lane, ValidRequest};
@@ -519,20 +517,10 @@ async fn cancel_consumer(
     topology: &Topology,
 ) -> Result<(Channel, lapin::Consumer), BatcherError> {
     let channel = connection.create_channel().await?;
-    let queue = channel
-        .queue_declare(
-            "",
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
+    let queue = broker::private_queue(&channel).await?;
     channel
         .queue_bind(
-            queue.name().as_str(),
+            &queue,
             &topology.rt_cancel_exchange(),
             "",
             QueueBindOptions::default(),
@@ -544,7 +532,7 @@ async fn cancel_consumer(
         ..Default::default()
     };
     let consumer = channel
-        .basic_consume(queue.name().as_str(), "", options, FieldTable::default())
+        .basic_consume(&queue, "", options, FieldTable::default())
         .await?;
     Ok((channel, consumer))
 }

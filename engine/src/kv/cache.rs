@@ -219,8 +219,8 @@ mod tests {
         let mut rng = SplitMix::new(5);
         // Interleave two sequences so that their blocks are not contiguous.
         let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
-        let mut keys = vec![Vec::new(), Vec::new()];
-        let mut values = vec![Vec::new(), Vec::new()];
+        let mut keys = [Vec::new(), Vec::new()];
+        let mut values = [Vec::new(), Vec::new()];
         for step in 0..10 {
             for (s, table) in [&mut a, &mut b].into_iter().enumerate() {
                 let start = table.len();
