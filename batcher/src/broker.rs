@@ -242,6 +242,22 @@ impl Publisher {
 
     /// Publish one message with `properties` and wait for its confirm.
     pub async fn publish(&self, exchange: &str, key: &str, body: &[u8], properties: BasicProperties) -> Result<()> {
+        self.publish_pipelined(exchange, key, body, properties)
+            .await?
+            .wait()
+            .await
+    }
+
+    /// Publish one message without waiting for its confirm, so that messages
+    /// on this channel follow each other without a round trip each (the
+    /// broker keeps their order); the returned confirm is awaited later.
+    pub async fn publish_pipelined(
+        &self,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<Pending> {
         let options = BasicPublishOptions {
             mandatory: exchange.is_empty(),
             ..Default::default()
@@ -249,11 +265,26 @@ impl Publisher {
         let confirm = self
             .channel
             .basic_publish(exchange, key, options, body, properties)
-            .await?
             .await?;
-        match confirm {
+        Ok(Pending {
+            key: key.to_string(),
+            confirm,
+        })
+    }
+}
+
+/// A published message whose confirm has not been awaited yet.
+pub struct Pending {
+    key: String,
+    confirm: lapin::publisher_confirm::PublisherConfirm,
+}
+
+impl Pending {
+    /// Wait until the broker has confirmed (and routed) the message.
+    pub async fn wait(self) -> Result<()> {
+        match self.confirm.await? {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => Err(BatcherError::NotConfirmed(key.to_string())),
+            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) => Err(BatcherError::NotConfirmed(self.key)),
         }
     }
 }

@@ -97,15 +97,25 @@ pub struct ReplyTo<'a> {
 }
 
 impl ReplyTo<'_> {
-    /// Send one reply.
+    /// Send one reply and wait for the broker's confirm.
     pub async fn send(&self, reply: &Reply) -> Result<(), BatcherError> {
+        self.send_pipelined(reply).await?.wait().await
+    }
+
+    /// Send one reply without waiting for its confirm.
+    async fn send_pipelined(&self, reply: &Reply) -> Result<broker::Pending, BatcherError> {
         let body = serde_json::to_vec(reply)?;
         let properties = BasicProperties::default()
             .with_correlation_id(self.correlation.into())
             .with_content_type("application/json".into());
-        self.publisher.publish("", self.queue, &body, properties).await
+        self.publisher
+            .publish_pipelined("", self.queue, &body, properties)
+            .await
     }
 }
+
+/// Replies a worker sends ahead of their confirms.
+const MAX_UNCONFIRMED: usize = 64;
 
 /// Relay an engine's events as replies until the request ends, or until
 /// `cancel` fires: then the stream is dropped, which cancels the request in the engine.
@@ -114,6 +124,7 @@ pub async fn forward(
     reply: &ReplyTo<'_>,
     cancel: &CancellationToken,
 ) -> Result<(), BatcherError> {
+    let mut pending = std::collections::VecDeque::new();
     loop {
         let event = tokio::select! {
             _ = cancel.cancelled() => {
@@ -128,8 +139,15 @@ pub async fn forward(
             Event::Finished(output) => Reply::Done { output },
             Event::Failed(e) => Reply::engine_error(&e),
         };
-        reply.send(&message).await?;
+        // Tokens go out back to back; their confirms are checked with the last reply's.
+        pending.push_back(reply.send_pipelined(&message).await?);
+        if pending.len() > MAX_UNCONFIRMED {
+            pending.pop_front().expect("not empty").wait().await?;
+        }
         if message.is_last() {
+            for confirm in pending {
+                confirm.wait().await?;
+            }
             return Ok(());
         }
     }
