@@ -204,6 +204,12 @@ impl Application {
 
 /// Load every model of the catalogue and start its engine (off the async runtime: loading reads the weights).
 async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow::Result<Vec<Arc<dyn Backend>>> {
+    // The engines' products run on rayon's global pool, sized once per process.
+    let threads = settings.engine_threads();
+    match rayon::ThreadPoolBuilder::new().num_threads(threads).build_global() {
+        Ok(()) => tracing::info!(threads, "engine threads"),
+        Err(_) => tracing::debug!("the engine thread pool was already sized in this process"),
+    }
     let echo = EchoEngine::start(EchoConfig {
         delay: Duration::from_millis(settings.echo_delay_ms),
     });

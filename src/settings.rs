@@ -152,6 +152,10 @@ pub struct Settings {
     /// Milliseconds an adapter waits for room before requests for resident ones are held back for it.
     #[arg(long, env = "LORRY_ADAPTER_CYCLE_MS", default_value_t = 2000)]
     pub adapter_cycle_ms: u64,
+    /// Threads a worker's engines compute on; 0: one fewer than the CPUs, so
+    /// the API, the worker's I/O and the services beside them keep a core.
+    #[arg(long, env = "LORRY_ENGINE_THREADS", default_value_t = 0)]
+    pub engine_threads: usize,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub engine: EngineArgs,
@@ -212,6 +216,14 @@ impl Settings {
             disk_bytes: self.adapter_disk_mib << 20,
             cycle: Duration::from_millis(self.adapter_cycle_ms),
             limits: self.adapter_limits(),
+        }
+    }
+
+    /// Threads the engines compute on: `engine_threads`, or one fewer than the CPUs.
+    pub fn engine_threads(&self) -> usize {
+        match self.engine_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
+            n => n,
         }
     }
 
