@@ -96,6 +96,7 @@ pub fn router(state: AppState) -> Router {
             post(adapters::upload_asset).layer(uploads),
         )
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*model}", get(openai::model))
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))

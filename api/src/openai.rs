@@ -6,7 +6,7 @@
 
 use std::convert::Infallible;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -292,28 +292,35 @@ fn now() -> i64 {
     chrono::Utc::now().timestamp()
 }
 
+fn model_json(spec: &lorry_engine::ModelSpec) -> Value {
+    let task = match spec.task {
+        Task::Embeddings => "embeddings",
+        Task::TextGeneration | Task::Echo => "text-generation",
+    };
+    json!({
+        "id": spec.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "lorry",
+        "task": task,
+        "adapters": spec.takes_adapters,
+    })
+}
+
 /// `GET /v1/models`.
 pub async fn models(State(state): State<AppState>, _account: Authenticated) -> Json<Value> {
-    let mut data: Vec<Value> = state
-        .catalog
-        .iter()
-        .map(|spec| {
-            let task = match spec.task {
-                Task::Embeddings => "embeddings",
-                Task::TextGeneration | Task::Echo => "text-generation",
-            };
-            json!({
-                "id": spec.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "lorry",
-                "task": task,
-                "adapters": spec.takes_adapters,
-            })
-        })
-        .collect();
+    let mut data: Vec<Value> = state.catalog.iter().map(model_json).collect();
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
     Json(json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{model}` (the name may hold slashes).
+pub async fn model(
+    State(state): State<AppState>,
+    _account: Authenticated,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(model_json(submit::model(&state, &name, "model")?)))
 }
 
 /// `POST /v1/chat/completions`.

@@ -48,6 +48,9 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
     assert_eq!(find(LLAMA)["adapters"], true);
     assert_eq!(find(BGE)["task"], "embeddings");
     assert_eq!(find(BGE)["object"], "model");
+    assert_eq!(app.get_json(&format!("/v1/models/{LLAMA}")).await, find(LLAMA));
+    let missing = app.get("/v1/models/no-such-model").await;
+    assert_eq!(missing.status(), 404);
 
     // Chat: the same greedy tokens as the Workers AI route on the same messages.
     let messages = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello there"}]);

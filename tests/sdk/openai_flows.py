@@ -25,6 +25,7 @@ def main() -> None:
     models = {m.id: m for m in client.models.list().data}
     assert LLAMA in models and BGE in models, models
     report["models"] = sorted(models)
+    assert client.models.retrieve(LLAMA).id == LLAMA
 
     chat = client.chat.completions.create(
         model=LLAMA, messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
