@@ -13,9 +13,9 @@ use lorry_batcher::store::NewBatch;
 use lorry_engine::input::Fields;
 use serde_json::{json, Value};
 
-use crate::extract::{Authenticated, JsonBody};
+use crate::extract::{page, Authenticated, JsonBody};
+use crate::files;
 use crate::submit::{self, Item, Options, Submission};
-use crate::{adapters, files};
 use crate::{ApiError, AppState};
 
 /// The batch object, with fresh presigned URLs once it has ended.
@@ -108,12 +108,16 @@ async fn inline(
         items,
         options,
     };
-    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
-    adapters::resolve_requests(state, &account.0.id, base, &mut new.requests, default_adapter, |i| {
-        format!("requests[{i}].body")
-    })
-    .await?;
-    Ok(new)
+    submit::prepare(
+        state,
+        &account.0.id,
+        submission,
+        headers,
+        &body.raw,
+        default_adapter,
+        |i| format!("requests[{i}].body"),
+    )
+    .await
 }
 
 /// OpenAI's shape: `{"input_file_id", "endpoint", "completion_window", "metadata"?}`;
@@ -156,12 +160,10 @@ async fn from_file(
         items,
         options,
     };
-    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
-    adapters::resolve_requests(state, &account.0.id, &first.model, &mut new.requests, None, |i| {
+    submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
         format!("input_file_id.line[{}].body.model", i + 1)
     })
-    .await?;
-    Ok(new)
+    .await
 }
 
 fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
@@ -212,21 +214,7 @@ pub async fn list(
     account: Authenticated,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let limit = match query.get("limit") {
-        None => 20,
-        Some(raw) => raw
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=100).contains(n))
-            .ok_or_else(|| ApiError::invalid("invalid_value", "limit", "limit must be an integer from 1 to 100"))?,
-    };
-    let after = match query.get("after") {
-        None => None,
-        Some(raw) => Some(
-            BatchId::parse(raw)
-                .ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a batch id"))?,
-        ),
-    };
+    let (limit, after) = page(&query, 20, 100, BatchId::parse, "a batch id")?;
     let page = state.store.list_batches(&account.0.id, limit, after.as_ref()).await?;
     let ids: Vec<&BatchId> = page.batches.iter().map(|b| &b.id).collect();
     let mut tallies = state.store.tallies(&ids).await?;

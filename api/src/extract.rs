@@ -65,3 +65,35 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
         Ok(JsonBody { value, raw })
     }
 }
+
+/// A listing's `limit` (1 to `max`, `default` when absent) and `after` (an id
+/// `parse` accepts, described as `what` in errors) from its query string.
+pub fn page<T>(
+    query: &std::collections::HashMap<String, String>,
+    default: i64,
+    max: i64,
+    parse: impl Fn(&str) -> Option<T>,
+    what: &str,
+) -> Result<(i64, Option<T>), ApiError> {
+    let limit = match query.get("limit") {
+        None => default,
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "invalid_value",
+                    "limit",
+                    format!("limit must be an integer from 1 to {max}"),
+                )
+            })?,
+    };
+    let after = match query.get("after") {
+        None => None,
+        Some(raw) => Some(
+            parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", format!("after must be {what}")))?,
+        ),
+    };
+    Ok((limit, after))
+}

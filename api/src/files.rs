@@ -19,7 +19,7 @@ use lorry_batcher::store::{FileRecord, NewFile};
 use lorry_engine::input::Fields;
 use serde_json::{json, Value};
 
-use crate::extract::Authenticated;
+use crate::extract::{page, Authenticated};
 use crate::openai::{translate, Translated};
 use crate::submit::Item;
 use crate::{ApiError, AppState};
@@ -311,20 +311,7 @@ pub async fn list(
     Authenticated(account): Authenticated,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let limit = match query.get("limit") {
-        None => 100,
-        Some(raw) => raw
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=10_000).contains(n))
-            .ok_or_else(|| ApiError::invalid("invalid_value", "limit", "limit must be an integer from 1 to 10000"))?,
-    };
-    let after = match query.get("after") {
-        None => None,
-        Some(raw) => Some(
-            FileId::parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", "after must be a file id"))?,
-        ),
-    };
+    let (limit, after) = page(&query, 100, 10_000, FileId::parse, "a file id")?;
     let purpose = query.get("purpose").map(String::as_str);
     let (files, has_more) = state
         .store

@@ -169,6 +169,24 @@ pub fn validate(
     })
 }
 
+/// [`validate`], then resolve the adapter each request names (or `default`)
+/// to its id, so the batch is written only with adapters the account has;
+/// `path` names request `i`'s body in errors.
+pub async fn prepare(
+    state: &AppState,
+    account: &AccountId,
+    submission: Submission<'_>,
+    headers: &HeaderMap,
+    raw: &[u8],
+    default: Option<&str>,
+    path: impl Fn(usize) -> String,
+) -> Result<NewBatch, ApiError> {
+    let model = submission.spec.name.clone();
+    let mut new = validate(state, account, submission, headers, raw)?;
+    crate::adapters::resolve_requests(state, account, &model, &mut new.requests, default, path).await?;
+    Ok(new)
+}
+
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {
         return Ok(None);

@@ -22,7 +22,6 @@ use lorry_engine::input::Fields;
 use lorry_engine::Output;
 use serde_json::{json, Value};
 
-use crate::adapters;
 use crate::batches::owned_batch;
 use crate::error::CloudflareError;
 use crate::extract::{Authenticated, JsonBody};
@@ -130,9 +129,7 @@ async fn queue(
         items,
         options,
     };
-    let model = spec.name.clone();
-    let mut new = submit::validate(state, &account.0.id, submission, headers, &body.raw)?;
-    adapters::resolve_requests(state, &account.0.id, &model, &mut new.requests, None, |i| {
+    let new = submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
         format!("requests[{i}]")
     })
     .await?;
