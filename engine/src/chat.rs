@@ -260,6 +260,37 @@ impl Decoding {
     /// Sample the next token from `logits` and apply the stop rules.
     pub fn push(&mut self, logits: &[f32], model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
         let next = self.sampler.sample(logits);
+        self.push_token(next, model)
+    }
+
+    /// Tokens that may still be generated.
+    pub fn remaining(&self) -> usize {
+        self.max_new.saturating_sub(self.tokens.len() - self.prompt_len)
+    }
+
+    /// Whether this request samples greedily.
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
+    /// A draft model's pick after `logits`: its argmax for a greedy request,
+    /// else a draw from the request's own filtered distribution over the
+    /// draft's logits, returned too for verification.
+    pub fn draft_pick(&mut self, logits: &[f32]) -> (u32, Option<Vec<(u32, f64)>>) {
+        if self.sampler.is_greedy() {
+            return (crate::sampling::argmax(logits), None);
+        }
+        let q = self.sampler.distribution(logits);
+        (self.sampler.draw(&q), Some(q))
+    }
+
+    /// Verify `drafts` against the target's logits (see [`Sampler::verify`]).
+    pub fn verify(&mut self, drafts: &[u32], q: Option<&[Vec<(u32, f64)>]>, logits: &[&[f32]]) -> (Vec<u32>, usize) {
+        self.sampler.verify(drafts, q, logits)
+    }
+
+    /// Append a token chosen elsewhere (a verified draft) and apply the stop rules.
+    pub fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(next);
         let generated = self.tokens.len() - self.prompt_len;
         if !self.ignore_eos && Some(next) == self.eos {

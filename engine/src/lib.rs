@@ -24,6 +24,7 @@ pub mod rng;
 pub mod sampling;
 pub mod scheduler;
 pub mod serial;
+pub mod speculative;
 pub mod text_engine;
 
 use serde::{Deserialize, Serialize};

@@ -555,9 +555,17 @@ pub struct PackedLora {
 #[derive(Debug, Clone)]
 pub struct PackedAdapter {
     modules: BTreeMap<(usize, Target), PackedLora>,
+    key: [u8; 32],
 }
 
 impl PackedAdapter {
+    /// A SHA-256 of everything the adapter computes with (every module's
+    /// place, rank, scale, precision and weights): equal keys, equal outputs.
+    /// The prefix cache keeps blocks computed under different keys apart.
+    pub fn key(&self) -> &[u8; 32] {
+        &self.key
+    }
+
     /// Memory the packed weights take.
     pub fn bytes(&self) -> usize {
         self.modules.values().map(|m| m.a.bytes() + m.b.bytes()).sum()
@@ -570,9 +578,23 @@ impl PackedAdapter {
 }
 
 impl Adapter {
+    /// The content key of [`PackedAdapter::key`].
+    fn key(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for (&(layer, target), m) in &self.modules {
+            h.update(format!("{layer}.{target:?}.{}.{:?}:", m.rank, m.precision));
+            h.update(m.scale.to_le_bytes());
+            let weights: Vec<u8> = m.a.iter().chain(&m.b).flat_map(|v| v.to_le_bytes()).collect();
+            h.update(&weights);
+        }
+        h.finalize().into()
+    }
+
     /// Pack every module for the forward pass.
     pub fn packed(&self) -> PackedAdapter {
         PackedAdapter {
+            key: self.key(),
             modules: self
                 .modules
                 .iter()

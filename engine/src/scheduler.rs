@@ -18,12 +18,26 @@
 //! under sustained real-time load the batch lane still gets a step in every
 //! `rt_hold_steps + 1`.
 //!
+//! Prefix caching: a sequence arrives with the hashes of its prompt's full
+//! blocks ([`crate::kv::prefix`]); when it is admitted, every leading block
+//! already cached is shared into its table and only the rest is pre-filled
+//! (the last prompt token is always computed, for its logits). Blocks become
+//! shareable once their keys and values are computed and their tokens final:
+//! after the step that computed them ([`Scheduler::step_done`]) or when their
+//! sequence ends. A cached block nobody holds counts as free, so the
+//! real-time reservation is never held by the cache.
+//!
+//! Speculative decoding: the engine may [`Scheduler::propose`] draft tokens for
+//! a decoding sequence; its next chunk then computes its last token and the
+//! drafts in one pass, and after verification the engine
+//! [`Scheduler::rollback`]s the rejected drafts' keys and values.
+//!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv::{BlockPool, BlockTable};
+use crate::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
@@ -66,6 +80,9 @@ pub struct Chunk {
     pub len: usize,
     /// Whether this computes the sequence's last known token, so a new one is sampled.
     pub samples: bool,
+    /// Proposed tokens after the last known one, computed for verification
+    /// (the chunk's last `draft` tokens).
+    pub draft: usize,
 }
 
 /// A step's plan.
@@ -90,6 +107,12 @@ struct Seq {
     running: bool,
     /// Tokens sampled so far.
     generated: usize,
+    /// Hashes of the full blocks of its known tokens (empty: not cached).
+    hashes: Vec<BlockHash>,
+    /// Leading blocks of `table` that are in the prefix cache.
+    cached: usize,
+    /// Draft tokens proposed for its next step.
+    draft: usize,
 }
 
 /// The scheduler's state.
@@ -133,8 +156,9 @@ impl Scheduler {
         self.pool.total_blocks() * self.pool.block_size()
     }
 
-    /// Queue a new sequence of `tokens` prompt tokens.
-    pub fn add(&mut self, id: SeqId, lane: Lane, tokens: usize) {
+    /// Queue a new sequence of `tokens` prompt tokens, with the hashes of the
+    /// prompt's full blocks (none: the prefix cache is not used for it).
+    pub fn add(&mut self, id: SeqId, lane: Lane, tokens: usize, hashes: Vec<BlockHash>) {
         self.arrivals += 1;
         let seq = Seq {
             lane,
@@ -144,6 +168,9 @@ impl Scheduler {
             order: self.arrivals,
             running: false,
             generated: 0,
+            hashes,
+            cached: 0,
+            draft: 0,
         };
         self.seqs.insert(id, seq);
         match lane {
@@ -154,20 +181,80 @@ impl Scheduler {
 
     /// A token was sampled for `id`: it has one more token to compute.
     pub fn append_token(&mut self, id: SeqId) {
+        self.append_tokens(id, 1, &[]);
+    }
+
+    /// `n` tokens were sampled (or accepted) for `id`, completing the blocks `hashes` names.
+    pub fn append_tokens(&mut self, id: SeqId, n: usize, hashes: &[BlockHash]) {
         if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.tokens += 1;
-            seq.generated += 1;
+            seq.tokens += n;
+            seq.generated += n;
+            seq.hashes.extend_from_slice(hashes);
         }
     }
 
-    /// `id` is done (finished, failed or cancelled): forget it and free its blocks.
+    /// Compute `draft` proposed tokens with `id`'s next decoding step.
+    pub fn propose(&mut self, id: SeqId, draft: usize) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.draft = draft;
+        }
+    }
+
+    /// Only `id`'s first `computed` tokens have valid keys and values (the rest
+    /// were rejected drafts): give back the blocks past them.
+    pub fn rollback(&mut self, id: SeqId, computed: usize) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            if computed < seq.computed {
+                seq.computed = computed;
+                seq.table.truncate(&mut self.pool, computed);
+                seq.cached = seq.cached.min(seq.table.blocks().len());
+            }
+        }
+    }
+
+    /// The step planned as `plan` ran: the blocks it filled with final tokens can be shared.
+    pub fn step_done(&mut self, plan: &Plan) {
+        for chunk in &plan.chunks {
+            if let Some(seq) = self.seqs.get_mut(&chunk.id) {
+                cache_blocks(seq, &mut self.pool);
+            }
+        }
+    }
+
+    /// `id` is done (finished or cancelled): forget it and free its blocks,
+    /// keeping the full ones with final tokens in the prefix cache.
     pub fn remove(&mut self, id: SeqId) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            cache_blocks(seq, &mut self.pool);
+        }
+        self.discard(id);
+    }
+
+    /// `id` failed: forget it and free its blocks, caching none of what its last step wrote.
+    pub fn discard(&mut self, id: SeqId) {
         if let Some(mut seq) = self.seqs.remove(&id) {
             seq.table.release(&mut self.pool);
             self.running.retain(|&r| r != id);
             self.waiting_rt.retain(|&r| r != id);
             self.waiting_batch.retain(|&r| r != id);
         }
+    }
+
+    /// The prefix cache's counters.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.pool.stats()
+    }
+
+    /// Ids of the running sequences that decode (one known token to compute) next.
+    pub fn decoding(&self) -> Vec<SeqId> {
+        self.running
+            .iter()
+            .copied()
+            .filter(|id| {
+                let s = &self.seqs[id];
+                s.tokens - s.computed == 1 && s.computed > 0
+            })
+            .collect()
     }
 
     /// The blocks of a sequence, in token order.
@@ -276,8 +363,13 @@ impl Scheduler {
                 return;
             }
             let seq = &self.seqs[&id];
-            let take = (seq.tokens - seq.computed).min(*budget);
-            let needed = seq.table.blocks_needed(&self.pool, take);
+            let (cached, claimed_idle) = self.pool.cached_prefix(reusable(seq, self.pool.block_size()));
+            let computed = seq.computed.max(cached * self.pool.block_size());
+            let take = (seq.tokens - computed).min(*budget);
+            let needed = (computed + take)
+                .div_ceil(self.pool.block_size())
+                .saturating_sub(seq.table.blocks().len().max(cached))
+                + claimed_idle;
             // Alone, a sequence may use every block: the reserve must not stall the engine.
             let reserve = if self.running.is_empty() {
                 0
@@ -295,6 +387,12 @@ impl Scheduler {
 
     fn start(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("queued sequences are known");
+        if seq.table.is_empty() {
+            let blocks = self.pool.claim(reusable(seq, self.pool.block_size()));
+            seq.cached = blocks.len();
+            seq.table = BlockTable::shared(&self.pool, blocks);
+            seq.computed = seq.table.len();
+        }
         seq.running = true;
         let order = seq.order;
         let at = self.running.partition_point(|r| self.seqs[r].order < order);
@@ -308,7 +406,8 @@ impl Scheduler {
         if !seq.running {
             return; // preempted earlier in this step
         }
-        let take = (seq.tokens - seq.computed).min(budget.saturating_sub(hold_back));
+        let draft = if seq.tokens - seq.computed == 1 { seq.draft } else { 0 };
+        let take = (seq.tokens + draft - seq.computed).min(budget.saturating_sub(hold_back));
         if take == 0 {
             return;
         }
@@ -333,9 +432,11 @@ impl Scheduler {
             id,
             start: seq.computed,
             len: take,
-            samples: seq.computed + take == seq.tokens,
+            samples: seq.computed + take >= seq.tokens,
+            draft: (seq.computed + take).saturating_sub(seq.tokens),
         });
         seq.computed += take;
+        seq.draft = 0;
         *budget -= take;
     }
 
@@ -360,6 +461,8 @@ impl Scheduler {
         let seq = self.seqs.get_mut(&id).expect("running sequences are known");
         seq.table.release(&mut self.pool);
         seq.computed = 0;
+        seq.cached = 0;
+        seq.draft = 0;
         seq.running = false;
         self.running.retain(|&r| r != id);
         let queue = match seq.lane {
@@ -372,6 +475,27 @@ impl Scheduler {
         plan.preempted.push(id);
         self.preemptions += 1;
     }
+}
+
+/// The hashes of the prompt blocks a sequence may take from the cache: full
+/// blocks before its last known token, which is computed for its logits.
+fn reusable(seq: &Seq, block_size: usize) -> &[BlockHash] {
+    if !seq.table.is_empty() {
+        return &[];
+    }
+    let usable = seq.tokens.saturating_sub(1) / block_size;
+    &seq.hashes[..usable.min(seq.hashes.len())]
+}
+
+/// Put a sequence's full, computed blocks of final tokens into the prefix cache.
+fn cache_blocks(seq: &mut Seq, pool: &mut BlockPool) {
+    let full = (seq.computed / pool.block_size())
+        .min(seq.hashes.len())
+        .min(seq.table.blocks().len());
+    for i in seq.cached..full {
+        pool.register(seq.table.blocks()[i], seq.hashes[i]);
+    }
+    seq.cached = seq.cached.max(full);
 }
 
 #[cfg(test)]
@@ -402,7 +526,7 @@ mod tests {
     #[test]
     fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
         let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
-        s.add(1, Lane::Batch, 3);
+        s.add(1, Lane::Batch, 3, vec![]);
         let plan = s.schedule();
         assert_eq!(
             plan.chunks,
@@ -410,11 +534,12 @@ mod tests {
                 id: 1,
                 start: 0,
                 len: 3,
-                samples: true
+                samples: true,
+                draft: 0
             }]
         );
         run(&mut s, &plan);
-        s.add(2, Lane::Batch, 20);
+        s.add(2, Lane::Batch, 20, vec![]);
         let plan = s.schedule();
         // Sequence 1 decodes its one token; sequence 2 gets the other seven.
         assert_eq!(
@@ -424,13 +549,15 @@ mod tests {
                     id: 1,
                     start: 3,
                     len: 1,
-                    samples: true
+                    samples: true,
+                    draft: 0
                 },
                 Chunk {
                     id: 2,
                     start: 0,
                     len: 7,
-                    samples: false
+                    samples: false,
+                    draft: 0
                 },
             ]
         );
@@ -442,7 +569,8 @@ mod tests {
                 id: 2,
                 start: 7,
                 len: 7,
-                samples: false
+                samples: false,
+                draft: 0
             }
         );
     }
@@ -453,12 +581,12 @@ mod tests {
         c.rt_reserved_seqs = 1;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         for id in 0..5 {
-            s.add(id, Lane::Batch, 4);
+            s.add(id, Lane::Batch, 4, vec![]);
         }
         let plan = s.schedule();
         assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
         run(&mut s, &plan);
-        s.add(10, Lane::RealTime, 4);
+        s.add(10, Lane::RealTime, 4, vec![]);
         let plan = s.schedule();
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
@@ -469,13 +597,13 @@ mod tests {
         let mut c = config(8, 64);
         c.rt_hold_steps = 3;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
-        s.add(1, Lane::Batch, 4);
-        s.add(2, Lane::Batch, 4);
+        s.add(1, Lane::Batch, 4, vec![]);
+        s.add(2, Lane::Batch, 4, vec![]);
         let plan = s.schedule();
         run(&mut s, &plan);
         assert_eq!(plan.chunks.len(), 2);
-        s.add(10, Lane::RealTime, 4);
-        s.add(3, Lane::Batch, 4);
+        s.add(10, Lane::RealTime, 4, vec![]);
+        s.add(3, Lane::Batch, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         for _ in 0..3 {
             let plan = s.schedule();
@@ -503,12 +631,12 @@ mod tests {
         let mut c = config(8, 64);
         c.rt_reserved_blocks = 5;
         let mut s = Scheduler::new(c, BlockPool::new(8, 4));
-        s.add(1, Lane::Batch, 8);
-        s.add(2, Lane::Batch, 8);
+        s.add(1, Lane::Batch, 8, vec![]);
+        s.add(2, Lane::Batch, 8, vec![]);
         let plan = s.schedule();
         assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
         assert_eq!(s.free_blocks(), 6);
-        s.add(3, Lane::RealTime, 16);
+        s.add(3, Lane::RealTime, 16, vec![]);
         let plan = s.schedule();
         assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
     }
@@ -516,10 +644,10 @@ mod tests {
     #[test]
     fn running_out_of_blocks_preempts_the_newest_batch_sequence() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
-        s.add(1, Lane::Batch, 4);
-        s.add(2, Lane::Batch, 4);
-        s.add(3, Lane::Batch, 4);
-        s.add(4, Lane::Batch, 4);
+        s.add(1, Lane::Batch, 4, vec![]);
+        s.add(2, Lane::Batch, 4, vec![]);
+        s.add(3, Lane::Batch, 4, vec![]);
+        s.add(4, Lane::Batch, 4, vec![]);
         let plan = s.schedule();
         run(&mut s, &plan);
         assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
@@ -539,13 +667,15 @@ mod tests {
                     id: 3,
                     start: 0,
                     len: 5,
-                    samples: true
+                    samples: true,
+                    draft: 0
                 },
                 Chunk {
                     id: 4,
                     start: 0,
                     len: 5,
-                    samples: true
+                    samples: true,
+                    draft: 0
                 },
             ]
         );
@@ -557,7 +687,7 @@ mod tests {
         c.policy = Policy::Static;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         for id in 0..3 {
-            s.add(id, Lane::Batch, 2);
+            s.add(id, Lane::Batch, 2, vec![]);
         }
         let plan = s.schedule();
         assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
@@ -596,7 +726,7 @@ mod tests {
                 } else {
                     Lane::Batch
                 };
-                s.add(next, lane, 1 + (rng.next_u64() % 30) as usize);
+                s.add(next, lane, 1 + (rng.next_u64() % 30) as usize, vec![]);
                 remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
                 next += 1;
             }

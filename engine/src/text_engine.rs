@@ -8,6 +8,11 @@
 //! steps; a request whose event stream is dropped is cancelled at the next
 //! step and its blocks freed. A failed forward pass fails the requests in that
 //! step, not the engine.
+//!
+//! Prompts reuse the cached keys and values of any prefix already computed
+//! under the same model and adapter (`prefix_cache`), and decoding sequences
+//! speculate ([`crate::speculative`]): guessed tokens are verified in the same
+//! batched pass, each row with its own adapter.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,11 +22,14 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use crate::chat::{Decoding, TextModel};
+use crate::kv::prefix::{self, BlockHasher};
 use crate::kv::{BlockPool, KvCache};
 use crate::lora::PackedAdapter;
 use crate::models::llama::Config;
+use crate::models::llama::Llama;
 use crate::models::llama::SeqChunk;
 use crate::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
 use crate::{Backend, Completion, EngineError, Event, EventStream, Lane, Output, Usage, ValidRequest};
 
 /// How the engine sizes its cache and batches.
@@ -43,6 +51,10 @@ pub struct EngineConfig {
     pub rt_hold_steps: usize,
     /// Continuous (the default) or static batching.
     pub policy: Policy,
+    /// Share computed prompt blocks between sequences.
+    pub prefix_cache: bool,
+    /// Speculative decoding.
+    pub speculation: SpecConfig,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +68,8 @@ impl Default for EngineConfig {
             rt_reserved_blocks_percent: 10,
             rt_hold_steps: 32,
             policy: Policy::Continuous,
+            prefix_cache: true,
+            speculation: SpecConfig::default(),
         }
     }
 }
@@ -73,6 +87,33 @@ pub struct Counters {
     pub preemptions: AtomicU64,
     /// Requests cancelled by their caller.
     pub cancelled: AtomicU64,
+    /// Prompt blocks found in the prefix cache.
+    pub prefix_hits: AtomicU64,
+    /// Prompt blocks looked up and not found.
+    pub prefix_misses: AtomicU64,
+    /// Cached blocks evicted for new work.
+    pub prefix_evicted: AtomicU64,
+    /// Tokens guessed by prompt lookup.
+    pub ngram_proposed: AtomicU64,
+    /// Of those, accepted.
+    pub ngram_accepted: AtomicU64,
+    /// Tokens guessed by the draft model.
+    pub draft_proposed: AtomicU64,
+    /// Of those, accepted.
+    pub draft_accepted: AtomicU64,
+}
+
+impl Counters {
+    /// Accepted over proposed for one proposer (0 when nothing was proposed).
+    pub fn acceptance(&self, proposer: Proposer) -> f64 {
+        let (proposed, accepted) = match proposer {
+            Proposer::Ngram => (&self.ngram_proposed, &self.ngram_accepted),
+            Proposer::Draft => (&self.draft_proposed, &self.draft_accepted),
+            Proposer::Off => return 0.0,
+        };
+        let proposed = proposed.load(Ordering::Relaxed);
+        accepted.load(Ordering::Relaxed) as f64 / proposed.max(1) as f64
+    }
 }
 
 struct Job {
@@ -95,16 +136,24 @@ pub struct TextEngine {
 impl TextEngine {
     /// Start the engine thread for `model`, served as `name`.
     pub fn start(name: &str, model: TextModel, config: EngineConfig) -> Self {
+        Self::start_with_draft(name, model, None, config)
+    }
+
+    /// [`TextEngine::start`] with a draft model for speculative decoding (a
+    /// smaller model sharing the tokenizer), used when `config.speculation`
+    /// names [`Proposer::Draft`].
+    pub fn start_with_draft(name: &str, model: TextModel, draft: Option<Llama>, config: EngineConfig) -> Self {
         let (jobs, inbox) = std_mpsc::channel();
         let counters = Arc::new(Counters::default());
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let shared = Arc::clone(&counters);
         let base = Arc::new(model.model.config().clone());
         let thread_name = format!("lorry-engine {name}");
+        let served = name.to_string();
         std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
-                let mut engine = EngineLoop::new(model, config, shared);
+                let mut engine = EngineLoop::new(served, model, draft, config, shared);
                 let _ = ready_tx.send(());
                 engine.run(&inbox);
             })
@@ -176,20 +225,45 @@ struct Active {
     adapter: Option<Arc<PackedAdapter>>,
     events: mpsc::UnboundedSender<Event>,
     stream: bool,
+    /// Hashes of its full blocks, when the prefix cache is on.
+    hasher: Option<BlockHasher>,
+    /// Its speculation, when it speculates.
+    spec: Option<SpecState>,
+    /// Tokens guessed for its next step.
+    guess: Option<Guess>,
 }
 
 struct EngineLoop {
     model: TextModel,
+    name: String,
     kv: KvCache,
     scheduler: Scheduler,
     active: HashMap<SeqId, Active>,
     context: usize,
     next_id: SeqId,
     counters: Arc<Counters>,
+    block_size: usize,
+    prefix_cache: bool,
+    speculation: SpecConfig,
+    draft: Option<DraftModel>,
 }
 
 impl EngineLoop {
-    fn new(model: TextModel, config: EngineConfig, counters: Arc<Counters>) -> Self {
+    fn new(
+        name: String,
+        model: TextModel,
+        draft: Option<Llama>,
+        config: EngineConfig,
+        counters: Arc<Counters>,
+    ) -> Self {
+        let mut speculation = config.speculation;
+        if speculation.proposer == Proposer::Draft && draft.is_none() {
+            tracing::warn!("draft speculation asked for without a draft model: prompt lookup instead");
+            speculation.proposer = Proposer::Ngram;
+        }
+        let draft = draft
+            .filter(|_| speculation.proposer == Proposer::Draft)
+            .map(DraftModel::new);
         let layout = model.model.kv_layout(config.block_size);
         let max_positions = model.model.config().max_position_embeddings;
         let full = config.max_seqs * max_positions.div_ceil(config.block_size);
@@ -214,11 +288,16 @@ impl EngineLoop {
         EngineLoop {
             context: max_positions.min(scheduler.capacity_tokens()),
             kv: KvCache::new(layout, blocks),
+            name,
             model,
             scheduler,
             active: HashMap::new(),
             next_id: 0,
             counters,
+            block_size: config.block_size,
+            prefix_cache: config.prefix_cache,
+            speculation,
+            draft,
         }
     }
 
@@ -245,7 +324,17 @@ impl EngineLoop {
             Ok(decoding) => {
                 let id = self.next_id;
                 self.next_id += 1;
-                self.scheduler.add(id, job.lane, decoding.tokens.len());
+                let mut hasher = self.prefix_cache.then(|| {
+                    let namespace = prefix::namespace(&self.name, job.adapter.as_deref().map(PackedAdapter::key));
+                    BlockHasher::new(namespace, self.block_size)
+                });
+                let hashes = hasher
+                    .as_mut()
+                    .map_or_else(Vec::new, |h| h.update(&decoding.tokens).to_vec());
+                self.scheduler.add(id, job.lane, decoding.tokens.len(), hashes);
+                let speculates = self.speculation.proposer != Proposer::Off
+                    && (decoding.is_greedy() || self.speculation.sampled)
+                    && self.speculation.max_draft > 0;
                 let stream = job.request.stream;
                 self.active.insert(
                     id,
@@ -254,6 +343,9 @@ impl EngineLoop {
                         adapter: job.adapter,
                         events: job.events,
                         stream,
+                        hasher,
+                        spec: speculates.then(|| SpecState::new(self.speculation.max_draft)),
+                        guess: None,
                     },
                 );
             }
@@ -278,10 +370,83 @@ impl EngineLoop {
 
     fn end(&mut self, id: SeqId) -> Option<Active> {
         self.scheduler.remove(id);
+        if let Some(draft) = &mut self.draft {
+            draft.forget(id);
+        }
         self.active.remove(&id)
     }
 
+    /// Guess tokens for the sequences that decode next, when few do.
+    fn propose(&mut self) -> Result<(), String> {
+        if self.speculation.proposer == Proposer::Off {
+            return Ok(());
+        }
+        let decoding = self.scheduler.decoding();
+        if decoding.len() > self.speculation.max_batch {
+            return Ok(());
+        }
+        let mut wants: Vec<(SeqId, &mut Decoding, usize)> = Vec::new();
+        let mut ids: Vec<SeqId> = decoding;
+        ids.sort_unstable();
+        let mut remaining: HashMap<SeqId, &mut Active> = self
+            .active
+            .iter_mut()
+            .filter(|(id, _)| ids.binary_search(id).is_ok())
+            .map(|(&id, a)| (id, a))
+            .collect();
+        for id in ids {
+            let Some(active) = remaining.remove(&id) else { continue };
+            if active.guess.is_some() {
+                continue; // guessed for a step it sat out; still valid
+            }
+            let Some(spec) = &mut active.spec else { continue };
+            // Guesses past the request's last token would be wasted.
+            let k = spec.next_k().min(active.decoding.remaining().saturating_sub(1));
+            if k == 0 {
+                continue;
+            }
+            match self.speculation.proposer {
+                Proposer::Ngram => {
+                    let tokens = crate::speculative::ngram_proposal(&active.decoding.tokens, k);
+                    if !tokens.is_empty() {
+                        self.scheduler.propose(id, tokens.len());
+                        active.guess = Some(Guess {
+                            tokens,
+                            q: None,
+                            proposer: Proposer::Ngram,
+                        });
+                    }
+                }
+                Proposer::Draft => wants.push((id, &mut active.decoding, k)),
+                Proposer::Off => {}
+            }
+        }
+        let Some(draft) = &mut self.draft else {
+            return Ok(());
+        };
+        if wants.is_empty() {
+            return Ok(());
+        }
+        let guesses = draft.propose(&mut wants)?;
+        let ids: Vec<SeqId> = wants.iter().map(|w| w.0).collect();
+        for (id, guess) in ids.into_iter().zip(guesses) {
+            if guess.tokens.is_empty() {
+                continue;
+            }
+            self.scheduler.propose(id, guess.tokens.len());
+            if let Some(active) = self.active.get_mut(&id) {
+                active.guess = Some(guess);
+            }
+        }
+        Ok(())
+    }
+
     fn step(&mut self) {
+        if let Err(error) = self.propose() {
+            // A failing draft model costs speed, not requests.
+            tracing::error!(%error, "speculation failed; decoding without it");
+            self.speculation.proposer = Proposer::Off;
+        }
         let plan = self.scheduler.schedule();
         self.counters
             .preemptions
@@ -294,11 +459,19 @@ impl EngineLoop {
         // its own parallel loops instead of waking both workers for each of them.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+        let stats = self.scheduler.prefix_stats();
+        self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
+        self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
+        self.counters.prefix_evicted.store(stats.evicted, Ordering::Relaxed);
         match result {
-            Ok(rows) => self.sample(&plan, &rows),
+            Ok(rows) => {
+                self.scheduler.step_done(&plan);
+                self.sample(&plan, &rows)
+            }
             Err(error) => {
                 tracing::error!(%error, "forward pass failed");
                 for chunk in &plan.chunks {
+                    self.scheduler.discard(chunk.id);
                     if let Some(active) = self.end(chunk.id) {
                         let _ = active.events.send(Event::Failed(EngineError::Model(error.clone())));
                     }
@@ -316,15 +489,15 @@ impl EngineLoop {
                 tokens: &self.active[&c.id].decoding.tokens[c.start..c.start + c.len],
                 start: c.start,
                 blocks: self.scheduler.blocks(c.id),
-                logits: c.samples,
+                logits: if c.samples { 1 + c.draft } else { 0 },
                 adapter: self.active[&c.id].adapter.as_deref(),
             })
             .collect();
         let prefill: usize = plan
             .chunks
             .iter()
-            .filter(|c| c.len > 1 || !c.samples)
-            .map(|c| c.len)
+            .filter(|c| c.len > 1 + c.draft || !c.samples)
+            .map(|c| c.len - c.draft)
             .sum();
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -339,18 +512,63 @@ impl EngineLoop {
     }
 
     fn sample(&mut self, plan: &Plan, rows: &[Vec<f32>]) {
-        let sampling = plan.chunks.iter().filter(|c| c.samples);
-        for (chunk, logits) in sampling.zip(rows) {
+        let mut rows = rows.iter();
+        for chunk in plan.chunks.iter().filter(|c| c.samples) {
+            let logits: Vec<&[f32]> = rows.by_ref().take(1 + chunk.draft).map(Vec::as_slice).collect();
             let Some(active) = self.active.get_mut(&chunk.id) else {
                 continue;
             };
-            self.counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            let pushed = active.decoding.push(logits, &self.model);
-            let delta = match &pushed {
+            // Tokens known before this step; the chunk's last `draft` tokens are guesses.
+            let known = chunk.start + chunk.len - chunk.draft;
+            let guess = active.guess.take();
+            let (tokens, accepted) = match &guess {
+                Some(guess) if chunk.draft > 0 => {
+                    let drafts = &guess.tokens[..chunk.draft];
+                    let q = guess.q.as_ref().map(|q| &q[..chunk.draft]);
+                    active.decoding.verify(drafts, q, &logits)
+                }
+                _ => (Vec::new(), 0),
+            };
+            if let (Some(guess), Some(spec)) = (&guess, &mut active.spec) {
+                if chunk.draft > 0 {
+                    spec.observe(chunk.draft, accepted);
+                    let (proposed, hits) = match guess.proposer {
+                        Proposer::Draft => (&self.counters.draft_proposed, &self.counters.draft_accepted),
+                        _ => (&self.counters.ngram_proposed, &self.counters.ngram_accepted),
+                    };
+                    proposed.fetch_add(chunk.draft as u64, Ordering::Relaxed);
+                    hits.fetch_add(accepted as u64, Ordering::Relaxed);
+                }
+            }
+            let mut outcome = Ok(None);
+            let mut pushed = 0;
+            if tokens.is_empty() {
+                outcome = active.decoding.push(logits[0], &self.model);
+                pushed = 1;
+            } else {
+                for &token in &tokens {
+                    outcome = active.decoding.push_token(token, &self.model);
+                    pushed += 1;
+                    if !matches!(outcome, Ok(None)) {
+                        break;
+                    }
+                }
+            }
+            self.counters
+                .generated_tokens
+                .fetch_add(pushed as u64, Ordering::Relaxed);
+            // Keys and values are valid for the known tokens and the accepted guesses emitted.
+            self.scheduler.rollback(chunk.id, known + accepted.min(pushed));
+            let hashes = active
+                .hasher
+                .as_mut()
+                .map_or(&[][..], |h| h.update(&active.decoding.tokens));
+            self.scheduler.append_tokens(chunk.id, pushed, hashes);
+            let delta = match &outcome {
                 Ok(_) if active.stream => active.decoding.stream_delta(&self.model),
                 _ => Ok(None),
             };
-            match (pushed, delta) {
+            match (outcome, delta) {
                 (Err(error), _) | (_, Err(error)) => {
                     if let Some(active) = self.end(chunk.id) {
                         let _ = active.events.send(Event::Failed(error));
@@ -365,8 +583,6 @@ impl EngineLoop {
                         let _ = active
                             .events
                             .send(Event::Finished(output(active.decoding, &self.model)));
-                    } else {
-                        self.scheduler.append_token(chunk.id);
                     }
                 }
             }

@@ -380,7 +380,7 @@ fn adapters_match_peft_alone_and_mixed_in_one_batch() {
             tokens: &prompt,
             start: 0,
             blocks: table.blocks(),
-            logits: true,
+            logits: 1,
             adapter: adapters[i].1.as_ref(),
         })
         .collect();

@@ -1,4 +1,7 @@
-//! Blocks, the pool that owns them, and per-sequence block tables.
+//! Blocks, the pool that owns them (and the prefix cache's index of full
+//! blocks by contents), and per-sequence block tables.
+
+use std::collections::{BTreeMap, HashMap};
 
 /// A block of KV slots in the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -14,12 +17,40 @@ pub struct OutOfBlocks {
     pub free: usize,
 }
 
+/// The identity of a full block's contents: a SHA-256 chained over the
+/// parent block's hash, the block's token ids, and the namespace (model and
+/// adapter) it was computed under. See [`crate::kv::prefix`].
+pub type BlockHash = [u8; 32];
+
+/// Counters of the prefix cache, in blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Leading prompt blocks found cached at admission.
+    pub hits: u64,
+    /// Leading prompt blocks looked up and not found.
+    pub misses: u64,
+    /// Cached blocks nobody held, taken back for new work.
+    pub evicted: u64,
+}
+
 /// Every block of the cache, with its reference count; the one owner of that state.
+///
+/// A full block whose contents are known ([`BlockPool::register`]) stays
+/// cached when its last holder lets go: it is idle, counts as free, and is
+/// handed out again by hash ([`BlockPool::claim`]) until an allocation that
+/// finds no never-used block takes the least recently idled one.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
     refcounts: Vec<u32>,
     free: Vec<BlockId>,
+    hash_of: Vec<Option<BlockHash>>,
+    by_hash: HashMap<BlockHash, BlockId>,
+    /// Cached blocks nobody holds, by when they went idle (oldest first).
+    idle: BTreeMap<u64, BlockId>,
+    idle_since: Vec<u64>,
+    ticks: u64,
+    stats: PrefixStats,
 }
 
 impl BlockPool {
@@ -31,6 +62,12 @@ impl BlockPool {
             refcounts: vec![0; num_blocks as usize],
             // Popped from the end: low ids are handed out first.
             free: (0..num_blocks).rev().map(BlockId).collect(),
+            hash_of: vec![None; num_blocks as usize],
+            by_hash: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_since: vec![0; num_blocks as usize],
+            ticks: 0,
+            stats: PrefixStats::default(),
         }
     }
 
@@ -38,6 +75,8 @@ impl BlockPool {
     pub fn grow(&mut self, n: usize) {
         let old = self.refcounts.len() as u32;
         self.refcounts.resize(old as usize + n, 0);
+        self.hash_of.resize(old as usize + n, None);
+        self.idle_since.resize(old as usize + n, 0);
         let mut fresh: Vec<BlockId> = (old..old + n as u32).rev().map(BlockId).collect();
         // Keep the old free blocks on top so they are handed out first.
         fresh.append(&mut self.free);
@@ -49,9 +88,14 @@ impl BlockPool {
         self.block_size
     }
 
-    /// Blocks nobody holds.
+    /// Blocks nobody holds: never used, or cached and idle.
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.idle.len()
+    }
+
+    /// Cached blocks nobody holds.
+    pub fn idle_blocks(&self) -> usize {
+        self.idle.len()
     }
 
     /// All blocks.
@@ -64,19 +108,35 @@ impl BlockPool {
         self.refcounts[block.0 as usize]
     }
 
-    /// Take `n` blocks, or none if fewer are free.
+    /// The prefix cache's counters.
+    pub fn stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    /// Take `n` blocks, or none if fewer are free: never-used blocks first,
+    /// then the cached blocks that have been idle longest, forgotten.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, OutOfBlocks> {
-        if n > self.free.len() {
+        if n > self.free_blocks() {
             return Err(OutOfBlocks {
                 needed: n,
-                free: self.free.len(),
+                free: self.free_blocks(),
             });
         }
-        let taken = self.free.split_off(self.free.len() - n);
+        let fresh = n.min(self.free.len());
+        let mut taken: Vec<BlockId> = self.free.split_off(self.free.len() - fresh);
+        taken.reverse();
+        while taken.len() < n {
+            let (_, block) = self.idle.pop_first().expect("counted above");
+            if let Some(hash) = self.hash_of[block.0 as usize].take() {
+                self.by_hash.remove(&hash);
+            }
+            self.stats.evicted += 1;
+            taken.push(block);
+        }
         for block in &taken {
             self.refcounts[block.0 as usize] = 1;
         }
-        Ok(taken.into_iter().rev().collect())
+        Ok(taken)
     }
 
     /// Add a holder to a block that is in use (sharing without copying).
@@ -86,14 +146,60 @@ impl BlockPool {
         *count += 1;
     }
 
-    /// Drop one holder; the block is free again when none is left.
+    /// Drop one holder; the block is free again when none is left (idle, if cached).
     pub fn release(&mut self, block: BlockId) {
         let count = &mut self.refcounts[block.0 as usize];
         assert!(*count > 0, "releasing a free block {block:?}");
         *count -= 1;
         if *count == 0 {
-            self.free.push(block);
+            if self.hash_of[block.0 as usize].is_some() {
+                self.ticks += 1;
+                self.idle.insert(self.ticks, block);
+                self.idle_since[block.0 as usize] = self.ticks;
+            } else {
+                self.free.push(block);
+            }
         }
+    }
+
+    /// Record that `block`, which is held and full, holds the contents `hash`
+    /// names, so later sequences may share it. A block already cached, or
+    /// contents already cached in another block, are left as they are.
+    pub fn register(&mut self, block: BlockId, hash: BlockHash) {
+        let at = block.0 as usize;
+        debug_assert!(self.refcounts[at] > 0, "registering a free block {block:?}");
+        if self.hash_of[at].is_some() || self.by_hash.contains_key(&hash) {
+            return;
+        }
+        self.hash_of[at] = Some(hash);
+        self.by_hash.insert(hash, block);
+    }
+
+    /// How many of `hashes`, from the first, are cached, and how many of those are idle.
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> (usize, usize) {
+        let mut idle = 0;
+        let found = hashes
+            .iter()
+            .map_while(|h| self.by_hash.get(h))
+            .inspect(|b| idle += usize::from(self.refcounts[b.0 as usize] == 0))
+            .count();
+        (found, idle)
+    }
+
+    /// Hold the cached blocks of the leading `hashes` (as many as are cached),
+    /// counting hits and misses over all of `hashes`.
+    pub fn claim(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let blocks: Vec<BlockId> = hashes.iter().map_while(|h| self.by_hash.get(h).copied()).collect();
+        for &block in &blocks {
+            let at = block.0 as usize;
+            if self.refcounts[at] == 0 {
+                self.idle.remove(&self.idle_since[at]);
+            }
+            self.refcounts[at] += 1;
+        }
+        self.stats.hits += blocks.len() as u64;
+        self.stats.misses += (hashes.len() - blocks.len()) as u64;
+        blocks
     }
 }
 
@@ -138,6 +244,25 @@ impl BlockTable {
     /// Where token `position` lives: its block and the slot inside it.
     pub fn slot(&self, pool: &BlockPool, position: usize) -> Option<(BlockId, usize)> {
         (position < self.tokens).then(|| (self.blocks[position / pool.block_size()], position % pool.block_size()))
+    }
+
+    /// A table that starts with `blocks`, already held and full (a cached prefix).
+    pub fn shared(pool: &BlockPool, blocks: Vec<BlockId>) -> Self {
+        BlockTable {
+            tokens: blocks.len() * pool.block_size(),
+            blocks,
+        }
+    }
+
+    /// Keep the first `len` tokens and give back the blocks past them.
+    pub fn truncate(&mut self, pool: &mut BlockPool, len: usize) {
+        if len >= self.tokens {
+            return;
+        }
+        for block in self.blocks.drain(len.div_ceil(pool.block_size())..) {
+            pool.release(block);
+        }
+        self.tokens = len;
     }
 
     /// Give every block back (a finished or preempted sequence).

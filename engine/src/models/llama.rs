@@ -333,8 +333,9 @@ pub struct SeqChunk<'a> {
     pub start: usize,
     /// The sequence's blocks, with room for these tokens already allocated.
     pub blocks: &'a [BlockId],
-    /// Whether to return the logits after the last of these tokens.
-    pub logits: bool,
+    /// Return the logits after each of the last `logits` of these tokens
+    /// (1: the next token's; more: to verify proposed tokens; 0: none).
+    pub logits: usize,
     /// The LoRA adapter these tokens run with, if any.
     pub adapter: Option<&'a PackedAdapter>,
 }
@@ -719,15 +720,15 @@ impl Llama {
             tokens,
             start,
             blocks: cache.table.blocks(),
-            logits: true,
+            logits: 1,
             adapter,
         };
         Ok(self.forward_batch(&[chunk], &mut cache.kv)?.squeeze(0)?)
     }
 
     /// One batched step: every chunk's tokens run together, keys and values go
-    /// to `kv` through the chunks' blocks, and the logits after each chunk
-    /// that asks for them come back, `(chunks asking, vocab)` in chunk order.
+    /// to `kv` through the chunks' blocks, and the logits after the positions
+    /// each chunk asks for come back, `(positions asked, vocab)` in chunk order.
     pub fn forward_batch(&self, chunks: &[SeqChunk<'_>], kv: &mut KvCache) -> Result<Tensor> {
         let limit = self.config.max_position_embeddings;
         if let Some(c) = chunks.iter().find(|c| c.start + c.tokens.len() > limit) {
@@ -762,9 +763,7 @@ impl Llama {
         let mut end = 0u32;
         for c in chunks {
             end += c.tokens.len() as u32;
-            if c.logits {
-                last.push(end - 1);
-            }
+            last.extend(end - c.logits.min(c.tokens.len()) as u32..end);
         }
         let last = x.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
         self.lm_head.forward(&self.norm.forward(&last)?)
