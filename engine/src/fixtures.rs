@@ -25,6 +25,16 @@ pub enum Fixture {
     TinyBert,
     /// The ~156M-parameter Llama the benchmarks use.
     Bench,
+    /// A draft for `tiny-llama`: its first layer, embeddings and head (the
+    /// same tensors, so that greedy guesses are often right).
+    TinyLlamaDraft,
+    /// A draft for `bench` with weights of its own (two layers, hidden 256,
+    /// the same tokenizer): with random weights its guesses agree with the
+    /// target no more than chance, which measures speculation's cost.
+    BenchDraft,
+    /// A draft for `bench` made of its first two layers, embeddings and head:
+    /// guesses that agree with the target often, as a trained draft's do.
+    BenchDraftShared,
 }
 
 impl Fixture {
@@ -36,12 +46,33 @@ impl Fixture {
             "tiny-gemma" => Some(Fixture::TinyGemma),
             "tiny-bert" => Some(Fixture::TinyBert),
             "bench" => Some(Fixture::Bench),
+            "tiny-llama-draft" => Some(Fixture::TinyLlamaDraft),
+            "bench-draft" => Some(Fixture::BenchDraft),
+            "bench-draft-shared" => Some(Fixture::BenchDraftShared),
             _ => None,
         }
     }
 
     /// The names `parse` accepts.
-    pub const NAMES: [&'static str; 5] = ["tiny-llama", "tiny-qwen2", "tiny-gemma", "tiny-bert", "bench"];
+    pub const NAMES: [&'static str; 8] = [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-gemma",
+        "tiny-bert",
+        "bench",
+        "tiny-llama-draft",
+        "bench-draft",
+        "bench-draft-shared",
+    ];
+
+    /// What seeds the weights: drafts made of their target's first layers
+    /// share its seeds (and so its tensors); others have their own.
+    fn salt(self) -> &'static str {
+        match self {
+            Fixture::BenchDraft => "bench-draft/",
+            _ => "",
+        }
+    }
 
     fn config(self) -> Value {
         let common = json!({
@@ -93,6 +124,20 @@ impl Fixture {
                 "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
                 "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": false,
             }),
+            Fixture::BenchDraft => json!({
+                "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 32000,
+                "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": false,
+            }),
+            Fixture::TinyLlamaDraft | Fixture::BenchDraftShared => {
+                let (target, layers) = match self {
+                    Fixture::TinyLlamaDraft => (Fixture::TinyLlama, 1),
+                    _ => (Fixture::Bench, 2),
+                };
+                let mut config = target.config();
+                config["num_hidden_layers"] = json!(layers);
+                return config;
+            }
         };
         let mut config = common;
         if let (Some(c), Some(s)) = (config.as_object_mut(), specific.as_object()) {
@@ -116,7 +161,7 @@ fn random(name: &str, shape: &[usize], mean: f64, std: f64) -> candle_core::Resu
     Tensor::from_vec(values, shape, &Device::Cpu)
 }
 
-fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>> {
+fn llama_weights(config: &Value, salt: &str) -> candle_core::Result<HashMap<String, Tensor>> {
     let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
     let (h, inter, vocab) = (get("hidden_size"), get("intermediate_size"), get("vocab_size"));
     let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
@@ -125,7 +170,11 @@ fn llama_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>>
     // Gemma stores RMSNorm weights as offsets from 1.
     let norm_mean = if config["model_type"] == "gemma" { 0.0 } else { 1.0 };
     let mut w = HashMap::new();
-    let mut add = |name: String, shape: &[usize], mean: f64, std: f64| put(&mut w, name, shape, mean, std);
+    let mut add = |name: String, shape: &[usize], mean: f64, std: f64| {
+        let t = random(&format!("{salt}{name}"), shape, mean, std)?;
+        w.insert(name, t);
+        Ok::<_, candle_core::Error>(())
+    };
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
     // Gemma multiplies embeddings by √hidden: start them that much smaller.
     let embed_std = if norm_mean == 0.0 { 1.0 / (h as f64).sqrt() } else { 1.0 };
@@ -315,7 +364,7 @@ pub fn write_as(fixture: Fixture, dir: &Path, dtype: DType) -> Result<(), ModelE
     write_json(&dir.join("config.json"), &config)?;
     let weights = match fixture {
         Fixture::TinyBert => bert_weights(&config)?,
-        _ => llama_weights(&config)?,
+        _ => llama_weights(&config, fixture.salt())?,
     };
     let weights = weights
         .into_iter()

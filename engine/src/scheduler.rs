@@ -252,7 +252,7 @@ impl Scheduler {
             .copied()
             .filter(|id| {
                 let s = &self.seqs[id];
-                s.tokens - s.computed == 1 && s.computed > 0
+                s.computed + 1 == s.tokens && s.computed > 0
             })
             .collect()
     }
@@ -287,7 +287,7 @@ impl Scheduler {
         let mut plan = Plan::default();
         self.admit_real_time(&mut plan);
         let mut budget = self.config.token_budget;
-        let decoding = |s: &Seq| s.tokens - s.computed == 1 && s.computed > 0;
+        let decoding = |s: &Seq| s.computed + 1 == s.tokens && s.computed > 0;
         let by_lane_and_age = |lane: Lane, decode: bool, this: &Self| -> Vec<SeqId> {
             this.running
                 .iter()
@@ -406,8 +406,11 @@ impl Scheduler {
         if !seq.running {
             return; // preempted earlier in this step
         }
-        let draft = if seq.tokens - seq.computed == 1 { seq.draft } else { 0 };
-        let take = (seq.tokens + draft - seq.computed).min(budget.saturating_sub(hold_back));
+        // Planned already this step (its guesses computed past its known tokens): nothing more.
+        let draft = if seq.computed + 1 == seq.tokens { seq.draft } else { 0 };
+        let take = (seq.tokens + draft)
+            .saturating_sub(seq.computed)
+            .min(budget.saturating_sub(hold_back));
         if take == 0 {
             return;
         }

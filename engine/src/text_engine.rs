@@ -480,13 +480,30 @@ impl EngineLoop {
         }
     }
 
-    /// Run the plan's chunks as one batch; the logits of each sampling chunk, in plan order.
+    /// Run the plan's chunks as one batch; the logits of each sampling chunk
+    /// (one row, and one more per guessed token), in plan order.
     fn forward(&mut self, plan: &Plan) -> Result<Vec<Vec<f32>>, String> {
+        // A chunk with guesses runs its last known token and the guesses.
+        let guessed: Vec<Option<Vec<u32>>> = plan
+            .chunks
+            .iter()
+            .map(|c| {
+                let active = &self.active[&c.id];
+                let guess = active.guess.as_ref().filter(|_| c.draft > 0)?;
+                let mut tokens = active.decoding.tokens[c.start..].to_vec();
+                tokens.extend(&guess.tokens[..c.draft]);
+                Some(tokens)
+            })
+            .collect();
         let chunks: Vec<SeqChunk<'_>> = plan
             .chunks
             .iter()
-            .map(|c| SeqChunk {
-                tokens: &self.active[&c.id].decoding.tokens[c.start..c.start + c.len],
+            .zip(&guessed)
+            .map(|(c, guessed)| SeqChunk {
+                tokens: match guessed {
+                    Some(tokens) => tokens,
+                    None => &self.active[&c.id].decoding.tokens[c.start..c.start + c.len],
+                },
                 start: c.start,
                 blocks: self.scheduler.blocks(c.id),
                 logits: if c.samples { 1 + c.draft } else { 0 },
