@@ -549,7 +549,7 @@ pub struct LoraBenchArgs {
 
 /// A random rank-`rank` adapter on every projection of every layer (seeded),
 /// its weights as stored in `precision`.
-fn random_adapter(config: &Config, rank: usize, precision: Precision, seed: u64) -> Adapter {
+pub(crate) fn random_adapter(config: &Config, rank: usize, precision: Precision, seed: u64) -> Adapter {
     let mut rng = lorry_engine::rng::SplitMix::new(seed);
     let round = move |v: f32| match precision {
         Precision::F32 => v,

@@ -9,6 +9,7 @@ pub mod bench;
 pub mod isolation;
 pub mod offline;
 pub mod settings;
+pub mod speedups;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -216,6 +217,7 @@ async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow:
     let mut backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
     for source in sources.iter().cloned() {
         let config = settings.engine.config();
+        let engine_args = settings.engine.clone();
         let started = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Backend>> {
             let context = || format!("loading {} from {}", source.name, source.dir.display());
             Ok(match source.task {
@@ -225,7 +227,10 @@ async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow:
                 }
                 _ => {
                     let model = TextModel::from_dir(&source.dir, &Device::Cpu).with_context(context)?;
-                    Arc::new(TextEngine::start(&source.name, model, config))
+                    let draft = engine_args
+                        .draft_for(&model, source.draft.as_deref())
+                        .with_context(context)?;
+                    Arc::new(TextEngine::start_with_draft(&source.name, model, draft, config))
                 }
             })
         });

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use lorry::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
 use lorry::isolation::{self, IsolationArgs};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
+use lorry::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
 use tracing_subscriber::EnvFilter;
@@ -58,6 +59,10 @@ enum Bench {
     Lora(LoraBenchArgs),
     /// Real-time latency against a running stack, idle and while a large batch drains.
     Isolation(IsolationArgs),
+    /// Tokens/s with speculative decoding (prompt lookup, draft models) against without.
+    Speculative(SpeculativeBenchArgs),
+    /// Pre-fill and batch time with the prefix cache against without.
+    Prefix(PrefixBenchArgs),
 }
 
 #[tokio::main]
@@ -106,6 +111,14 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Bench(Bench::Isolation(args)) => {
             isolation::isolation(&args).await?;
+            return Ok(());
+        }
+        Command::Bench(Bench::Speculative(args)) => {
+            speedups::speculative(&args).await?;
+            return Ok(());
+        }
+        Command::Bench(Bench::Prefix(args)) => {
+            speedups::prefix(&args).await?;
             return Ok(());
         }
     };

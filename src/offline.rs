@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
@@ -13,6 +13,8 @@ use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::bert::Pooling;
+use lorry_engine::models::llama::Llama;
+use lorry_engine::speculative::{Proposer, SpecConfig};
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Lane, Task, ValidRequest};
 use serde::Deserialize;
@@ -77,7 +79,8 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
         adapters.insert(name.clone(), Arc::new(adapter.packed()));
     }
-    let engine = TextEngine::start("offline", model, args.engine.config());
+    let draft = args.engine.draft_for(&model, None)?;
+    let engine = TextEngine::start_with_draft("offline", model, draft, args.engine.config());
     let out = std::fs::File::create(&args.output).with_context(|| format!("creating {}", args.output.display()))?;
     let mut out = BufWriter::new(out);
     let bar = progress(requests.len(), "generate");
@@ -113,6 +116,13 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         steps = c.steps.load(Ordering::Relaxed),
         generated = c.generated_tokens.load(Ordering::Relaxed),
         preemptions = c.preemptions.load(Ordering::Relaxed),
+        prefix_hit_blocks = c.prefix_hits.load(Ordering::Relaxed),
+        prefix_miss_blocks = c.prefix_misses.load(Ordering::Relaxed),
+        prefix_evicted_blocks = c.prefix_evicted.load(Ordering::Relaxed),
+        ngram_proposed = c.ngram_proposed.load(Ordering::Relaxed),
+        ngram_acceptance = c.acceptance(Proposer::Ngram),
+        draft_proposed = c.draft_proposed.load(Ordering::Relaxed),
+        draft_acceptance = c.acceptance(Proposer::Draft),
         "done"
     );
     Ok(())
@@ -134,6 +144,55 @@ pub struct EngineArgs {
     /// real-time rows always share steps).
     #[arg(long, env = "LORRY_RT_HOLD_STEPS", default_value_t = 32)]
     pub rt_hold_steps: usize,
+    /// Reuse the computed keys and values of prompt prefixes already seen
+    /// (same model, same adapter): `on` or `off`.
+    #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off)]
+    pub prefix_cache: bool,
+    /// Speculative decoding: `ngram` (prompt lookup), `draft:DIR` (a draft
+    /// model sharing the tokenizer), `draft` (the draft the catalogue names
+    /// next to each model; prompt lookup for models without one) or `off`.
+    #[arg(long, env = "LORRY_SPECULATE", default_value = "ngram", value_parser = Speculate::parse)]
+    pub speculate: Speculate,
+    /// Speculate only in steps where at most this many sequences decode.
+    #[arg(long, env = "LORRY_SPECULATE_MAX_BATCH", default_value_t = SpecConfig::default().max_batch)]
+    pub speculate_max_batch: usize,
+    /// Speculate for sampled requests too (their output distribution is
+    /// unchanged, but a seed's draws then depend on what shares the batch).
+    #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]
+    pub speculate_sampled: bool,
+}
+
+/// `--speculate`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Speculate {
+    /// No speculation.
+    Off,
+    /// Prompt lookup.
+    Ngram,
+    /// A draft model: this directory, or the catalogue's.
+    Draft(Option<PathBuf>),
+}
+
+impl Speculate {
+    fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "off" => Ok(Speculate::Off),
+            "ngram" => Ok(Speculate::Ngram),
+            "draft" => Ok(Speculate::Draft(None)),
+            _ => match value.strip_prefix("draft:") {
+                Some(dir) if !dir.is_empty() => Ok(Speculate::Draft(Some(PathBuf::from(dir)))),
+                _ => Err(format!("{value:?}: expected ngram, draft:DIR, draft or off")),
+            },
+        }
+    }
+}
+
+fn on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{value:?}: expected on or off")),
+    }
 }
 
 impl EngineArgs {
@@ -144,8 +203,43 @@ impl EngineArgs {
             max_seqs: self.max_seqs,
             token_budget: self.step_tokens,
             rt_hold_steps: self.rt_hold_steps,
+            prefix_cache: self.prefix_cache,
+            speculation: SpecConfig {
+                proposer: match self.speculate {
+                    Speculate::Off => Proposer::Off,
+                    Speculate::Ngram => Proposer::Ngram,
+                    Speculate::Draft(_) => Proposer::Draft,
+                },
+                max_batch: self.speculate_max_batch,
+                sampled: self.speculate_sampled,
+                ..SpecConfig::default()
+            },
             ..EngineConfig::default()
         }
+    }
+
+    /// The draft model for `model` (served from `catalogued`, the draft the
+    /// catalogue names, if any), checked to share its vocabulary; `None` when
+    /// speculation does not use one.
+    pub fn draft_for(&self, model: &TextModel, catalogued: Option<&Path>) -> anyhow::Result<Option<Llama>> {
+        let dir = match &self.speculate {
+            Speculate::Draft(Some(dir)) => dir.as_path(),
+            Speculate::Draft(None) => match catalogued {
+                Some(dir) => dir,
+                None => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        let draft =
+            Llama::from_dir(dir, &Device::Cpu).with_context(|| format!("loading the draft {}", dir.display()))?;
+        let (want, got) = (model.model.config().vocab_size, draft.config().vocab_size);
+        if want != got {
+            bail!(
+                "the draft {} has a vocabulary of {got} tokens, its target {want}: a draft must share the tokenizer",
+                dir.display()
+            );
+        }
+        Ok(Some(draft))
     }
 }
 

@@ -123,6 +123,9 @@ pub struct ModelSource {
     pub task: Task,
     /// The base model's shape, which LoRA adapters must fit (text generation).
     pub base: Option<Arc<Config>>,
+    /// A draft model for speculative decoding (text generation): a smaller
+    /// checkpoint sharing the tokenizer.
+    pub draft: Option<PathBuf>,
 }
 
 impl ModelSource {
@@ -139,6 +142,7 @@ impl ModelSource {
             dir,
             task,
             base,
+            draft: None,
         })
     }
 
@@ -170,8 +174,9 @@ fn task_of(dir: &Path) -> Result<Task, ModelError> {
 }
 
 /// Read a catalogue file (`LORRY_MODELS`): a JSON object from served names to
-/// checkpoint directories, each a path or `{"path": …}`; relative paths start
-/// at the file's directory.
+/// checkpoint directories, each a path or `{"path": …, "draft": …}` (`draft`:
+/// a smaller text-generation checkpoint sharing the tokenizer, for
+/// speculative decoding); relative paths start at the file's directory.
 pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
     let fail = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
@@ -183,19 +188,34 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
     entries
         .iter()
         .map(|(name, entry)| {
-            let dir = match entry {
-                Value::String(dir) => dir.as_str(),
-                Value::Object(o) if o.keys().all(|k| k == "path") => {
-                    o.get("path").and_then(Value::as_str).unwrap_or_default()
+            let (dir, draft) = match entry {
+                Value::String(dir) => (dir.as_str(), None),
+                Value::Object(o) if o.keys().all(|k| k == "path" || k == "draft") => (
+                    o.get("path").and_then(Value::as_str).unwrap_or_default(),
+                    o.get("draft").map(|d| d.as_str().filter(|d| !d.is_empty())),
+                ),
+                _ => {
+                    return Err(fail(format!(
+                        "{name}: give a directory or {{\"path\": directory, \"draft\": directory}}"
+                    )))
                 }
-                _ => return Err(fail(format!("{name}: give a directory or {{\"path\": directory}}"))),
             };
             if dir.is_empty() || name.is_empty() || name == ECHO_MODEL {
                 return Err(fail(format!(
                     "{name:?}: a name and a directory are required ({ECHO_MODEL} is built in)"
                 )));
             }
-            ModelSource::new(name, base.join(dir))
+            let mut source = ModelSource::new(name, base.join(dir))?;
+            match draft {
+                None => {}
+                Some(Some(draft)) if source.task == Task::TextGeneration => source.draft = Some(base.join(draft)),
+                Some(_) => {
+                    return Err(fail(format!(
+                        "{name}: a draft is a directory, for a text-generation model"
+                    )))
+                }
+            }
+            Ok(source)
         })
         .collect()
 }
@@ -264,6 +284,19 @@ mod tests {
         let catalog = Catalog::with_sources(&sources);
         assert_eq!(catalog.names(), vec!["@cf/baai/bge", "@cf/meta/llama", ECHO_MODEL]);
         assert_eq!(catalog.get("@cf/baai/bge").unwrap().task, Task::Embeddings);
+        std::fs::write(
+            &file,
+            r#"{"@cf/meta/llama": {"path": "models/demo-llama", "draft": "models/demo-llama"}}"#,
+        )
+        .unwrap();
+        let with_draft = read_catalog_file(&file).unwrap();
+        assert_eq!(with_draft[0].draft, Some(root.join("models/demo-llama")));
+        std::fs::write(
+            &file,
+            r#"{"@cf/baai/bge": {"path": "models/demo-bge", "draft": "models/demo-bge"}}"#,
+        )
+        .unwrap();
+        assert!(read_catalog_file(&file).unwrap_err().to_string().contains("draft"));
         std::fs::write(&file, r#"{"@cf/x": "nowhere"}"#).unwrap();
         assert!(read_catalog_file(&file).unwrap_err().to_string().contains("nowhere"));
         std::fs::write(&file, r#"{"@cf/x": {"dir": "models/demo-bge"}}"#).unwrap();

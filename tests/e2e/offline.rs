@@ -244,3 +244,91 @@ fn lorry_generate_serves_each_line_with_its_adapter() {
     }
     assert!(seen[0] != seen[2] && seen[1] != seen[2], "the adapters changed nothing");
 }
+
+#[test]
+fn lorry_generate_switches_speculation_and_the_prefix_cache_without_changing_greedy_output() {
+    let dir = scratch("generate-speculate");
+    let model_dir = dir.join("model");
+    let draft_dir = dir.join("draft");
+    fixtures::write(Fixture::TinyLlama, &model_dir).unwrap();
+    fixtures::write(Fixture::TinyLlamaDraft, &draft_dir).unwrap();
+    let adapters = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/lora");
+    let context = "a b c d a b c d a b c d ".repeat(4);
+    let lines: Vec<Value> = (0..6)
+        .map(|i| {
+            let mut line = json!({"id": i, "prompt": format!("{context}{i}"), "raw": true, "max_tokens": 20 + i, "ignore_eos": true});
+            if i % 2 == 1 {
+                line["adapter"] = json!("a");
+            }
+            line
+        })
+        .collect();
+    let input = dir.join("in.jsonl");
+    std::fs::write(&input, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let adapter = format!("a={}", adapters.join("adapter-a").display());
+    let draft = format!("draft:{}", draft_dir.display());
+    let mut outputs = Vec::new();
+    for switches in [
+        ["--speculate", "off", "--prefix-cache", "off"],
+        ["--speculate", "ngram", "--prefix-cache", "on"],
+        ["--speculate", draft.as_str(), "--prefix-cache", "on"],
+    ] {
+        let output = dir.join(format!("out-{}.jsonl", outputs.len()));
+        let mut args = vec!["--adapter", adapter.as_str()];
+        args.extend(switches);
+        let result = run_lorry("generate", &model_dir, &input, &output, &args);
+        let stderr = String::from_utf8_lossy(&result.stderr).to_string();
+        assert!(result.status.success(), "{switches:?}: {stderr}");
+        let tokens: Vec<Value> = read_jsonl(&output)
+            .into_iter()
+            .map(|l| l["token_ids"].clone())
+            .collect();
+        outputs.push((tokens, stderr));
+    }
+    assert_eq!(outputs[1].0, outputs[0].0, "prompt lookup changed an output");
+    assert_eq!(outputs[2].0, outputs[0].0, "the draft model changed an output");
+    // The counters are logged: blocks were reused and guesses made.
+    assert!(logged(&outputs[1].1, "prefix_hit_blocks") > 0.0, "{}", outputs[1].1);
+    assert!(logged(&outputs[1].1, "ngram_proposed") > 0.0, "{}", outputs[1].1);
+    assert!(logged(&outputs[2].1, "draft_proposed") > 0.0, "{}", outputs[2].1);
+    assert_eq!(logged(&outputs[0].1, "ngram_proposed"), 0.0, "{}", outputs[0].1);
+
+    let bad = run_lorry(
+        "generate",
+        &model_dir,
+        &input,
+        &dir.join("x.jsonl"),
+        &["--speculate", "sometimes"],
+    );
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && stderr.contains("ngram, draft:DIR"), "{stderr}");
+    let bad = run_lorry(
+        "generate",
+        &model_dir,
+        &input,
+        &dir.join("x.jsonl"),
+        &["--prefix-cache", "maybe"],
+    );
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("on or off"));
+}
+
+/// The number a log line gives `field` (`field=12`), ANSI colours left out.
+fn logged(stderr: &str, field: &str) -> f64 {
+    let mut plain = String::new();
+    let mut chars = stderr.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().take_while(|&c| c != 'm').for_each(drop);
+        } else {
+            plain.push(c);
+        }
+    }
+    let at = plain
+        .find(&format!("{field}="))
+        .unwrap_or_else(|| panic!("{field} is not logged: {plain}"));
+    plain[at + field.len() + 1..]
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{field} has no number: {plain}"))
+}
