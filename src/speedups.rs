@@ -12,6 +12,7 @@ use candle_core::Device;
 use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::gemm::Precision;
+use lorry_engine::input::Prompt;
 use lorry_engine::lora::PackedAdapter;
 use lorry_engine::models::llama::Llama;
 use lorry_engine::speculative::{Proposer, SpecConfig};
@@ -25,7 +26,7 @@ use crate::bench::random_adapter;
 #[derive(clap::Args, Debug, Clone)]
 pub struct SpeculativeBenchArgs {
     /// Batch sizes (sequences decoding together) to measure.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,32")]
     pub batch: Vec<usize>,
     /// Tokens generated per request.
     #[arg(long, default_value_t = 96)]
@@ -35,30 +36,43 @@ pub struct SpeculativeBenchArgs {
     pub max_draft: usize,
 }
 
-/// Greedy requests on a repetitive, extraction-like prompt (a record listed
-/// over and over with small changes), `count` of them, each a little different.
-fn repetitive_prompt(i: usize) -> String {
-    let records: String = (0..12)
-        .map(|r| {
-            format!(
-                "id {:02}; name item-{}; status ok; owner team {};\n",
-                r + i,
-                r % 4,
-                i % 3
-            )
-        })
-        .collect();
-    format!("Copy every record below.\n{records}id")
+fn token_request(ids: Vec<u32>, new_tokens: usize) -> ValidRequest {
+    let body = json!({"prompt": "", "raw": true, "max_tokens": new_tokens, "ignore_eos": true});
+    let mut request = ValidRequest::parse(Task::TextGeneration, &body).expect("benchmark requests are valid");
+    request.prompt = Prompt::Tokens(ids);
+    request
 }
 
-fn repetitive_requests(count: usize, new_tokens: usize) -> Vec<ValidRequest> {
-    (0..count)
+/// Tokens of each request's random opening.
+const OPENING: usize = 48;
+
+/// `count` greedy requests whose prompts already hold what the model will
+/// answer, as an extraction or summary prompt holds the spans it copies: a
+/// random opening `p`, the model's own greedy continuation `g` of it, then `p`
+/// again. Prompt lookup finds `g` in the prompt; the target decides whether
+/// to follow it.
+async fn repetitive_requests(model: &TextModel, count: usize, new_tokens: usize) -> anyhow::Result<Vec<ValidRequest>> {
+    let vocab = model.model.config().vocab_size as u64;
+    let openings: Vec<Vec<u32>> = (0..count)
         .map(|i| {
-            let body =
-                json!({"prompt": repetitive_prompt(i), "raw": true, "max_tokens": new_tokens, "ignore_eos": true});
-            ValidRequest::parse(Task::TextGeneration, &body).expect("benchmark requests are valid")
+            let mut rng = lorry_engine::rng::SplitMix::new(7 + i as u64);
+            (0..OPENING)
+                .map(|_| (300 + rng.next_u64() % (vocab - 300)) as u32)
+                .collect()
         })
-        .collect()
+        .collect();
+    let plain = SpecConfig {
+        proposer: Proposer::Off,
+        ..SpecConfig::default()
+    };
+    let engine = TextEngine::start("bench", model.clone(), engine_config(count, plain, false));
+    let first: Vec<ValidRequest> = openings.iter().map(|p| token_request(p.clone(), new_tokens)).collect();
+    let (_, continuations) = serve(&engine, &first, &[]).await?;
+    Ok(openings
+        .into_iter()
+        .zip(continuations)
+        .map(|(p, g)| token_request([p.clone(), g, p].concat(), new_tokens))
+        .collect())
 }
 
 /// Serve every request at once; the wall time and each output's token ids.
@@ -100,45 +114,79 @@ fn scratch(what: &str, fixture: Fixture) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// One engine's run over every case: its times, outputs and counters.
+struct Measured {
+    seconds: Vec<f64>,
+    outputs: Vec<Vec<Vec<u32>>>,
+    /// Proposed, accepted, steps and tokens per case.
+    counts: Vec<(u64, u64, u64, u64)>,
+}
+
+/// Serve each case (`batch` requests, mixed adapters or none) on one engine
+/// whose prefix cache already holds every prompt, so that the time is decoding.
+async fn measure(
+    engine: &TextEngine,
+    proposer: Proposer,
+    cases: &[(usize, bool)],
+    requests: &[ValidRequest],
+    adapters: &[Option<Arc<PackedAdapter>>],
+) -> anyhow::Result<Measured> {
+    let largest = cases.iter().map(|c| c.0).max().unwrap_or(1);
+    let warm: Vec<ValidRequest> = requests[..largest]
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            r.sampling.max_tokens = Some(1);
+            r
+        })
+        .collect();
+    serve(engine, &warm, &[]).await?;
+    if cases.iter().any(|c| c.1) {
+        serve(engine, &warm, adapters).await?;
+    }
+    let mut measured = Measured {
+        seconds: Vec::new(),
+        outputs: Vec::new(),
+        counts: Vec::new(),
+    };
+    for &(batch, mixed) in cases {
+        let c = engine.counters();
+        let before = (
+            proposed_accepted(engine, proposer),
+            c.steps.load(Ordering::Relaxed),
+            c.generated_tokens.load(Ordering::Relaxed),
+        );
+        let (time, outputs) = serve(engine, &requests[..batch], if mixed { &adapters[..batch] } else { &[] }).await?;
+        let after = (
+            proposed_accepted(engine, proposer),
+            c.steps.load(Ordering::Relaxed),
+            c.generated_tokens.load(Ordering::Relaxed),
+        );
+        measured.seconds.push(time.as_secs_f64());
+        measured.outputs.push(outputs);
+        measured.counts.push((
+            after.0 .0 - before.0 .0,
+            after.0 .1 - before.0 .1,
+            after.1 - before.1,
+            after.2 - before.2,
+        ));
+    }
+    Ok(measured)
+}
+
 /// Tokens/s with and without speculation at each batch size, for prompt
 /// lookup and for two draft models, then in a mixed-adapter batch.
 pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
-    let target = scratch("bench", Fixture::Bench)?;
+    let target = scratch("bench-smooth", Fixture::BenchSmooth)?;
     let model = TextModel::from_dir(&target, &Device::Cpu)?;
-    let drafts: Vec<(&str, Llama)> = vec![
-        (
-            "draft: bench-draft (own random weights)",
-            Llama::from_dir(&scratch("bench-draft", Fixture::BenchDraft)?, &Device::Cpu)?,
-        ),
-        (
-            "draft: bench-draft-shared (bench's first 2 of 8 layers)",
-            Llama::from_dir(&scratch("bench-draft-shared", Fixture::BenchDraftShared)?, &Device::Cpu)?,
-        ),
-    ];
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let proposers: Vec<(&str, Proposer, Option<Llama>)> =
-        std::iter::once(("ngram (prompt lookup)", Proposer::Ngram, None))
-            .chain(
-                drafts
-                    .into_iter()
-                    .map(|(name, draft)| (name, Proposer::Draft, Some(draft))),
-            )
-            .collect();
-    let spec = |proposer, max_batch| SpecConfig {
-        proposer,
-        max_draft: args.max_draft,
-        max_batch,
-        ..SpecConfig::default()
-    };
-    println!(
-        "Greedy, repetitive prompts (~{} tokens), {} new tokens each; speculation forced on at every batch size.\n",
-        repetitive_prompt(0).len(),
-        args.new_tokens
-    );
-    println!("| proposer | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | output identical |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---|");
     let mut cases: Vec<(usize, bool)> = args.batch.iter().map(|&b| (b, false)).collect();
+    cases.push((max_batch.min(8), true));
     cases.push((max_batch, true));
+    cases.sort_unstable();
+    cases.dedup();
+    eprintln!("making the workload: each opening's greedy continuation");
+    let requests = repetitive_requests(&model, max_batch, args.new_tokens).await?;
     eprintln!("making {max_batch} random rank-16 adapters");
     let config = model.model.config().clone();
     let adapters: Vec<Option<Arc<PackedAdapter>>> = (0..max_batch)
@@ -148,44 +196,84 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             ))
         })
         .collect();
-    for (name, proposer, draft) in &proposers {
-        for &(batch, mixed) in &cases {
-            let requests = repetitive_requests(batch, args.new_tokens);
-            let adapters: &[Option<Arc<PackedAdapter>>] = if mixed { &adapters[..batch] } else { &[] };
-            let off = TextEngine::start(
-                "bench",
-                model.clone(),
-                engine_config(batch, spec(Proposer::Off, 0), false),
-            );
-            serve(&off, &requests[..1], &[]).await?; // warm up
-            let (plain, want) = serve(&off, &requests, adapters).await?;
-            let on = TextEngine::start_with_draft(
-                "bench",
-                model.clone(),
-                draft.clone(),
-                engine_config(batch, spec(*proposer, usize::MAX), false),
-            );
-            serve(&on, &requests[..1], &[]).await?;
-            let c = on.counters();
-            let (steps0, generated0) = (
-                c.steps.load(Ordering::Relaxed),
-                c.generated_tokens.load(Ordering::Relaxed),
-            );
-            let (proposed0, accepted0) = proposed_accepted(&on, *proposer);
-            let (fast, got) = serve(&on, &requests, adapters).await?;
-            let steps = c.steps.load(Ordering::Relaxed) - steps0;
-            let generated = c.generated_tokens.load(Ordering::Relaxed) - generated0;
-            let (proposed, accepted) = proposed_accepted(&on, *proposer);
+    let spec = |proposer, max_batch| SpecConfig {
+        proposer,
+        max_draft: args.max_draft,
+        max_batch,
+        ..SpecConfig::default()
+    };
+    let policy = SpecConfig::default().max_batch;
+    let runs: Vec<(&str, Proposer, Option<Fixture>, usize)> = vec![
+        ("off", Proposer::Off, None, 0),
+        ("ngram (prompt lookup)", Proposer::Ngram, None, usize::MAX),
+        ("ngram (prompt lookup)", Proposer::Ngram, None, policy),
+        (
+            "draft: bench-draft (own random weights)",
+            Proposer::Draft,
+            Some(Fixture::BenchDraft),
+            usize::MAX,
+        ),
+        (
+            "draft: bench-smooth-draft (the target's first 2 of 8 layers)",
+            Proposer::Draft,
+            Some(Fixture::BenchSmoothDraft),
+            usize::MAX,
+        ),
+    ];
+    let mut results = Vec::new();
+    for (name, proposer, draft, limit) in &runs {
+        eprintln!("measuring {name}");
+        let draft = match draft {
+            Some(fixture) => {
+                let dir = scratch(
+                    if *fixture == Fixture::BenchDraft {
+                        "bench-draft"
+                    } else {
+                        "bench-smooth-draft"
+                    },
+                    *fixture,
+                )?;
+                Some(Llama::from_dir(&dir, &Device::Cpu)?)
+            }
+            None => None,
+        };
+        let engine = TextEngine::start_with_draft(
+            "bench",
+            model.clone(),
+            draft,
+            engine_config(max_batch, spec(*proposer, *limit), true),
+        );
+        results.push(measure(&engine, *proposer, &cases, &requests, &adapters).await?);
+    }
+    println!(
+        "Target `bench-smooth`. Greedy requests whose {}-token prompts hold the answer (a random opening, the model's \
+         own continuation of it, the opening again; cached before the timed runs, so the time is decoding), {} new \
+         tokens each. `forced`: speculation at every batch size; `policy`: the default, which speculates only while \
+         at most {policy} sequences decode.\n",
+        2 * OPENING + args.new_tokens,
+        args.new_tokens,
+    );
+    println!("| proposer | speculation | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | output identical |");
+    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---|");
+    let off = &results[0];
+    for ((name, _, _, limit), run) in runs.iter().zip(&results).skip(1) {
+        for (i, &(batch, mixed)) in cases.iter().enumerate() {
             let tokens = (batch * args.new_tokens) as f64;
+            let (proposed, accepted, steps, generated) = run.counts[i];
             println!(
-                "| {name} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {} |",
-                if mixed { "32 distinct" } else { "none" },
-                tokens / plain.as_secs_f64(),
-                tokens / fast.as_secs_f64(),
-                plain.as_secs_f64() / fast.as_secs_f64(),
-                100.0 * (accepted - accepted0) as f64 / (proposed - proposed0).max(1) as f64,
+                "| {name} | {} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {} |",
+                if *limit == usize::MAX { "forced" } else { "policy" },
+                if mixed {
+                    format!("{batch} distinct")
+                } else {
+                    "none".to_string()
+                },
+                tokens / off.seconds[i],
+                tokens / run.seconds[i],
+                off.seconds[i] / run.seconds[i],
+                100.0 * accepted as f64 / proposed.max(1) as f64,
                 generated as f64 / steps.max(1) as f64 / batch as f64,
-                if got == want { "yes" } else { "NO" },
+                if run.outputs[i] == off.outputs[i] { "yes" } else { "NO" },
             );
         }
     }
@@ -207,9 +295,18 @@ pub struct PrefixBenchArgs {
     /// Tokens of the shared prefix in the first scenario.
     #[arg(long, default_value_t = 1024)]
     pub prefix_tokens: usize,
-    /// Rounds of each measurement; the best is kept.
+    /// Rounds of the first scenario; the best is kept.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Requests in the second scenario, each a chunk under one instruction.
+    #[arg(long, default_value_t = 280)]
+    pub chunks: usize,
+    /// Tokens of that instruction.
+    #[arg(long, default_value_t = 192)]
+    pub instruction_tokens: usize,
+    /// Tokens of each chunk.
+    #[arg(long, default_value_t = 24)]
+    pub chunk_tokens: usize,
 }
 
 fn text_of(seed: &str, tokens: usize) -> String {
@@ -270,28 +367,32 @@ pub async fn prefix(args: &PrefixBenchArgs) -> anyhow::Result<()> {
         100.0 * uncached / first
     );
 
-    // 2. 280 chunks under one 256-token instruction; 3. a chat of 8 turns.
-    let instruction = text_of("Summarise the following chunk in one line", 256);
-    let chunks: Vec<ValidRequest> = (0..280)
-        .map(|i| prompt(format!("{instruction}{}", text_of(&format!("chunk {i}"), 64)), 4))
+    // 2. Chunks under one instruction; 3. a chat of 8 turns. Once each.
+    let instruction = text_of("Summarise the following chunk in one line", args.instruction_tokens);
+    let chunks: Vec<ValidRequest> = (0..args.chunks)
+        .map(|i| {
+            prompt(
+                format!("{instruction}{}", text_of(&format!("chunk {i}"), args.chunk_tokens)),
+                4,
+            )
+        })
         .collect();
     println!("| workload | cache off s | cache on s | speed-up | prompt blocks hit |");
     println!("|---|---:|---:|---:|---:|");
-    let (mut on_runs, mut off_runs, mut hit_rate) = (Vec::new(), Vec::new(), 0.0);
-    for _ in 0..args.rounds.max(1) {
-        let (cached, plain) = (start(true), start(false));
-        off_runs.push(serve(&plain, &chunks, &[]).await?.0.as_secs_f64());
-        on_runs.push(serve(&cached, &chunks, &[]).await?.0.as_secs_f64());
-        hit_rate = hits(&cached);
-    }
-    let (on, off_s) = (best(&on_runs), best(&off_runs));
+    let (cached, plain) = (start(true), start(false));
+    let off_s = serve(&plain, &chunks, &[]).await?.0.as_secs_f64();
+    let on = serve(&cached, &chunks, &[]).await?.0.as_secs_f64();
+    let mut hit_rate = hits(&cached);
     println!(
-        "| 280 chunks × (256-token instruction + 64) → 4 tokens | {off_s:.2} | {on:.2} | {:.2}x | {:.0}% |",
+        "| {} chunks × ({}-token instruction + {}) → 4 tokens | {off_s:.2} | {on:.2} | {:.2}x | {:.0}% |",
+        args.chunks,
+        args.instruction_tokens,
+        args.chunk_tokens,
         off_s / on,
         100.0 * hit_rate
     );
     let (mut on_runs, mut off_runs) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds.max(1) {
+    {
         for (cache, runs) in [(true, &mut on_runs), (false, &mut off_runs)] {
             let engine = start(cache);
             let mut conversation = text_of("system: be brief", 200);

@@ -74,7 +74,7 @@ impl TextModel {
             (Prompt::Text(t) | Prompt::Plain(t), true, _) | (Prompt::Text(t) | Prompt::Plain(t), _, None) => {
                 return Ok(t.clone())
             }
-            (Prompt::Inputs(_), _, _) => {
+            (Prompt::Inputs(_) | Prompt::Tokens(_), _, _) => {
                 return Err(ModelError::Config(
                     "a text-generation model takes a prompt or messages".into(),
                 ))
@@ -164,10 +164,25 @@ impl TextModel {
     /// Render and tokenise a request and set up its decoding, within `context`
     /// tokens in all (prompt and generated).
     pub fn start(&self, request: &crate::ValidRequest, context: usize) -> Result<Decoding, EngineError> {
-        let rendered = self
-            .render(&request.prompt, request.raw)
-            .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?;
-        let prompt = self.encode(&rendered).map_err(|e| EngineError::Model(e.to_string()))?;
+        let prompt = match &request.prompt {
+            Prompt::Tokens(ids) => {
+                let vocab = self.model.config().vocab_size;
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                    return Err(EngineError::Input(InputError::new(
+                        "invalid_token",
+                        "prompt",
+                        format!("token {bad} is outside the vocabulary of {vocab}"),
+                    )));
+                }
+                ids.clone()
+            }
+            _ => {
+                let rendered = self
+                    .render(&request.prompt, request.raw)
+                    .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?;
+                self.encode(&rendered).map_err(|e| EngineError::Model(e.to_string()))?
+            }
+        };
         if prompt.is_empty() {
             return Err(EngineError::Input(InputError::new(
                 "empty_prompt",

@@ -67,6 +67,7 @@ fn echo_text(request: &ValidRequest) -> String {
         Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
         Prompt::Messages(m) => m.last().map(|m| m.content.clone()).unwrap_or_default(),
         Prompt::Inputs(texts) => texts.join("\n"),
+        Prompt::Tokens(ids) => ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "),
     }
 }
 

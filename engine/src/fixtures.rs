@@ -32,9 +32,16 @@ pub enum Fixture {
     /// the same tokenizer): with random weights its guesses agree with the
     /// target no more than chance, which measures speculation's cost.
     BenchDraft,
-    /// A draft for `bench` made of its first two layers, embeddings and head:
-    /// guesses that agree with the target often, as a trained draft's do.
+    /// A draft for `bench` made of its first two layers, embeddings and head.
     BenchDraftShared,
+    /// `bench` with its projections a quarter of the scale (the same seeds):
+    /// each layer refines the residual stream instead of overwriting it, as
+    /// in trained models, so greedy decoding settles into repeating text,
+    /// and a draft made of its first layers guesses well. A step costs what
+    /// a `bench` step costs.
+    BenchSmooth,
+    /// `bench-smooth`'s first two layers, embeddings and head: its draft.
+    BenchSmoothDraft,
 }
 
 impl Fixture {
@@ -49,12 +56,14 @@ impl Fixture {
             "tiny-llama-draft" => Some(Fixture::TinyLlamaDraft),
             "bench-draft" => Some(Fixture::BenchDraft),
             "bench-draft-shared" => Some(Fixture::BenchDraftShared),
+            "bench-smooth" => Some(Fixture::BenchSmooth),
+            "bench-smooth-draft" => Some(Fixture::BenchSmoothDraft),
             _ => None,
         }
     }
 
     /// The names `parse` accepts.
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 10] = [
         "tiny-llama",
         "tiny-qwen2",
         "tiny-gemma",
@@ -63,7 +72,17 @@ impl Fixture {
         "tiny-llama-draft",
         "bench-draft",
         "bench-draft-shared",
+        "bench-smooth",
+        "bench-smooth-draft",
     ];
+
+    /// How much larger than `1/√fan_in` the projections' standard deviation is.
+    fn gain(self) -> f64 {
+        match self {
+            Fixture::BenchSmooth | Fixture::BenchSmoothDraft => 0.5,
+            _ => 2.0,
+        }
+    }
 
     /// What seeds the weights: drafts made of their target's first layers
     /// share its seeds (and so its tensors); others have their own.
@@ -129,7 +148,8 @@ impl Fixture {
                 "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 32000,
                 "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": false,
             }),
-            Fixture::TinyLlamaDraft | Fixture::BenchDraftShared => {
+            Fixture::BenchSmooth => return Fixture::Bench.config(),
+            Fixture::TinyLlamaDraft | Fixture::BenchDraftShared | Fixture::BenchSmoothDraft => {
                 let (target, layers) = match self {
                     Fixture::TinyLlamaDraft => (Fixture::TinyLlama, 1),
                     _ => (Fixture::Bench, 2),
@@ -161,7 +181,7 @@ fn random(name: &str, shape: &[usize], mean: f64, std: f64) -> candle_core::Resu
     Tensor::from_vec(values, shape, &Device::Cpu)
 }
 
-fn llama_weights(config: &Value, salt: &str) -> candle_core::Result<HashMap<String, Tensor>> {
+fn llama_weights(config: &Value, salt: &str, gain: f64) -> candle_core::Result<HashMap<String, Tensor>> {
     let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
     let (h, inter, vocab) = (get("hidden_size"), get("intermediate_size"), get("vocab_size"));
     let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
@@ -181,9 +201,9 @@ fn llama_weights(config: &Value, salt: &str) -> candle_core::Result<HashMap<Stri
     add("model.embed_tokens.weight".into(), &[vocab, h], 0.0, embed_std)?;
     for i in 0..get("num_hidden_layers") {
         let p = format!("model.layers.{i}");
-        // Twice the usual scale: random layers then change the residual stream enough
-        // that greedy output depends on the context rather than repeating one token.
-        let linear_std = |fan_in: usize| 2.0 / (fan_in as f64).sqrt();
+        // Twice the usual scale (`gain`): random layers then change the residual stream
+        // enough that greedy output depends on the context rather than repeating itself.
+        let linear_std = |fan_in: usize| gain / (fan_in as f64).sqrt();
         for (proj, out) in [("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)] {
             add(format!("{p}.self_attn.{proj}.weight"), &[out, h], 0.0, linear_std(h))?;
             if qwen2 {
@@ -364,7 +384,7 @@ pub fn write_as(fixture: Fixture, dir: &Path, dtype: DType) -> Result<(), ModelE
     write_json(&dir.join("config.json"), &config)?;
     let weights = match fixture {
         Fixture::TinyBert => bert_weights(&config)?,
-        _ => llama_weights(&config, fixture.salt())?,
+        _ => llama_weights(&config, fixture.salt(), fixture.gain())?,
     };
     let weights = weights
         .into_iter()

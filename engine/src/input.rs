@@ -169,6 +169,9 @@ pub enum Prompt {
     Plain(String),
     /// Texts to embed, one embedding each.
     Inputs(Vec<String>),
+    /// Token ids of the model's vocabulary, used as they are (callers of the
+    /// engine, such as benchmarks; no route takes them).
+    Tokens(Vec<u32>),
 }
 
 /// Sampling and stopping parameters, already range-checked.
@@ -277,6 +280,7 @@ impl ValidRequest {
             Prompt::Text(t) | Prompt::Plain(t) => t.clone(),
             Prompt::Messages(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
             Prompt::Inputs(texts) => texts.join("\n"),
+            Prompt::Tokens(ids) => ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "),
         }
     }
 }

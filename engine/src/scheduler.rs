@@ -406,13 +406,18 @@ impl Scheduler {
         if !seq.running {
             return; // preempted earlier in this step
         }
-        // Planned already this step (its guesses computed past its known tokens): nothing more.
+        // Guesses ride along with a decoding step only; a sequence planned
+        // already this step (computed up to or past its known tokens) gets nothing more.
         let draft = if seq.computed + 1 == seq.tokens { seq.draft } else { 0 };
-        let take = (seq.tokens + draft)
+        let mut take = (seq.tokens + draft)
             .saturating_sub(seq.computed)
             .min(budget.saturating_sub(hold_back));
         if take == 0 {
             return;
+        }
+        // Guesses never cost another sequence its blocks.
+        if take > 1 && draft > 0 && seq.table.blocks_needed(&self.pool, take) > self.pool.free_blocks() {
+            take = 1;
         }
         loop {
             let seq = &self.seqs[&id];
@@ -462,6 +467,8 @@ impl Scheduler {
     /// Free a running sequence's blocks and queue it, first in its lane, to be recomputed.
     fn preempt(&mut self, id: SeqId, plan: &mut Plan) {
         let seq = self.seqs.get_mut(&id).expect("running sequences are known");
+        // Its computed blocks stay findable until their room is needed.
+        cache_blocks(seq, &mut self.pool);
         seq.table.release(&mut self.pool);
         seq.computed = 0;
         seq.cached = 0;
@@ -682,6 +689,81 @@ mod tests {
                 },
             ]
         );
+    }
+
+    fn hashes(n: usize, salt: u8) -> Vec<BlockHash> {
+        (0..n).map(|i| [salt.wrapping_add(i as u8); 32]).collect()
+    }
+
+    #[test]
+    fn a_cached_prefix_is_shared_at_admission_and_only_the_rest_is_computed() {
+        let mut s = Scheduler::new(config(4, 64), BlockPool::new(16, 4));
+        // 10 tokens: two full blocks and a partial one.
+        s.add(1, Lane::Batch, 10, hashes(2, 0));
+        let plan = s.schedule();
+        assert_eq!((plan.chunks[0].start, plan.chunks[0].len), (0, 10));
+        s.step_done(&plan);
+        s.append_token(1);
+        // The same two blocks, then more: only the tail is planned, on shared blocks.
+        s.add(2, Lane::Batch, 12, hashes(2, 0));
+        let plan = s.schedule();
+        let chunk = plan.chunks.iter().find(|c| c.id == 2).unwrap();
+        assert_eq!((chunk.start, chunk.len), (8, 4));
+        assert_eq!(&s.blocks(2)[..2], &s.blocks(1)[..2], "shared, not copied");
+        // A prompt that is exactly its cached blocks still computes its last token.
+        s.add(3, Lane::Batch, 8, hashes(2, 0));
+        let plan = s.schedule();
+        let chunk = plan.chunks.iter().find(|c| c.id == 3).unwrap();
+        assert_eq!((chunk.start, chunk.len), (4, 4));
+        assert_eq!(s.prefix_stats().hits, 3);
+        // Ended sequences leave their blocks cached and idle: they count as free.
+        for id in [1, 2, 3] {
+            s.remove(id);
+        }
+        assert_eq!(s.free_blocks(), 16);
+        s.add(4, Lane::Batch, 9, hashes(2, 0));
+        let plan = s.schedule();
+        assert_eq!(plan.chunks[0].start, 8, "found after its holders ended");
+        // Other contents take the idle blocks when nothing else is free.
+        s.remove(4);
+        s.add(5, Lane::Batch, 64, hashes(16, 100));
+        s.schedule();
+        assert!(s.prefix_stats().evicted > 0);
+    }
+
+    #[test]
+    fn guesses_ride_with_a_decode_and_rejected_ones_are_rolled_back() {
+        let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
+        s.add(1, Lane::Batch, 4, vec![]);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        s.propose(1, 3);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.chunks,
+            vec![Chunk {
+                id: 1,
+                start: 4,
+                len: 4,
+                samples: true,
+                draft: 3
+            }]
+        );
+        assert_eq!(s.free_blocks(), 2);
+        // One guess accepted, plus the target's own token: 6 known, 5 computed.
+        s.rollback(1, 6);
+        s.append_tokens(1, 2, &[]);
+        assert_eq!(s.decoding(), vec![1]);
+        // Guesses that do not fit are dropped rather than preempting anyone.
+        s.add(2, Lane::Batch, 7, vec![]);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        assert_eq!(s.free_blocks(), 0);
+        s.propose(1, 4);
+        let plan = s.schedule();
+        assert!(plan.preempted.is_empty());
+        assert_eq!(plan.chunks[0].len, 1);
+        assert_eq!(plan.chunks[0].draft, 0);
     }
 
     #[test]
