@@ -146,7 +146,7 @@ pub struct EngineArgs {
     pub rt_hold_steps: usize,
     /// Reuse the computed keys and values of prompt prefixes already seen
     /// (same model, same adapter): `on` or `off`.
-    #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off)]
+    #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
     pub prefix_cache: bool,
     /// Speculative decoding: `ngram` (prompt lookup), `draft:DIR` (a draft
     /// model sharing the tokenizer), `draft` (the draft the catalogue names

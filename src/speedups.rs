@@ -51,7 +51,12 @@ const OPENING: usize = 48;
 /// random opening `p`, the model's own greedy continuation `g` of it, then `p`
 /// again. Prompt lookup finds `g` in the prompt; the target decides whether
 /// to follow it.
-async fn repetitive_requests(model: &TextModel, count: usize, new_tokens: usize) -> anyhow::Result<Vec<ValidRequest>> {
+async fn repetitive_requests(
+    model: &TextModel,
+    count: usize,
+    new_tokens: usize,
+    adapters: &[Option<Arc<PackedAdapter>>],
+) -> anyhow::Result<Vec<ValidRequest>> {
     let vocab = model.model.config().vocab_size as u64;
     let openings: Vec<Vec<u32>> = (0..count)
         .map(|i| {
@@ -67,7 +72,7 @@ async fn repetitive_requests(model: &TextModel, count: usize, new_tokens: usize)
     };
     let engine = TextEngine::start("bench", model.clone(), engine_config(count, plain, false));
     let first: Vec<ValidRequest> = openings.iter().map(|p| token_request(p.clone(), new_tokens)).collect();
-    let (_, continuations) = serve(&engine, &first, &[]).await?;
+    let (_, continuations) = serve(&engine, &first, adapters).await?;
     Ok(openings
         .into_iter()
         .zip(continuations)
@@ -128,21 +133,23 @@ async fn measure(
     engine: &TextEngine,
     proposer: Proposer,
     cases: &[(usize, bool)],
-    requests: &[ValidRequest],
+    [requests, adapted]: [&[ValidRequest]; 2],
     adapters: &[Option<Arc<PackedAdapter>>],
 ) -> anyhow::Result<Measured> {
     let largest = cases.iter().map(|c| c.0).max().unwrap_or(1);
-    let warm: Vec<ValidRequest> = requests[..largest]
-        .iter()
-        .map(|r| {
-            let mut r = r.clone();
-            r.sampling.max_tokens = Some(1);
-            r
-        })
-        .collect();
-    serve(engine, &warm, &[]).await?;
+    let warm = |requests: &[ValidRequest]| -> Vec<ValidRequest> {
+        requests[..largest]
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.sampling.max_tokens = Some(1);
+                r
+            })
+            .collect()
+    };
+    serve(engine, &warm(requests), &[]).await?;
     if cases.iter().any(|c| c.1) {
-        serve(engine, &warm, adapters).await?;
+        serve(engine, &warm(adapted), adapters).await?;
     }
     let mut measured = Measured {
         seconds: Vec::new(),
@@ -156,7 +163,11 @@ async fn measure(
             c.steps.load(Ordering::Relaxed),
             c.generated_tokens.load(Ordering::Relaxed),
         );
-        let (time, outputs) = serve(engine, &requests[..batch], if mixed { &adapters[..batch] } else { &[] }).await?;
+        let (time, outputs) = if mixed {
+            serve(engine, &adapted[..batch], &adapters[..batch]).await?
+        } else {
+            serve(engine, &requests[..batch], &[]).await?
+        };
         let after = (
             proposed_accepted(engine, proposer),
             c.steps.load(Ordering::Relaxed),
@@ -185,8 +196,6 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     cases.push((max_batch, true));
     cases.sort_unstable();
     cases.dedup();
-    eprintln!("making the workload: each opening's greedy continuation");
-    let requests = repetitive_requests(&model, max_batch, args.new_tokens).await?;
     eprintln!("making {max_batch} random rank-16 adapters");
     let config = model.model.config().clone();
     let adapters: Vec<Option<Arc<PackedAdapter>>> = (0..max_batch)
@@ -196,6 +205,10 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             ))
         })
         .collect();
+    // Each row's prompt holds its own greedy continuation: with its adapter for the mixed cases.
+    eprintln!("making the workload: each opening's greedy continuation");
+    let requests = repetitive_requests(&model, max_batch, args.new_tokens, &[]).await?;
+    let adapted = repetitive_requests(&model, max_batch, args.new_tokens, &adapters).await?;
     let spec = |proposer, max_batch| SpecConfig {
         proposer,
         max_draft: args.max_draft,
@@ -206,7 +219,6 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let runs: Vec<(&str, Proposer, Option<Fixture>, usize)> = vec![
         ("off", Proposer::Off, None, 0),
         ("ngram (prompt lookup)", Proposer::Ngram, None, usize::MAX),
-        ("ngram (prompt lookup)", Proposer::Ngram, None, policy),
         (
             "draft: bench-draft (own random weights)",
             Proposer::Draft,
@@ -243,26 +255,25 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             draft,
             engine_config(max_batch, spec(*proposer, *limit), true),
         );
-        results.push(measure(&engine, *proposer, &cases, &requests, &adapters).await?);
+        results.push(measure(&engine, *proposer, &cases, [&requests, &adapted], &adapters).await?);
     }
     println!(
         "Target `bench-smooth`. Greedy requests whose {}-token prompts hold the answer (a random opening, the model's \
          own continuation of it, the opening again; cached before the timed runs, so the time is decoding), {} new \
-         tokens each. `forced`: speculation at every batch size; `policy`: the default, which speculates only while \
-         at most {policy} sequences decode.\n",
+         tokens each. Speculation is forced on at every batch size here; by default (`LORRY_SPECULATE_MAX_BATCH`) \
+         a step speculates only while at most {policy} sequences decode, and runs as `off` above that.\n",
         2 * OPENING + args.new_tokens,
         args.new_tokens,
     );
-    println!("| proposer | speculation | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | output identical |");
-    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---|");
+    println!("| proposer | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | output identical |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---|");
     let off = &results[0];
-    for ((name, _, _, limit), run) in runs.iter().zip(&results).skip(1) {
+    for ((name, _, _, _), run) in runs.iter().zip(&results).skip(1) {
         for (i, &(batch, mixed)) in cases.iter().enumerate() {
             let tokens = (batch * args.new_tokens) as f64;
             let (proposed, accepted, steps, generated) = run.counts[i];
             println!(
-                "| {name} | {} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {} |",
-                if *limit == usize::MAX { "forced" } else { "policy" },
+                "| {name} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {} |",
                 if mixed {
                     format!("{batch} distinct")
                 } else {
