@@ -284,7 +284,7 @@ impl DraftModel {
         let rows = pass(&self.model, &mut self.kv, &chunks)?;
         for ((i, _, feed), row) in feeds.iter().zip(&rows) {
             self.seqs.get_mut(&wants[*i].0).expect("reserved").fed.extend(feed);
-            pick(&mut guesses[*i], &mut wants[*i].1, row);
+            pick(&mut guesses[*i], wants[*i].1, row);
         }
         // One batched pass per further guess.
         let mut round = 1;
@@ -314,7 +314,7 @@ impl DraftModel {
             let rows = pass(&self.model, &mut self.kv, &chunks)?;
             for ((&i, input), row) in going.iter().zip(&inputs).zip(&rows) {
                 self.seqs.get_mut(&wants[i].0).expect("reserved").fed.push(input[0]);
-                pick(&mut guesses[i], &mut wants[i].1, row);
+                pick(&mut guesses[i], wants[i].1, row);
             }
             round += 1;
         }
