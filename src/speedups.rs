@@ -292,11 +292,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
 }
 
 fn proposed_accepted(engine: &TextEngine, proposer: Proposer) -> (u64, u64) {
-    let c = engine.counters();
-    let (p, a) = match proposer {
-        Proposer::Draft => (&c.draft_proposed, &c.draft_accepted),
-        _ => (&c.ngram_proposed, &c.ngram_accepted),
-    };
+    let (p, a) = engine.counters().speculation(proposer);
     (p.load(Ordering::Relaxed), a.load(Ordering::Relaxed))
 }
 

@@ -163,11 +163,6 @@ impl SpecState {
             self.pause = 8;
         }
     }
-
-    /// The moving acceptance rate.
-    pub fn rate(&self) -> f64 {
-        self.rate
-    }
 }
 
 /// What a proposer guessed for one sequence.
@@ -209,11 +204,6 @@ impl DraftModel {
             seqs: HashMap::new(),
             model,
         }
-    }
-
-    /// The draft's network.
-    pub fn model(&self) -> &Llama {
-        &self.model
     }
 
     /// Forget a sequence and free its blocks.

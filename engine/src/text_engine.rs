@@ -104,13 +104,17 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Tokens one proposer guessed and, of those, accepted (prompt lookup's for `Off`, which guesses none).
+    pub fn speculation(&self, proposer: Proposer) -> (&AtomicU64, &AtomicU64) {
+        match proposer {
+            Proposer::Draft => (&self.draft_proposed, &self.draft_accepted),
+            Proposer::Ngram | Proposer::Off => (&self.ngram_proposed, &self.ngram_accepted),
+        }
+    }
+
     /// Accepted over proposed for one proposer (0 when nothing was proposed).
     pub fn acceptance(&self, proposer: Proposer) -> f64 {
-        let (proposed, accepted) = match proposer {
-            Proposer::Ngram => (&self.ngram_proposed, &self.ngram_accepted),
-            Proposer::Draft => (&self.draft_proposed, &self.draft_accepted),
-            Proposer::Off => return 0.0,
-        };
+        let (proposed, accepted) = self.speculation(proposer);
         let proposed = proposed.load(Ordering::Relaxed);
         accepted.load(Ordering::Relaxed) as f64 / proposed.max(1) as f64
     }
@@ -549,10 +553,7 @@ impl EngineLoop {
             if let (Some(guess), Some(spec)) = (&guess, &mut active.spec) {
                 if chunk.draft > 0 {
                     spec.observe(chunk.draft, accepted);
-                    let (proposed, hits) = match guess.proposer {
-                        Proposer::Draft => (&self.counters.draft_proposed, &self.counters.draft_accepted),
-                        _ => (&self.counters.ngram_proposed, &self.counters.ngram_accepted),
-                    };
+                    let (proposed, hits) = self.counters.speculation(guess.proposer);
                     proposed.fetch_add(chunk.draft as u64, Ordering::Relaxed);
                     hits.fetch_add(accepted as u64, Ordering::Relaxed);
                 }

@@ -93,11 +93,6 @@ impl BlockPool {
         self.free.len() + self.idle.len()
     }
 
-    /// Cached blocks nobody holds.
-    pub fn idle_blocks(&self) -> usize {
-        self.idle.len()
-    }
-
     /// All blocks.
     pub fn total_blocks(&self) -> usize {
         self.refcounts.len()
