@@ -153,9 +153,10 @@ pub struct EngineArgs {
     /// next to each model; prompt lookup for models without one) or `off`.
     #[arg(long, env = "LORRY_SPECULATE", default_value = "ngram", value_parser = Speculate::parse)]
     pub speculate: Speculate,
-    /// Speculate only in steps where at most this many sequences decode.
-    #[arg(long, env = "LORRY_SPECULATE_MAX_BATCH", default_value_t = SpecConfig::default().max_batch)]
-    pub speculate_max_batch: usize,
+    /// Speculate only in steps where at most this many sequences decode
+    /// [default: 32 for prompt lookup, 2 for a draft model].
+    #[arg(long, env = "LORRY_SPECULATE_MAX_BATCH")]
+    pub speculate_max_batch: Option<usize>,
     /// Speculate for sampled requests too (their output distribution is
     /// unchanged, but a seed's draws then depend on what shares the batch).
     #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]

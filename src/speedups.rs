@@ -48,15 +48,19 @@ const OPENING: usize = 48;
 
 /// `count` greedy requests whose prompts already hold what the model will
 /// answer, as an extraction or summary prompt holds the spans it copies: a
-/// random opening `p`, the model's own greedy continuation `g` of it, then `p`
-/// again. Prompt lookup finds `g` in the prompt; the target decides whether
-/// to follow it.
+/// random opening `p`, a continuation `g`, then `p` again, where `g` is what
+/// the model answers to that very prompt (found by iterating from its greedy
+/// continuation of `p` alone, up to [`SETTLE_ROUNDS`] times). Prompt lookup
+/// finds `g` in the prompt; the target decides whether to follow it. The
+/// prompts that settled (answer equal to the `g` in their prompt) come
+/// first; returned with each one's place among the `count` made (whose
+/// adapter it was made with) and how many settled.
 async fn repetitive_requests(
     model: &TextModel,
     count: usize,
     new_tokens: usize,
     adapters: &[Option<Arc<PackedAdapter>>],
-) -> anyhow::Result<Vec<ValidRequest>> {
+) -> anyhow::Result<(Vec<ValidRequest>, Vec<usize>, usize)> {
     let vocab = model.model.config().vocab_size as u64;
     let openings: Vec<Vec<u32>> = (0..count)
         .map(|i| {
@@ -72,13 +76,32 @@ async fn repetitive_requests(
     };
     let engine = TextEngine::start("bench", model.clone(), engine_config(count, plain, false));
     let first: Vec<ValidRequest> = openings.iter().map(|p| token_request(p.clone(), new_tokens)).collect();
-    let (_, continuations) = serve(&engine, &first, adapters).await?;
-    Ok(openings
-        .into_iter()
-        .zip(continuations)
-        .map(|(p, g)| token_request([p.clone(), g, p].concat(), new_tokens))
-        .collect())
+    let (_, mut continuations) = serve(&engine, &first, adapters).await?;
+    let prompts = |continuations: &[Vec<u32>]| -> Vec<ValidRequest> {
+        openings
+            .iter()
+            .zip(continuations)
+            .map(|(p, g)| token_request([p.clone(), g.clone(), p.clone()].concat(), new_tokens))
+            .collect()
+    };
+    let mut settled = vec![false; count];
+    for _ in 0..SETTLE_ROUNDS {
+        let (_, answers) = serve(&engine, &prompts(&continuations), adapters).await?;
+        settled = answers.iter().zip(&continuations).map(|(a, g)| a == g).collect();
+        continuations = answers;
+        if settled.iter().all(|&s| s) {
+            break;
+        }
+    }
+    let mut order: Vec<usize> = (0..count).collect();
+    order.sort_by_key(|&i| !settled[i]);
+    let mut prompts: Vec<Option<ValidRequest>> = prompts(&continuations).into_iter().map(Some).collect();
+    let requests = order.iter().map(|&i| prompts[i].take().expect("each once")).collect();
+    Ok((requests, order, settled.iter().filter(|&&s| s).count()))
 }
+
+/// The most rounds [`repetitive_requests`] spends settling each prompt's copy.
+const SETTLE_ROUNDS: usize = 3;
 
 /// Serve every request at once; the wall time and each output's token ids.
 async fn serve(
@@ -86,15 +109,37 @@ async fn serve(
     requests: &[ValidRequest],
     adapters: &[Option<Arc<PackedAdapter>>],
 ) -> anyhow::Result<(Duration, Vec<Vec<u32>>)> {
+    serve_in_flight(engine, requests, adapters, requests.len()).await
+}
+
+/// Serve the requests in order, keeping `in_flight` of them submitted: as
+/// one finishes the next goes in, as a batch service keeps its slots full.
+/// The wall time and each output's token ids.
+async fn serve_in_flight(
+    engine: &TextEngine,
+    requests: &[ValidRequest],
+    adapters: &[Option<Arc<PackedAdapter>>],
+    in_flight: usize,
+) -> anyhow::Result<(Duration, Vec<Vec<u32>>)> {
+    use futures::stream::{FuturesUnordered, StreamExt};
     let start = Instant::now();
-    let streams: Vec<_> = requests
-        .iter()
-        .enumerate()
-        .map(|(i, r)| engine.submit_adapted(r.clone(), Lane::Batch, adapters.get(i).cloned().flatten()))
-        .collect::<Result<_, _>>()?;
-    let mut outputs = Vec::new();
-    for stream in streams {
-        outputs.push(collect(stream).await?.completion.context("no tokens")?.token_ids);
+    let submit = |i: usize| -> anyhow::Result<_> {
+        let stream = engine.submit_adapted(requests[i].clone(), Lane::Batch, adapters.get(i).cloned().flatten())?;
+        Ok(async move { (i, collect(stream).await) })
+    };
+    let mut running = FuturesUnordered::new();
+    let mut next = 0;
+    while next < requests.len().min(in_flight.max(1)) {
+        running.push(submit(next)?);
+        next += 1;
+    }
+    let mut outputs = vec![Vec::new(); requests.len()];
+    while let Some((i, output)) = running.next().await {
+        outputs[i] = output?.completion.context("no tokens")?.token_ids;
+        if next < requests.len() {
+            running.push(submit(next)?);
+            next += 1;
+        }
     }
     Ok((start.elapsed(), outputs))
 }
@@ -127,7 +172,13 @@ struct Measured {
     counts: Vec<(u64, u64, u64, u64)>,
 }
 
-/// Serve each case (`batch` requests, mixed adapters or none) on one engine
+/// Requests served per decoding slot in each case: slots freed by sequences
+/// that finish early are taken by the next request, as in a service, so a
+/// few long rows at the end do not set the time.
+const REQUESTS_PER_SLOT: usize = 2;
+
+/// Serve each case (`batch` sequences decoding at once, from
+/// `REQUESTS_PER_SLOT × batch` requests, mixed adapters or none) on one engine
 /// whose prefix cache already holds every prompt, so that the time is decoding.
 async fn measure(
     engine: &TextEngine,
@@ -136,7 +187,7 @@ async fn measure(
     [requests, adapted]: [&[ValidRequest]; 2],
     adapters: &[Option<Arc<PackedAdapter>>],
 ) -> anyhow::Result<Measured> {
-    let largest = cases.iter().map(|c| c.0).max().unwrap_or(1);
+    let largest = REQUESTS_PER_SLOT * cases.iter().map(|c| c.0).max().unwrap_or(1);
     let warm = |requests: &[ValidRequest]| -> Vec<ValidRequest> {
         requests[..largest]
             .iter()
@@ -163,10 +214,11 @@ async fn measure(
             c.steps.load(Ordering::Relaxed),
             c.generated_tokens.load(Ordering::Relaxed),
         );
+        let count = REQUESTS_PER_SLOT * batch;
         let (time, outputs) = if mixed {
-            serve(engine, &adapted[..batch], &adapters[..batch]).await?
+            serve_in_flight(engine, &adapted[..count], &adapters[..count], batch).await?
         } else {
-            serve(engine, &requests[..batch], &[]).await?
+            serve_in_flight(engine, &requests[..count], &[], batch).await?
         };
         let after = (
             proposed_accepted(engine, proposer),
@@ -191,14 +243,17 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let target = scratch("bench-smooth", Fixture::BenchSmooth)?;
     let model = TextModel::from_dir(&target, &Device::Cpu)?;
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let mut cases: Vec<(usize, bool)> = args.batch.iter().map(|&b| (b, false)).collect();
-    cases.push((max_batch.min(8), true));
-    cases.push((max_batch, true));
+    // Each batch size without adapters, and with a distinct adapter per sequence.
+    let mut cases: Vec<(usize, bool)> = args.batch.iter().flat_map(|&b| [(b, false), (b, b > 1)]).collect();
     cases.sort_unstable();
     cases.dedup();
-    eprintln!("making {max_batch} random rank-16 adapters");
+    let count = REQUESTS_PER_SLOT * max_batch;
+    // More candidate prompts than the cases use: the cases take those whose
+    // answer is in the prompt first.
+    let candidates = count + count / 2;
+    eprintln!("making {candidates} random rank-16 adapters");
     let config = model.model.config().clone();
-    let adapters: Vec<Option<Arc<PackedAdapter>>> = (0..max_batch)
+    let made: Vec<Option<Arc<PackedAdapter>>> = (0..candidates)
         .map(|i| {
             Some(Arc::new(
                 random_adapter(&config, 16, Precision::F32, 1000 + i as u64).packed(),
@@ -207,15 +262,22 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
         .collect();
     // Each row's prompt holds its own greedy continuation: with its adapter for the mixed cases.
     eprintln!("making the workload: each opening's greedy continuation");
-    let requests = repetitive_requests(&model, max_batch, args.new_tokens, &[]).await?;
-    let adapted = repetitive_requests(&model, max_batch, args.new_tokens, &adapters).await?;
+    let (requests, _, settled) = repetitive_requests(&model, candidates, args.new_tokens, &[]).await?;
+    let (adapted, order, adapted_settled) = repetitive_requests(&model, candidates, args.new_tokens, &made).await?;
+    let adapters: Vec<Option<Arc<PackedAdapter>>> = order.iter().map(|&i| made[i].clone()).collect();
     let spec = |proposer, max_batch| SpecConfig {
         proposer,
         max_draft: args.max_draft,
-        max_batch,
+        max_batch: Some(max_batch),
         ..SpecConfig::default()
     };
-    let policy = SpecConfig::default().max_batch;
+    let policy = |proposer| {
+        SpecConfig {
+            proposer,
+            ..SpecConfig::default()
+        }
+        .batch_limit()
+    };
     let runs: Vec<(&str, Proposer, Option<Fixture>, usize)> = vec![
         ("off", Proposer::Off, None, 0),
         ("ngram (prompt lookup)", Proposer::Ngram, None, usize::MAX),
@@ -258,22 +320,31 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
         results.push(measure(&engine, *proposer, &cases, [&requests, &adapted], &adapters).await?);
     }
     println!(
-        "Target `bench-smooth`. Greedy requests whose {}-token prompts hold the answer (a random opening, the model's \
-         own continuation of it, the opening again; cached before the timed runs, so the time is decoding), {} new \
-         tokens each. Speculation is forced on at every batch size here; by default (`LORRY_SPECULATE_MAX_BATCH`) \
-         a step speculates only while at most {policy} sequences decode, and runs as `off` above that.\n",
+        "Target `bench-smooth`. Greedy requests whose {}-token prompts hold the answer (a random opening, a \
+         continuation, the opening again, where the continuation is what the model answers to that prompt: it is \
+         for {settled} of {candidates} candidate prompts, {adapted_settled} of {candidates} with their adapters, \
+         and each case takes those first, so up to {count} requests a case hold their answer). Prompts cached before the timed runs, so the time is decoding; {} new tokens each; \
+         {REQUESTS_PER_SLOT}× batch requests a case, `batch` of them decoding at once (a finished one's slot \
+         goes to the next). Speculation is forced on at every batch size here; by default \
+         (`LORRY_SPECULATE_MAX_BATCH`) a step speculates only while at most {} sequences decode with prompt \
+         lookup, {} with a draft model, and runs as `off` above that. Step cost: a step's time with speculation against one without.\n",
         2 * OPENING + args.new_tokens,
         args.new_tokens,
+        policy(Proposer::Ngram),
+        policy(Proposer::Draft),
     );
-    println!("| proposer | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | output identical |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---|");
+    println!(
+        "| proposer | batch | adapters | tok/s off | tok/s on | speed-up | acceptance | tokens/step/seq | step cost | output identical |"
+    );
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---|");
     let off = &results[0];
     for ((name, _, _, _), run) in runs.iter().zip(&results).skip(1) {
         for (i, &(batch, mixed)) in cases.iter().enumerate() {
-            let tokens = (batch * args.new_tokens) as f64;
+            let tokens = (REQUESTS_PER_SLOT * batch * args.new_tokens) as f64;
             let (proposed, accepted, steps, generated) = run.counts[i];
+            let off_steps = off.counts[i].2;
             println!(
-                "| {name} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {} |",
+                "| {name} | {batch} | {} | {:.1} | {:.1} | {:.2}x | {:.0}% | {:.2} | {:.2}x | {} |",
                 if mixed {
                     format!("{batch} distinct")
                 } else {
@@ -284,6 +355,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
                 off.seconds[i] / run.seconds[i],
                 100.0 * accepted as f64 / proposed.max(1) as f64,
                 generated as f64 / steps.max(1) as f64 / batch as f64,
+                (run.seconds[i] / steps.max(1) as f64) / (off.seconds[i] / off_steps.max(1) as f64),
                 if run.outputs[i] == off.outputs[i] { "yes" } else { "NO" },
             );
         }

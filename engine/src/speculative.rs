@@ -17,9 +17,11 @@
 //!
 //! Each sequence adapts its draft length to its acceptance ([`SpecState`]) and
 //! stops speculating for a while when guesses keep failing; a step speculates
-//! only while few sequences decode ([`SpecConfig::max_batch`]), because a
+//! only while at most [`SpecConfig::batch_limit`] sequences decode, because a
 //! large batch already keeps the cores busy and verifying guesses there costs
-//! more than the steps it saves.
+//! more than the steps it saves. The limit depends on the proposer: prompt
+//! lookup's guesses cost only their verification rows, a draft model's also
+//! its own passes.
 
 use std::collections::HashMap;
 
@@ -57,8 +59,9 @@ pub struct SpecConfig {
     pub proposer: Proposer,
     /// The most tokens guessed per sequence per step.
     pub max_draft: usize,
-    /// Speculate only in steps where at most this many sequences decode.
-    pub max_batch: usize,
+    /// Speculate only in steps where at most this many sequences decode;
+    /// `None`: the proposer's own limit ([`SpecConfig::batch_limit`]).
+    pub max_batch: Option<usize>,
     /// Speculate for sampled requests too. Their output distribution is the
     /// target's either way, but which draws a seed gives then depends on the
     /// steps that speculated, and so on the rest of the batch: off by default,
@@ -71,9 +74,26 @@ impl Default for SpecConfig {
         SpecConfig {
             proposer: Proposer::Ngram,
             max_draft: 6,
-            max_batch: 8,
+            max_batch: None,
             sampled: false,
         }
+    }
+}
+
+/// Prompt lookup's default [`SpecConfig::batch_limit`]: the largest batch
+/// measured (`lorry bench speculative`), where it still paid.
+pub const NGRAM_BATCH_LIMIT: usize = 32;
+/// A draft model's: beyond it, its passes cost more than they save.
+pub const DRAFT_BATCH_LIMIT: usize = 2;
+
+impl SpecConfig {
+    /// The most sequences decoding in a step that speculates.
+    pub fn batch_limit(&self) -> usize {
+        self.max_batch.unwrap_or(match self.proposer {
+            Proposer::Off => 0,
+            Proposer::Ngram => NGRAM_BATCH_LIMIT,
+            Proposer::Draft => DRAFT_BATCH_LIMIT,
+        })
     }
 }
 
@@ -330,6 +350,20 @@ fn pick(guess: &mut Guess, decoding: &mut Decoding, logits: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_proposer_speculates_up_to_its_own_batch_limit_unless_one_is_set() {
+        let config = |proposer, max_batch| SpecConfig {
+            proposer,
+            max_batch,
+            ..SpecConfig::default()
+        };
+        assert_eq!(config(Proposer::Ngram, None).batch_limit(), NGRAM_BATCH_LIMIT);
+        assert_eq!(config(Proposer::Draft, None).batch_limit(), DRAFT_BATCH_LIMIT);
+        assert_eq!(config(Proposer::Off, None).batch_limit(), 0);
+        assert_eq!(config(Proposer::Draft, Some(12)).batch_limit(), 12);
+        assert_eq!(config(Proposer::Ngram, Some(0)).batch_limit(), 0);
+    }
 
     #[test]
     fn prompt_lookup_continues_the_latest_match_of_the_longest_suffix() {

@@ -386,7 +386,7 @@ impl EngineLoop {
             return Ok(());
         }
         let decoding = self.scheduler.decoding();
-        if decoding.len() > self.speculation.max_batch {
+        if decoding.len() > self.speculation.batch_limit() {
             return Ok(());
         }
         let mut wants: Vec<(SeqId, &mut Decoding, usize)> = Vec::new();

@@ -52,7 +52,7 @@ fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {
 fn spec(proposer: Proposer) -> SpecConfig {
     SpecConfig {
         proposer,
-        max_batch: 16,
+        max_batch: Some(16),
         ..SpecConfig::default()
     }
 }
@@ -142,7 +142,7 @@ async fn greedy_output_is_the_same_with_and_without_speculation_for_both_propose
 
     // A batch larger than the policy's limit does not speculate.
     let mut limited = spec(Proposer::Ngram);
-    limited.max_batch = 0;
+    limited.max_batch = Some(0);
     let off = TextEngine::start("tiny", model.clone(), config(limited, false));
     assert_eq!(run(&off, &requests).await, want);
     assert_eq!(load(&off.counters().ngram_proposed), 0);

@@ -1,15 +1,20 @@
 //! Real models behind the service: with no catalogue, `lorry serve` writes and
 //! serves the demo models; their answers are the engine's own.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use candle_core::Device;
+use lorry::offline::Speculate;
+use lorry::{Application, Role};
 use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
+use lorry_engine::fixtures::{self, Fixture};
+use lorry_engine::speculative::Proposer;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
 
-use crate::common::{assert_each_index_once, spawn_app};
+use crate::common::{assert_each_index_once, isolated_settings, spawn_app, spawn_app_with};
 
 const RUN: &str = "/client/v4/accounts/default/ai/run";
 
@@ -110,4 +115,71 @@ async fn a_prompt_too_long_for_the_model_is_refused_by_field_on_the_real_time_la
     let body: Value = too_long.json().await.unwrap();
     assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
     assert_eq!(body["error"]["param"], "prompt");
+}
+
+/// A catalogue naming a draft next to its target, and a worker told to
+/// speculate with the catalogue's draft.
+fn catalogue_with_draft(dir: &std::path::Path, draft: Fixture) -> std::path::PathBuf {
+    fixtures::write(Fixture::TinyLlama, &dir.join("tiny")).unwrap();
+    fixtures::write(draft, &dir.join("draft")).unwrap();
+    let file = dir.join("models.json");
+    let catalogue = json!({"@cf/lorry/tiny": {"path": "tiny", "draft": "draft"}});
+    std::fs::write(&file, catalogue.to_string()).unwrap();
+    file
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lorry-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[tokio::test]
+async fn a_worker_speculates_with_the_draft_its_catalogue_names_and_answers_as_plain_greedy() {
+    let dir = scratch("catalogue-draft");
+    let file = catalogue_with_draft(&dir, Fixture::TinyLlamaDraft);
+    let app = spawn_app_with(Role::Serve, |s| {
+        s.models = Some(file);
+        s.engine.speculate = Speculate::Draft(None);
+    })
+    .await;
+    let tiny = TextModel::from_dir(&dir.join("tiny"), &Device::Cpu).unwrap();
+    let body = json!({"prompt": "a b c d a b c d a b c d a b c d", "raw": true, "max_tokens": 24, "ignore_eos": true});
+    let answer: Value = app
+        .post(&format!("{RUN}/@cf/lorry/tiny"), &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["success"], true, "{answer}");
+    let plain = tiny
+        .generate(&ValidRequest::parse(Task::TextGeneration, &body).unwrap())
+        .unwrap();
+    assert_eq!(answer["result"]["response"], json!(plain.text));
+    let engine = app
+        .backends
+        .iter()
+        .find(|b| b.model() == "@cf/lorry/tiny")
+        .expect("the catalogue's model is served");
+    let counters = engine.counters().expect("a text engine keeps counters");
+    let (proposed, _) = counters.speculation(Proposer::Draft);
+    assert!(
+        proposed.load(Ordering::Relaxed) > 0,
+        "the catalogue's draft guessed nothing"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_catalogued_draft_with_another_vocabulary_stops_the_worker_from_starting() {
+    let dir = scratch("catalogue-bad-draft");
+    let file = catalogue_with_draft(&dir, Fixture::BenchDraft);
+    let mut settings = isolated_settings().await;
+    settings.models = Some(file);
+    settings.engine.speculate = Speculate::Draft(None);
+    let error = match Application::build(settings, Role::Worker).await {
+        Ok(_) => panic!("a worker started with a draft of another vocabulary"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(error.contains("must share the tokenizer"), "{error}");
 }
