@@ -117,8 +117,7 @@ async fn a_prompt_too_long_for_the_model_is_refused_by_field_on_the_real_time_la
     assert_eq!(body["error"]["param"], "prompt");
 }
 
-/// A catalogue naming a draft next to its target, and a worker told to
-/// speculate with the catalogue's draft.
+/// A catalogue under `dir` serving `tiny-llama` with `draft` named next to it.
 fn catalogue_with_draft(dir: &std::path::Path, draft: Fixture) -> std::path::PathBuf {
     fixtures::write(Fixture::TinyLlama, &dir.join("tiny")).unwrap();
     fixtures::write(draft, &dir.join("draft")).unwrap();
