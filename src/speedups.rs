@@ -278,44 +278,33 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
         }
         .batch_limit()
     };
-    let runs: Vec<(&str, Proposer, Option<Fixture>, usize)> = vec![
-        ("off", Proposer::Off, None, 0),
-        ("ngram (prompt lookup)", Proposer::Ngram, None, usize::MAX),
+    // Each proposer's engine, speculating at every batch size; a draft by its fixture's name.
+    let runs = vec![
+        ("off", Proposer::Off, None),
+        ("ngram (prompt lookup)", Proposer::Ngram, None),
         (
             "draft: bench-draft (own random weights)",
             Proposer::Draft,
-            Some(Fixture::BenchDraft),
-            usize::MAX,
+            Some(("bench-draft", Fixture::BenchDraft)),
         ),
         (
             "draft: bench-smooth-draft (the target's first 2 of 8 layers)",
             Proposer::Draft,
-            Some(Fixture::BenchSmoothDraft),
-            usize::MAX,
+            Some(("bench-smooth-draft", Fixture::BenchSmoothDraft)),
         ),
     ];
     let mut results = Vec::new();
-    for (name, proposer, draft, limit) in &runs {
+    for (name, proposer, draft) in &runs {
         eprintln!("measuring {name}");
         let draft = match draft {
-            Some(fixture) => {
-                let dir = scratch(
-                    if *fixture == Fixture::BenchDraft {
-                        "bench-draft"
-                    } else {
-                        "bench-smooth-draft"
-                    },
-                    *fixture,
-                )?;
-                Some(Llama::from_dir(&dir, &Device::Cpu)?)
-            }
+            Some((what, fixture)) => Some(Llama::from_dir(&scratch(what, *fixture)?, &Device::Cpu)?),
             None => None,
         };
         let engine = TextEngine::start_with_draft(
             "bench",
             model.clone(),
             draft,
-            engine_config(max_batch, spec(*proposer, *limit), true),
+            engine_config(max_batch, spec(*proposer, usize::MAX), true),
         );
         results.push(measure(&engine, *proposer, &cases, [&requests, &adapted], &adapters).await?);
     }
@@ -338,7 +327,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---|");
     let off = &results[0];
-    for ((name, _, _, _), run) in runs.iter().zip(&results).skip(1) {
+    for ((name, _, _), run) in runs.iter().zip(&results).skip(1) {
         for (i, &(batch, mixed)) in cases.iter().enumerate() {
             let tokens = (REQUESTS_PER_SLOT * batch * args.new_tokens) as f64;
             let (proposed, accepted, steps, generated) = run.counts[i];
