@@ -575,13 +575,17 @@ pub(crate) fn random_adapter(config: &Config, rank: usize, precision: Precision,
 }
 
 /// Serve `requests` (each with its adapter) at once; the decode rate, pre-fill left out.
+/// Decode tokens a second, and the tokens each request got: the bench's
+/// requests `first..` at once, request `first + i` with `adapters[i]`.
 async fn decode_rate(
     engine: &TextEngine,
     args: &LoraBenchArgs,
+    first: usize,
     adapters: &[Option<Arc<PackedAdapter>>],
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Vec<Vec<u32>>)> {
     let run = |new_tokens: usize| {
-        let requests = bench_requests(adapters.len(), args.prompt_tokens, &|_| new_tokens);
+        let mut requests = bench_requests(first + adapters.len(), args.prompt_tokens, &|_| new_tokens);
+        let requests = requests.split_off(first);
         async move {
             let start = Instant::now();
             let streams: Vec<_> = requests
@@ -589,16 +593,108 @@ async fn decode_rate(
                 .zip(adapters)
                 .map(|(r, a)| engine.submit_adapted(r, Lane::Batch, a.clone()))
                 .collect::<Result<_, _>>()?;
+            let mut tokens = Vec::new();
             for stream in streams {
-                collect(stream).await?;
+                tokens.push(
+                    collect(stream)
+                        .await?
+                        .completion
+                        .map(|c| c.token_ids)
+                        .unwrap_or_default(),
+                );
             }
-            anyhow::Ok(start.elapsed())
+            anyhow::Ok((start.elapsed(), tokens))
         }
     };
-    let prefill = run(1).await?;
-    let total = run(args.new_tokens).await?;
+    let (prefill, _) = run(1).await?;
+    let (total, tokens) = run(args.new_tokens).await?;
     let decode = total.saturating_sub(prefill).as_secs_f64();
-    Ok(adapters.len() as f64 * (args.new_tokens - 1) as f64 / decode)
+    Ok((adapters.len() as f64 * (args.new_tokens - 1) as f64 / decode, tokens))
+}
+
+/// Decode steps of each kind timed in [`step_times`].
+const STEP_ROUNDS: usize = 60;
+
+/// The model's decode step alone, without the engine around it: `batch`
+/// rows with no adapter, with `adapters[0]` shared, and with a distinct
+/// adapter each, one step of each kind in turn, `STEP_ROUNDS` times. Steps
+/// of one round see the same machine, so each round's ratios hold where its
+/// speed drifts; their medians are reported.
+fn step_times<'a>(
+    model: &lorry_engine::models::llama::Llama,
+    args: &LoraBenchArgs,
+    adapters: &'a [Arc<PackedAdapter>],
+) -> anyhow::Result<StepTimes> {
+    use lorry_engine::kv::{BlockPool, BlockTable, KvCache};
+    use lorry_engine::models::llama::SeqChunk;
+    let (n, prompt) = (args.batch, args.prompt_tokens.max(1));
+    let block = 16;
+    let blocks = n * (prompt + 1).div_ceil(block);
+    let mut pool = BlockPool::new(blocks as u32, block);
+    let mut kv = KvCache::new(model.kv_layout(block), blocks);
+    let mut tables = Vec::new();
+    for _ in 0..n {
+        let mut table = BlockTable::default();
+        table
+            .append(&mut pool, prompt + 1)
+            .context("the pool was sized to fit")?;
+        tables.push(table);
+    }
+    let tokens: Vec<u32> = (0..prompt as u32).map(|t| 3 + t % 200).collect();
+    // The prompts, or one step after them.
+    let chunks = |adapters: Vec<Option<&'a PackedAdapter>>, step: bool| -> Vec<SeqChunk<'_>> {
+        tables
+            .iter()
+            .zip(adapters)
+            .map(|(table, adapter)| SeqChunk {
+                tokens: if step { &tokens[..1] } else { &tokens },
+                start: if step { prompt } else { 0 },
+                blocks: table.blocks(),
+                logits: 1,
+                adapter,
+            })
+            .collect()
+    };
+    model.forward_batch(&chunks(vec![None; n], false), &mut kv)?;
+    let kinds: [Vec<Option<&'a PackedAdapter>>; 3] = [
+        vec![None; n],
+        vec![Some(&*adapters[0]); n],
+        (0..n).map(|i| Some(&*adapters[i % adapters.len()])).collect(),
+    ];
+    // Steps in turn, each round's ratios taken within the round.
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for round in 0..=STEP_ROUNDS {
+        for (kind, times) in kinds.iter().zip(&mut times) {
+            let batch = chunks(kind.clone(), true);
+            let start = Instant::now();
+            model.forward_batch(&batch, &mut kv)?;
+            if round > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let ratios = |kind: usize| median(times[0].iter().zip(&times[kind]).map(|(none, t)| none / t).collect());
+    Ok(StepTimes {
+        none: median(times[0].clone()),
+        shared: median(times[1].clone()),
+        mixed: median(times[2].clone()),
+        shared_ratio: ratios(1),
+        mixed_ratio: ratios(2),
+    })
+}
+
+/// [`step_times`]' figures: median seconds a step, and the median of each
+/// round's ratio to the step without adapters.
+struct StepTimes {
+    none: f64,
+    shared: f64,
+    mixed: f64,
+    shared_ratio: f64,
+    mixed_ratio: f64,
 }
 
 /// No adapter, one shared adapter, a distinct adapter per sequence in one
@@ -623,28 +719,52 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     let adapters: Vec<Arc<PackedAdapter>> = (0..args.batch)
         .map(|i| Arc::new(random_adapter(&config, args.rank, precision, 1000 + i as u64).packed()))
         .collect();
-    let engine = TextEngine::start("bench", model, bench_engine_config(args.batch, Policy::Continuous));
-    decode_rate(&engine, args, &[None]).await?; // warm up
+    let llama = model.model.clone();
+    // Speculation off: every step decodes one token a sequence, so the runs
+    // differ only in their adapters (prompt lookup would accept more or
+    // fewer guesses as the adapters change the text).
+    let engine_config = EngineConfig {
+        speculation: lorry_engine::speculative::SpecConfig {
+            proposer: lorry_engine::speculative::Proposer::Off,
+            ..Default::default()
+        },
+        ..bench_engine_config(args.batch, Policy::Continuous)
+    };
+    let engine = TextEngine::start("bench", model, engine_config);
+    decode_rate(&engine, args, 0, &[None]).await?; // warm up
     let n = args.batch;
     let mixed_adapters: Vec<_> = adapters.iter().cloned().map(Some).collect();
     // Rounds of the three runs, interleaved, keeping each one's best: a
     // machine whose speed drifts moves all three alike.
     let (mut none, mut shared, mut mixed) = (0f64, 0f64, 0f64);
+    let (mut base_tokens, mut mixed_tokens) = (Vec::new(), Vec::new());
     for round in 0..args.rounds.max(1) {
         eprintln!("round {}/{}", round + 1, args.rounds.max(1));
-        none = none.max(decode_rate(&engine, args, &vec![None; n]).await?);
-        shared = shared.max(decode_rate(&engine, args, &vec![Some(Arc::clone(&adapters[0])); n]).await?);
-        mixed = mixed.max(decode_rate(&engine, args, &mixed_adapters).await?);
+        let (rate, tokens) = decode_rate(&engine, args, 0, &vec![None; n]).await?;
+        (none, base_tokens) = (none.max(rate), tokens);
+        shared = shared.max(
+            decode_rate(&engine, args, 0, &vec![Some(Arc::clone(&adapters[0])); n])
+                .await?
+                .0,
+        );
+        let (rate, tokens) = decode_rate(&engine, args, 0, &mixed_adapters).await?;
+        (mixed, mixed_tokens) = (mixed.max(rate), tokens);
     }
     // Group by group: each adapter's requests (here one each) as their own batch, one after another.
     let mut tokens = 0.0;
     let mut seconds = 0.0;
-    for adapter in &mixed_adapters {
-        let rate = decode_rate(&engine, args, std::slice::from_ref(adapter)).await?;
+    let mut alone_tokens = Vec::new();
+    for (i, adapter) in mixed_adapters.iter().enumerate() {
+        let (rate, mut got) = decode_rate(&engine, args, i, std::slice::from_ref(adapter)).await?;
         tokens += (args.new_tokens - 1) as f64;
         seconds += (args.new_tokens - 1) as f64 / rate;
+        alone_tokens.push(got.pop().unwrap_or_default());
     }
     let grouped = tokens / seconds;
+    // The mixed batch decoded each sequence as its adapter alone does (the
+    // group-by-group run of the same prompt), and not as the base model does.
+    let same_as_alone = mixed_tokens.iter().zip(&alone_tokens).filter(|(a, b)| a == b).count();
+    let changed = mixed_tokens.iter().zip(&base_tokens).filter(|(a, b)| a != b).count();
     println!(
         "bench model, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each, best of {} rounds\n",
         args.rank, args.adapter_dtype, args.new_tokens, args.rounds.max(1)
@@ -660,6 +780,18 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
         println!("| {name} | {rate:.1} | {:.2}x |", rate / none);
     }
     println!("\nmixed against group by group: {:.2}x", mixed / grouped);
+    println!(
+        "tokens of the mixed batch: {same_as_alone} of {n} sequences as their adapter alone gives them, {changed} of {n} unlike the base model's"
+    );
+    let steps = step_times(&llama, args, &adapters)?;
+    println!(
+        "one decode step of {n} rows alone, steps of each kind in turn, medians of {STEP_ROUNDS} rounds: no adapter {:.1} ms, one shared {:.1} ms ({:.2}x), {n} distinct {:.1} ms ({:.2}x)",
+        steps.none * 1e3,
+        steps.shared * 1e3,
+        steps.shared_ratio,
+        steps.mixed * 1e3,
+        steps.mixed_ratio,
+    );
     // The most the mixed run could keep: the base step as measured, plus
     // reading every distinct adapter's weights once at the machine's memory rate.
     let bandwidth = measure_ceilings(config.matmul_params() * 4)?.bandwidth;
@@ -826,12 +958,12 @@ async fn cold_loads(
     });
     let n = args.batch;
     let start = Instant::now();
-    let loading_rate = decode_rate(engine, args, &vec![None; n]).await?;
+    let loading_rate = decode_rate(engine, args, 0, &vec![None; n]).await?.0;
     let seconds = start.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let loaded = loader.await?;
     // Alone again, right after: the machine's speed drifts between the runs above.
-    let base_rate = base_rate.max(decode_rate(engine, args, &vec![None; n]).await?);
+    let base_rate = base_rate.max(decode_rate(engine, args, 0, &vec![None; n]).await?.0);
     let mb = weights.len() as f64 / 1e6;
     println!(
         "\ncold load of a {mb:.1} MB rank-{} adapter ({}) from S3, {} loads, one at a time:\n",

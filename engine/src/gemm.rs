@@ -343,6 +343,60 @@ impl PackedMatrix {
         false
     }
 
+    /// Whether [`PackedMatrix::row_add`] and [`PackedMatrix::matmul_expand`]
+    /// run on this CPU (AVX2, FMA and F16C).
+    pub fn rows_direct() -> bool {
+        Kernel::best() != Kernel::Portable
+    }
+
+    /// [`PackedMatrix::matmul`] with a LoRA expand fused into it: for each
+    /// row `r` and each of `expand[r]`, `out[r][cols] += scale · shrunk·Bᵀ`
+    /// on the columns from `first_column`, added to each panel's outputs by
+    /// the task that has just computed them, so the adapters' `B` weights
+    /// are read while the cores multiply the base's (the tiles of one panel
+    /// ask, a line every few steps along `k`, for the next panel's slices). Each output gets the same sums as the product
+    /// followed by [`PackedMatrix::row_add`], bit for bit. `expand` is empty
+    /// or holds one list per row; a part must start on a panel boundary
+    /// ([`NR`]) and lie inside the outputs.
+    ///
+    /// # Panics
+    /// On a misplaced part, or on a CPU without [`PackedMatrix::rows_direct`].
+    pub fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
+        assert!(expand.is_empty() || expand.len() == m, "one expand list per row");
+        assert!(
+            expand.is_empty() || Self::rows_direct(),
+            "the fused expand needs AVX2, FMA and F16C"
+        );
+        for part in expand.iter().flat_map(|parts| parts.iter()) {
+            assert!(
+                part.first_column % NR == 0 && part.first_column + part.b.n <= self.n && part.shrunk.len() == part.b.k,
+                "expand part out of place"
+            );
+        }
+        let mut out = vec![0f32; m * self.n];
+        assert_eq!(x.len(), m * self.k, "input shape");
+        if out.is_empty() {
+            return out;
+        }
+        let kernel = Kernel::Auto.resolve();
+        let expand = Fused { expand };
+        match &*self.panels {
+            Panels::F32(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
+            Panels::F16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
+            Panels::Bf16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
+        }
+        out
+    }
+
+    /// The first byte of the panels.
+    fn start(&self) -> *const u8 {
+        match &*self.panels {
+            Panels::F32(p) => p.as_slice().as_ptr() as *const u8,
+            Panels::F16(p) => p.as_slice().as_ptr() as *const u8,
+            Panels::Bf16(p) => p.as_slice().as_ptr() as *const u8,
+        }
+    }
+
     /// [`PackedMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
         self.product(x, m, out, kernel, true);
@@ -356,12 +410,13 @@ impl PackedMatrix {
         }
         let kernel = kernel.resolve();
         match &*self.panels {
-            Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
-            Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
-            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel),
+            Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+            Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run<T: Element + Tile>(
         &self,
         panels: &[T],
@@ -370,6 +425,7 @@ impl PackedMatrix {
         out: &mut [f32],
         kernel: Kernel,
         parallel: bool,
+        expand: Fused<'_, '_>,
     ) {
         let (n, k) = (self.n, self.k);
         let count = n.div_ceil(NR);
@@ -401,7 +457,13 @@ impl PackedMatrix {
             let packed_rows = &packed_rows;
             let task = |t: usize| {
                 let end = ((t + 1) * per_task).min(count);
+                // The lines of the adapters' `B` the next panel's expand reads.
+                let mut expand_lines = Vec::new();
                 for p in t * per_task..end {
+                    expand_lines.clear();
+                    if p + 1 < end {
+                        expand.lines(first_row..block_end, p + 1, &mut expand_lines);
+                    }
                     let panel = &panels[p * k * NR..(p + 1) * k * NR];
                     let cols = NR.min(n - p * NR);
                     // The task's next panel, fetched a slice per tile while this
@@ -424,6 +486,8 @@ impl PackedMatrix {
                             from: (next as *const u8).wrapping_add(64 * first_line),
                             lines: (tile + 1) * next_lines / tiles - first_line,
                         };
+                        let expand_lines =
+                            &expand_lines[tile * expand_lines.len() / tiles..(tile + 1) * expand_lines.len() / tiles];
                         // SAFETY: this task alone writes columns `p·NR..p·NR + cols`
                         // (its own panels) of rows `row..row + rows`, all inside `out`
                         // (`m × n`), and nothing reads `out` until every task is done.
@@ -436,6 +500,7 @@ impl PackedMatrix {
                                 ldo: n,
                                 cols,
                                 ahead,
+                                expand_lines,
                             };
                             if kernel == Kernel::Portable {
                                 tile_portable(&job);
@@ -444,6 +509,8 @@ impl PackedMatrix {
                             }
                         }
                     }
+                    // SAFETY: as for the tiles: this task's own columns, all written.
+                    unsafe { expand.add(first_row..block_end, p, target.get(), n) };
                 }
             };
             if parallel {
@@ -453,6 +520,199 @@ impl PackedMatrix {
             }
         }
     }
+}
+
+/// One row's part of a LoRA expand fused into a product
+/// ([`PackedMatrix::matmul_expand`]): `out[first_column..][..b.outputs()] +=
+/// scale · shrunk·Bᵀ`.
+#[derive(Debug, Clone, Copy)]
+pub struct Expand<'a> {
+    /// The adapter's `lora_B`, `(outputs, rank)`.
+    pub b: &'a PackedMatrix,
+    /// The row's shrunk input, `rank` values.
+    pub shrunk: &'a [f32],
+    /// The first output column the part adds to: a multiple of [`NR`].
+    pub first_column: usize,
+    /// `alpha / r` (or `/ √r`).
+    pub scale: f32,
+}
+
+/// The expand lists of a product's rows (none at all for a plain product).
+#[derive(Clone, Copy)]
+struct Fused<'e, 'a> {
+    expand: &'e [&'e [Expand<'a>]],
+}
+
+impl Fused<'_, '_> {
+    const NONE: Fused<'static, 'static> = Fused { expand: &[] };
+
+    /// The part of `parts` whose columns panel `p` of the product holds, and
+    /// the panel of its `B` that holds them.
+    fn part<'p>(parts: &'p [Expand<'_>], p: usize) -> Option<(&'p Expand<'p>, usize)> {
+        parts.iter().find_map(|part| {
+            let first = part.first_column / NR;
+            (first..first + part.b.n.div_ceil(NR))
+                .contains(&p)
+                .then(|| (part, p - first))
+        })
+    }
+
+    /// The cache lines of every `B` panel that panel `p`'s expand reads for
+    /// `rows`, onto `lines`.
+    fn lines(self, rows: std::ops::Range<usize>, p: usize, lines: &mut Vec<*const u8>) {
+        for parts in self.expand.get(rows).unwrap_or_default() {
+            if let Some((part, q)) = Self::part(parts, p) {
+                let bytes = part.b.k * NR * part.b.precision().bytes();
+                let start = part.b.start().wrapping_add(q * bytes);
+                lines.extend((0..bytes).step_by(64).map(|at| start.wrapping_add(at)));
+            }
+        }
+    }
+
+    /// Add the parts on panel `p` to rows `rows` of `out` (`· × ldo`), up
+    /// to [`EXPAND_ROWS`] rows at a time whose `B` share a precision and a
+    /// rank, so that their chains of multiply-adds run side by side.
+    ///
+    /// # Safety
+    /// The caller alone writes panel `p`'s columns of those rows of `out`.
+    unsafe fn add(self, rows: std::ops::Range<usize>, p: usize, out: *mut f32, ldo: usize) {
+        let mut batch = PanelBatch::default();
+        for (r, parts) in rows.clone().zip(self.expand.get(rows).unwrap_or_default()) {
+            if let Some((part, q)) = Self::part(parts, p) {
+                // SAFETY: the caller's contract; `matmul_expand` checked that the
+                // part lies inside the outputs.
+                let out = unsafe { out.add(r * ldo + p * NR) };
+                // SAFETY: as above; the shrunk input holds `rank` values.
+                unsafe { batch.push(part.b, q, part.shrunk.as_ptr(), out, part.scale) };
+            }
+        }
+        // SAFETY: as above.
+        unsafe { batch.run() };
+    }
+}
+
+/// Rows whose products run side by side, each on one panel of its own.
+pub const EXPAND_ROWS: usize = 4;
+
+/// A matrix, one of its panels, the input row and where the outputs go, and
+/// the scale: one entry of a [`PanelBatch`].
+type PendingRow<'w> = (&'w PackedMatrix, usize, *const f32, *mut f32, f32);
+
+/// Up to [`EXPAND_ROWS`] single-row products on one panel each, of one
+/// precision and one `k`, run together when full (or when the next differs).
+#[derive(Default)]
+struct PanelBatch<'w> {
+    rows: [Option<PendingRow<'w>>; EXPAND_ROWS],
+    len: usize,
+}
+
+impl<'w> PanelBatch<'w> {
+    /// `out[j] += scale · Σₖ x[k] · W[q·NR + j][k]` for the (up to `NR`)
+    /// outputs of panel `q` of `w`.
+    ///
+    /// # Safety
+    /// `x` must hold `w.k` values and `out` the panel's outputs, written by
+    /// nothing else until [`PanelBatch::run`]; the CPU must have
+    /// [`PackedMatrix::rows_direct`].
+    unsafe fn push(&mut self, w: &'w PackedMatrix, q: usize, x: *const f32, out: *mut f32, scale: f32) {
+        let fits = match self.rows[0] {
+            Some((first, ..)) => first.precision() == w.precision() && first.k == w.k,
+            None => true,
+        };
+        if self.len == EXPAND_ROWS || !fits {
+            // SAFETY: the caller's contract.
+            unsafe { self.run() };
+        }
+        self.rows[self.len] = Some((w, q, x, out, scale));
+        self.len += 1;
+    }
+
+    /// Run what is pending.
+    ///
+    /// # Safety
+    /// As [`PanelBatch::push`].
+    unsafe fn run(&mut self) {
+        let batch = &self.rows[..self.len];
+        self.len = 0;
+        let Some(Some((first, ..))) = batch.first() else { return };
+        let k = first.k;
+        macro_rules! run {
+            ($variant:ident, $kernel:ident) => {{
+                let mut rows = [None; EXPAND_ROWS];
+                for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
+                    let Panels::$variant(panels) = &*w.panels else {
+                        unreachable!("one precision a batch")
+                    };
+                    *slot = Some(PanelRow {
+                        panel: panels.as_slice()[q * k * NR..(q + 1) * k * NR].as_ptr(),
+                        x,
+                        out,
+                        cols: NR.min(w.n - q * NR),
+                        scale,
+                    });
+                }
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller's contract; each panel holds `k × NR` weights.
+                unsafe {
+                    x86::$kernel(&rows[..batch.len()], k)
+                };
+            }};
+        }
+        match &*first.panels {
+            Panels::F32(_) => run!(F32, rows_f32),
+            Panels::F16(_) => run!(F16, rows_f16),
+            Panels::Bf16(_) => run!(Bf16, rows_bf16),
+        }
+    }
+}
+
+/// One row times one matrix, for [`PackedMatrix::row_products`].
+pub struct RowProduct<'a> {
+    /// The matrix, `(n, k)`.
+    pub w: &'a PackedMatrix,
+    /// The row, `k` values.
+    pub x: &'a [f32],
+    /// Where `x·Wᵀ` goes, `n` values.
+    pub out: &'a mut [f32],
+}
+
+impl PackedMatrix {
+    /// `out = x·Wᵀ` for each of `products`, on this thread, the panels of
+    /// several products side by side (independent chains of multiply-adds,
+    /// independent streams of weights): the adapters' shrinks, one row and
+    /// a rank's worth of outputs each. Each output is the sum
+    /// [`PackedMatrix::row_add`] gives, bit for bit. `false` (and nothing
+    /// done) on a CPU without [`PackedMatrix::rows_direct`].
+    pub fn row_products(products: &mut [RowProduct<'_>]) -> bool {
+        if !Self::rows_direct() {
+            return false;
+        }
+        let mut batch = PanelBatch::default();
+        for product in products.iter_mut() {
+            let w = product.w;
+            assert!(product.x.len() == w.k && product.out.len() == w.n, "row product shape");
+            product.out.fill(0.0);
+            for q in 0..w.n.div_ceil(NR) {
+                // SAFETY: the shapes were checked; each panel's outputs are
+                // its own columns of `out`, borrowed until the batch has run.
+                unsafe { batch.push(w, q, product.x.as_ptr(), product.out.as_mut_ptr().add(q * NR), 1.0) };
+            }
+        }
+        // SAFETY: as above.
+        unsafe { batch.run() };
+        true
+    }
+}
+
+/// One row's expand on one panel, for the x86 kernels: `out[j] += scale ·
+/// Σₖ x[k] · panel[k][j]` for `j < cols`.
+#[derive(Clone, Copy)]
+struct PanelRow<T> {
+    panel: *const T,
+    x: *const f32,
+    out: *mut f32,
+    cols: usize,
+    scale: f32,
 }
 
 /// One tile of a product: `rows` token rows times one panel, into `cols`
@@ -468,7 +728,13 @@ struct TileJob<'a, T> {
     ldo: usize,
     cols: usize,
     ahead: Ahead,
+    /// Lines of adapter weights to ask for into L2, one every
+    /// [`EXPAND_LINE_STEPS`] steps along `k` (as many as fit).
+    expand_lines: &'a [*const u8],
 }
+
+/// Steps along `k` between two of a tile's [`TileJob::expand_lines`].
+const EXPAND_LINE_STEPS: usize = 2;
 
 /// Cache lines a tile asks for while it runs (one per step along `k`, at
 /// most `k`): a slice of the panel that comes next. Only prefetched, never read.
@@ -538,7 +804,7 @@ mod x86 {
 
     use half::{bf16, f16};
 
-    use super::{Kernel, Tile, TileJob, MR, MR_WIDE, NR, PREFETCH_BYTES};
+    use super::{Kernel, PanelRow, Tile, TileJob, EXPAND_LINE_STEPS, MR, MR_WIDE, NR, PREFETCH_BYTES};
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -571,6 +837,7 @@ mod x86 {
             unsafe fn $name<const R: usize>(job: &TileJob<'_, $t>) {
                 let (k, x, panel) = (job.panel.len() / NR, job.x.as_ptr(), job.panel.as_ptr());
                 let (out, ldo, cols, ahead) = (job.out, job.ldo, job.cols, job.ahead);
+                let expand_steps = (job.expand_lines.len() * EXPAND_LINE_STEPS).min(k);
                 // SAFETY (whole body): the caller checked that `x` holds `k × R`
                 // inputs, and guarantees the tile of `out`.
                 unsafe {
@@ -582,6 +849,11 @@ mod x86 {
                         _mm_prefetch::<_MM_HINT_T0>((b as *const i8).wrapping_add(PREFETCH_BYTES));
                         if kk < ahead.lines {
                             _mm_prefetch::<_MM_HINT_T1>(ahead.from.wrapping_add(64 * kk) as *const i8);
+                        }
+                        if kk < expand_steps && kk % EXPAND_LINE_STEPS == 0 {
+                            _mm_prefetch::<_MM_HINT_T1>(
+                                *job.expand_lines.get_unchecked(kk / EXPAND_LINE_STEPS) as *const i8
+                            );
                         }
                         let (b0, b1) = ($load(b), $load(b.add(8)));
                         for r in 0..R {
@@ -681,6 +953,85 @@ mod x86 {
             }
         };
     }
+
+    /// Up to [`EXPAND_ROWS`](super::EXPAND_ROWS) rows, each through one
+    /// panel of its own, chains side by side: each output summed over `k`
+    /// as [`row_kernel`] sums it.
+    macro_rules! rows_kernel {
+        ($name:ident, $t:ty, $load:ident) => {
+            /// # Safety
+            /// The CPU must have AVX2, FMA and F16C; every row's panel must hold
+            /// `k × NR` weights, its input `k` values, its output `cols ≤ NR`.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            #[allow(clippy::modulo_one)] // a line holds one step of an f32 panel
+            pub(super) unsafe fn $name(rows: &[Option<PanelRow<$t>>], k: usize) {
+                let mut lo = [_mm256_setzero_ps(); super::EXPAND_ROWS];
+                let mut hi = [_mm256_setzero_ps(); super::EXPAND_ROWS];
+                let rows: [PanelRow<$t>; super::EXPAND_ROWS] = std::array::from_fn(|g| {
+                    rows.get(g).copied().flatten().unwrap_or(PanelRow {
+                        panel: std::ptr::null(),
+                        x: std::ptr::null(),
+                        out: std::ptr::null_mut(),
+                        cols: 0,
+                        scale: 0.0,
+                    })
+                });
+                let live = rows.iter().take_while(|r| !r.panel.is_null()).count();
+                // SAFETY (whole body): the caller's contract, for the `live` rows.
+                unsafe {
+                    // Each row's weights, a line ahead at a time.
+                    const LINE: usize = 64 / (NR * std::mem::size_of::<$t>());
+                    macro_rules! chains {
+                        ($g:expr) => {
+                            for kk in 0..k {
+                                if kk % LINE == 0 {
+                                    for g in 0..$g {
+                                        let at = rows[g].panel.add(kk * NR) as *const i8;
+                                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                                    }
+                                }
+                                for g in 0..$g {
+                                    let a = _mm256_broadcast_ss(&*rows[g].x.add(kk));
+                                    let b = rows[g].panel.add(kk * NR);
+                                    lo[g] = _mm256_fmadd_ps(a, $load(b), lo[g]);
+                                    hi[g] = _mm256_fmadd_ps(a, $load(b.add(8)), hi[g]);
+                                }
+                            }
+                        };
+                    }
+                    match live {
+                        0 => return,
+                        1 => chains!(1),
+                        2 => chains!(2),
+                        3 => chains!(3),
+                        _ => chains!(4),
+                    }
+                    for g in 0..live {
+                        let (out, scale) = (rows[g].out, _mm256_set1_ps(rows[g].scale));
+                        if rows[g].cols == NR {
+                            // `out + scale · sum`, a multiply then an add, lane by lane.
+                            let lo = _mm256_add_ps(_mm256_loadu_ps(out), _mm256_mul_ps(scale, lo[g]));
+                            let hi = _mm256_add_ps(_mm256_loadu_ps(out.add(8)), _mm256_mul_ps(scale, hi[g]));
+                            _mm256_storeu_ps(out, lo);
+                            _mm256_storeu_ps(out.add(8), hi);
+                            continue;
+                        }
+                        let mut sums = [0f32; NR];
+                        _mm256_storeu_ps(sums.as_mut_ptr(), lo[g]);
+                        _mm256_storeu_ps(sums.as_mut_ptr().add(8), hi[g]);
+                        let out = std::slice::from_raw_parts_mut(out, rows[g].cols);
+                        for (o, v) in out.iter_mut().zip(sums) {
+                            *o += rows[g].scale * v;
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    rows_kernel!(rows_f32, f32, load_f32);
+    rows_kernel!(rows_f16, f16, load_f16);
+    rows_kernel!(rows_bf16, bf16, load_bf16);
 
     row_kernel!(row_f32, f32, load_f32);
     row_kernel!(row_f16, f16, load_f16);
@@ -802,6 +1153,72 @@ mod tests {
                 let want: Vec<f32> = base.iter().zip(&want).map(|(y, d)| y + 0.5 * d).collect();
                 assert_eq!(got, want, "{n}x{k} scaled");
             }
+        }
+    }
+
+    #[test]
+    fn a_fused_expand_gives_the_product_then_row_adds_bit_for_bit() {
+        if !PackedMatrix::rows_direct() {
+            return; // no AVX2 here: callers add the adapters after the product.
+        }
+        let mut rng = SplitMix::new(29);
+        // A base of 80 outputs (5 panels, the last partial) and parts of
+        // rank 8 and 16 in f32 and bf16, at several panel boundaries.
+        let (n, k) = (75, 40);
+        let w = PackedMatrix::from_f32(&random(n * k, &mut rng), n, k);
+        let part = |outputs: usize, rank: usize, half: bool, rng: &mut SplitMix| {
+            let values = random(outputs * rank, rng);
+            if half {
+                let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                PackedMatrix::from_bf16(&halves, outputs, rank)
+            } else {
+                PackedMatrix::from_f32(&values, outputs, rank)
+            }
+        };
+        let (b_wide, b_tail, b_half) = (
+            part(32, 16, false, &mut rng),
+            part(27, 8, true, &mut rng),
+            part(16, 8, true, &mut rng),
+        );
+        for m in [1, 3, 13, 32] {
+            let x = random(m * k, &mut rng);
+            let shrunk: Vec<Vec<f32>> = (0..m).map(|_| random(24, &mut rng)).collect();
+            let parts: Vec<Vec<Expand<'_>>> = (0..m)
+                .map(|r| match r % 3 {
+                    0 => vec![],
+                    1 => vec![
+                        Expand {
+                            b: &b_wide,
+                            shrunk: &shrunk[r][..16],
+                            first_column: 0,
+                            scale: 0.5,
+                        },
+                        Expand {
+                            b: &b_tail,
+                            shrunk: &shrunk[r][16..24],
+                            first_column: 48,
+                            scale: 2.0,
+                        },
+                    ],
+                    _ => vec![Expand {
+                        b: &b_half,
+                        shrunk: &shrunk[r][..8],
+                        first_column: 32,
+                        scale: 0.25,
+                    }],
+                })
+                .collect();
+            let lists: Vec<&[Expand<'_>]> = parts.iter().map(Vec::as_slice).collect();
+            let got = w.matmul_expand(&x, m, &lists);
+            let mut want = w.matmul(&x, m);
+            for (row, parts) in want.chunks_exact_mut(n).zip(&parts) {
+                for part in parts {
+                    let out = &mut row[part.first_column..part.first_column + part.b.outputs()];
+                    assert!(part.b.row_add(part.shrunk, out, part.scale));
+                }
+            }
+            assert_eq!(got, want, "{m} rows");
+            assert_eq!(w.matmul_expand(&x, m, &[]), w.matmul(&x, m), "{m} rows, no parts");
         }
     }
 

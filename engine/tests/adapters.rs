@@ -434,3 +434,77 @@ fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results
     assert!(results.iter().all(|r| *r != plain), "the adapters changed nothing");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
+    use lorry_engine::gemm::PackedMatrix;
+    use lorry_engine::lora::{CpuSgmv, PackedLora, Segment};
+    use lorry_engine::rng::SplitMix;
+    if !PackedMatrix::rows_direct() {
+        return; // no AVX2 here: the separate pass is the only one.
+    }
+    let mut rng = SplitMix::new(7);
+    let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.uniform() as f32 - 0.5).collect() };
+    // A q/k/v-like product: 64 + 32 + 32 outputs over 48 inputs.
+    let (inputs, outputs, tokens) = (48, 128, 20);
+    let w = PackedMatrix::from_f32(&random(outputs * inputs), outputs, inputs);
+    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| PackedLora {
+        a: PackedMatrix::from_f32(&random(rank * inputs), rank, inputs),
+        b: PackedMatrix::from_f32(&random(out * rank), out, rank),
+        scale,
+    };
+    let (q, v) = (module(8, 64, 2.0, &mut random), module(8, 32, 2.0, &mut random));
+    let k = module(16, 32, 0.5, &mut random);
+    // Rows of one adapter many (tiles) or few (one by one), not adjacent;
+    // rows 0, 5 and 19 have none.
+    let many: Vec<usize> = (1..tokens - 1).filter(|r| r % 3 != 2 && *r != 5).collect();
+    let few = [2usize, 8, 14];
+    assert!(many.len() >= 8);
+    let segments = [
+        Segment {
+            module: &q,
+            rows: &many,
+            offset: 0,
+        },
+        Segment {
+            module: &v,
+            rows: &many,
+            offset: 96,
+        },
+        Segment {
+            module: &k,
+            rows: &few,
+            offset: 64,
+        },
+        Segment {
+            module: &q,
+            rows: &few,
+            offset: 0,
+        },
+    ];
+    let x = random(tokens * inputs);
+    let fused = CpuSgmv.apply_fused(&w, &x, tokens, &segments).unwrap();
+    let mut separate = w.matmul(&x, tokens);
+    CpuSgmv
+        .apply_rows(&x, inputs, &mut separate, outputs, &segments)
+        .unwrap();
+    assert_eq!(fused, separate);
+    assert_ne!(fused, w.matmul(&x, tokens), "the adapters changed nothing");
+    // A row claimed by two adapters is refused by both, before anything is written.
+    let clash = [
+        Segment {
+            module: &q,
+            rows: &many,
+            offset: 0,
+        },
+        Segment {
+            module: &k,
+            rows: &[1],
+            offset: 64,
+        },
+    ];
+    assert!(CpuSgmv.apply_fused(&w, &x, tokens, &clash).is_err());
+    let mut y = w.matmul(&x, tokens);
+    assert!(CpuSgmv.apply_rows(&x, inputs, &mut y, outputs, &clash).is_err());
+    assert_eq!(y, w.matmul(&x, tokens), "a refused pass wrote");
+}

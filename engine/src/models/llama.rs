@@ -419,25 +419,66 @@ impl Linear {
 
     /// `x` is `(tokens, inputs)`; the result is `(tokens, outputs)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.weight {
-            Weight::Packed(w) => {
-                let (tokens, _) = x.dims2()?;
-                let x = x.contiguous()?;
-                let (storage, layout) = x.storage_and_layout();
-                let product = match (&*storage, layout.contiguous_offsets()) {
-                    // The rows as they lie in the tensor, not copied.
-                    (Storage::Cpu(CpuStorage::F32(rows)), Some((start, end))) => w.matmul(&rows[start..end], tokens),
-                    _ => w.matmul(&x.flatten_all()?.to_vec1::<f32>()?, tokens),
-                };
-                drop(storage);
-                Tensor::from_vec(product, (tokens, w.outputs()), x.device())?
-            }
-            Weight::Tensor(w) => x.matmul(&w.t()?)?,
+        self.forward_adapted(x, None)
+    }
+
+    /// [`Linear::forward`], then this layer's part of the pass's adapters
+    /// (`lora`: the pass, the layer, and where each adapted projection's
+    /// outputs start), added where the product lies.
+    fn forward_adapted(&self, x: &Tensor, lora: Option<Adapted<'_, '_>>) -> Result<Tensor> {
+        let Weight::Packed(w) = &self.weight else {
+            let y = x.matmul(&self.weight_tensor()?.t()?)?;
+            let y = match &self.bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            };
+            return match lora {
+                Some(a) => a.pass.lora(x, y, a.layer, a.parts),
+                None => Ok(y),
+            };
         };
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        let (tokens, inputs) = x.dims2()?;
+        let x = x.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let copied;
+        let rows: &[f32] = match (&*storage, layout.contiguous_offsets()) {
+            // The rows as they lie in the tensor, not copied.
+            (Storage::Cpu(CpuStorage::F32(rows)), Some((start, end))) => &rows[start..end],
+            _ => {
+                copied = x.flatten_all()?.to_vec1::<f32>()?;
+                &copied
+            }
+        };
+        let segments = lora.as_ref().map(|a| a.pass.segments(a.layer, a.parts));
+        // Without a bias, the adapters' expand runs inside the product where
+        // that pays.
+        if let Some(segments) = segments.as_ref().filter(|s| self.bias.is_none() && CpuSgmv::fusable(s)) {
+            let product = CpuSgmv.apply_fused(w, rows, tokens, segments)?;
+            drop(storage);
+            return Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?);
+        }
+        let mut product = w.matmul(rows, tokens);
+        if let Some(bias) = &self.bias {
+            let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            for row in product.chunks_exact_mut(w.outputs()) {
+                for (y, b) in row.iter_mut().zip(&bias) {
+                    *y += b;
+                }
+            }
+        }
+        if let Some(segments) = segments {
+            CpuSgmv.apply_rows(rows, inputs, &mut product, w.outputs(), &segments)?;
+        }
+        drop(storage);
+        Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?)
+    }
+
+    /// The weight as a tensor, where it is not packed.
+    fn weight_tensor(&self) -> Result<&Tensor> {
+        match &self.weight {
+            Weight::Tensor(t) => Ok(t),
+            Weight::Packed(_) => Err(ModelError::Config("packed weights have no tensor".into())),
+        }
     }
 }
 
@@ -477,13 +518,8 @@ impl Attention {
     fn forward(&self, x: &Tensor, pass: &Pass<'_>, kv: &mut KvCache, layer: usize) -> Result<Tensor> {
         let (tokens, _) = x.dims2()?;
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
-        let qkv = self.qkv_proj.forward(x)?;
-        let qkv = pass.lora(
-            x,
-            qkv,
-            layer,
-            &[(Target::Q, 0), (Target::K, q_width), (Target::V, q_width + kv_width)],
-        )?;
+        let parts = [(Target::Q, 0), (Target::K, q_width), (Target::V, q_width + kv_width)];
+        let qkv = self.qkv_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
         let mut q = rows(&qkv.narrow(1, 0, q_width)?)?;
         let mut k = rows(&qkv.narrow(1, q_width, kv_width)?)?;
         let v = rows(&qkv.narrow(1, q_width + kv_width, kv_width)?)?;
@@ -493,7 +529,8 @@ impl Attention {
         let out = kv.attend(layer, &pass.seqs, self.num_heads, &q);
         let width = out.len() / tokens;
         let out = Tensor::from_vec(out, (tokens, width), x.device())?;
-        pass.lora(&out, self.o_proj.forward(&out)?, layer, &[(Target::O, 0)])
+        self.o_proj
+            .forward_adapted(&out, pass.lora_for(layer, &[(Target::O, 0)]))
     }
 }
 
@@ -506,17 +543,30 @@ struct Pass<'a> {
     adapters: Vec<(&'a PackedAdapter, Vec<usize>)>,
 }
 
-impl Pass<'_> {
-    /// `y += scale · (x·Aᵀ)·Bᵀ` for the rows of each adapter, into the columns
-    /// of `y` where each of `parts` (a projection and its first column) lies:
-    /// every (adapter, projection) pair of this layer is one segment of one
-    /// segmented product, whatever mix of adapters shares the batch.
-    fn lora(&self, x: &Tensor, y: Tensor, layer: usize, parts: &[(Target, usize)]) -> Result<Tensor> {
-        if self.adapters.is_empty() {
-            return Ok(y);
-        }
-        let segments: Vec<Segment<'_>> = self
-            .adapters
+/// What [`Linear::forward_adapted`] needs to add a pass's adapters to a product.
+struct Adapted<'p, 'a> {
+    pass: &'p Pass<'a>,
+    layer: usize,
+    /// The adapted projections and the first column of each.
+    parts: &'p [(Target, usize)],
+}
+
+impl<'a> Pass<'a> {
+    /// [`Adapted`] for `parts` of `layer`; `None` when no row of the pass
+    /// has an adapter.
+    fn lora_for<'p>(&'p self, layer: usize, parts: &'p [(Target, usize)]) -> Option<Adapted<'p, 'a>> {
+        (!self.adapters.is_empty()).then_some(Adapted {
+            pass: self,
+            layer,
+            parts,
+        })
+    }
+
+    /// Every (adapter, projection) pair of `layer` among `parts` as one
+    /// segment of one segmented product, whatever mix of adapters shares the
+    /// batch.
+    fn segments(&self, layer: usize, parts: &[(Target, usize)]) -> Vec<Segment<'_>> {
+        self.adapters
             .iter()
             .flat_map(|(adapter, rows)| {
                 parts.iter().filter_map(move |&(target, offset)| {
@@ -527,7 +577,13 @@ impl Pass<'_> {
                     })
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// `y += scale · (x·Aᵀ)·Bᵀ` for the rows of each adapter, into the columns
+    /// of `y` where each of `parts` (a projection and its first column) lies.
+    fn lora(&self, x: &Tensor, y: Tensor, layer: usize, parts: &[(Target, usize)]) -> Result<Tensor> {
+        let segments = self.segments(layer, parts);
         Ok(CpuSgmv.apply(x, y, &segments)?)
     }
 }
@@ -573,8 +629,8 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor, pass: &Pass<'_>, layer: usize) -> Result<Tensor> {
-        let gate_up = self.gate_up_proj.forward(x)?;
-        let gate_up = pass.lora(x, gate_up, layer, &[(Target::Gate, 0), (Target::Up, self.intermediate)])?;
+        let parts = [(Target::Gate, 0), (Target::Up, self.intermediate)];
+        let gate_up = self.gate_up_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
         let gate = gate_up.narrow(1, 0, self.intermediate)?;
         let up = gate_up.narrow(1, self.intermediate, self.intermediate)?;
         let gate = match self.activation {
@@ -582,7 +638,8 @@ impl Mlp {
             Activation::GeluTanh => gate.gelu()?,
         };
         let hidden = (gate * up)?;
-        pass.lora(&hidden, self.down_proj.forward(&hidden)?, layer, &[(Target::Down, 0)])
+        self.down_proj
+            .forward_adapted(&hidden, pass.lora_for(layer, &[(Target::Down, 0)]))
     }
 }
 
