@@ -393,13 +393,7 @@ impl Linear {
 
     /// Several layers over the same input as one, their outputs side by side.
     fn stack(parts: &[Linear]) -> Result<Self> {
-        let weights = parts
-            .iter()
-            .map(|p| match &p.weight {
-                Weight::Tensor(t) => Ok(t),
-                Weight::Packed(_) => Err(ModelError::Config("stacking packed weights".into())),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let weights = parts.iter().map(Linear::weight_tensor).collect::<Result<Vec<_>>>()?;
         let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
         Ok(Linear {
             weight: Weight::Tensor(Tensor::cat(&weights, 0)?),
