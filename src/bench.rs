@@ -353,14 +353,44 @@ async fn timed(engine: &TextEngine, requests: &[ValidRequest]) -> anyhow::Result
     Ok(start.elapsed())
 }
 
+/// The engine as this benchmark measures it: speculation off, since it
+/// measures the model's decode rate, not how often guesses are accepted.
 fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
     EngineConfig {
         max_seqs,
         rt_reserved_seqs: 0,
         rt_reserved_blocks_percent: 0,
         policy,
+        speculation: lorry_engine::speculative::SpecConfig {
+            proposer: lorry_engine::speculative::Proposer::Off,
+            ..Default::default()
+        },
         ..EngineConfig::default()
     }
+}
+
+/// This process's resident memory in bytes (Linux), for the load line.
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn checkpoint_bytes(path: &std::path::Path) -> u64 {
+    if path.is_file() {
+        return path.metadata().map(|m| m.len()).unwrap_or(0);
+    }
+    std::fs::read_dir(path)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// The product kernels against candle, decode rates at each batch size and
@@ -384,7 +414,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let Some((_, first)) = models.first() else {
         bail!("no model to measure: give --model or at least one --dtype");
     };
-    let config = TextModel::from_dir(first, &Device::Cpu)?.model.config().clone();
+    let config = lorry_engine::models::llama::Llama::config_of(first)?;
     let params = config.matmul_params() as f64;
     eprintln!("measuring the machine's ceilings");
     let ceilings = measure_ceilings(config.matmul_params() * 4)?;
@@ -414,9 +444,15 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let mut reference = None;
     let mut loads = Vec::new();
     for (name, dir) in &models {
-        let started = Instant::now();
-        let model = TextModel::from_dir(dir, &Device::Cpu)?;
-        loads.push(format!("{name} {:.2} s", started.elapsed().as_secs_f64()));
+        let (started, before) = (Instant::now(), resident_bytes().unwrap_or(0));
+        let model = TextModel::open(dir, &Device::Cpu)?;
+        let resident = resident_bytes().unwrap_or(0).saturating_sub(before);
+        loads.push(format!(
+            "{name} {:.2} s, {:.0} MB resident for {:.0} MB of checkpoint",
+            started.elapsed().as_secs_f64(),
+            resident as f64 / 1e6,
+            checkpoint_bytes(dir) as f64 / 1e6
+        ));
         let weight_bytes = params * model.model.weight_bytes_per_param();
         let max_batch = args.batch.iter().copied().max().unwrap_or(1);
         let engine = TextEngine::start(
@@ -450,7 +486,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         reference.get_or_insert(model);
     }
     println!(
-        "\nloading (reading the checkpoint, packing the panels): {}",
+        "\nloading (reading the checkpoint, dequantizing, packing the panels): {}",
         loads.join(", ")
     );
     if args.tail_requests > 0 {
@@ -458,6 +494,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             continuous_versus_static(model, args).await?;
         }
     }
+    println!("(speculation off: this measures the model's decode rate)");
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }
@@ -709,7 +746,7 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
             scratch.clone()
         }
     };
-    let model = TextModel::from_dir(&dir, &Device::Cpu)?;
+    let model = TextModel::open(&dir, &Device::Cpu)?;
     let config = model.model.config().clone();
     let model_bytes_per_param = model.model.weight_bytes_per_param();
     let precision = fixtures::parse_dtype(&args.adapter_dtype)

@@ -226,7 +226,7 @@ async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow:
                     Arc::new(EmbeddingEngine::start(&source.name, embedder))
                 }
                 _ => {
-                    let model = TextModel::from_dir(&source.dir, &Device::Cpu).with_context(context)?;
+                    let model = TextModel::open(&source.dir, &Device::Cpu).with_context(context)?;
                     let draft = engine_args
                         .draft_for(&model, source.draft.as_deref())
                         .with_context(context)?;

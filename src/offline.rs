@@ -24,7 +24,9 @@ use std::sync::atomic::Ordering;
 /// `lorry generate`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// A Llama-family checkpoint directory.
+    /// A Llama-family checkpoint: a Hugging Face directory or a GGUF file
+    /// (`llama`, `qwen2` or `gemma` architecture; quantized tensors are
+    /// dequantized at load).
     #[arg(long)]
     pub model: PathBuf,
     /// `NAME=DIR`: a LoRA adapter in PEFT's format (`adapter_config.json`,
@@ -72,7 +74,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         requests.push((id, request, adapter));
     }
     let model =
-        TextModel::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
+        TextModel::open(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
     let mut adapters: HashMap<String, Arc<PackedAdapter>> = HashMap::new();
     for (name, dir) in &adapter_dirs {
         let adapter = Adapter::from_dir(dir, model.model.config(), AdapterLimits::default())
@@ -231,8 +233,7 @@ impl EngineArgs {
             },
             _ => return Ok(None),
         };
-        let draft =
-            Llama::from_dir(dir, &Device::Cpu).with_context(|| format!("loading the draft {}", dir.display()))?;
+        let draft = Llama::open(dir, &Device::Cpu).with_context(|| format!("loading the draft {}", dir.display()))?;
         let (want, got) = (model.model.config().vocab_size, draft.config().vocab_size);
         if want != got {
             bail!(
@@ -295,6 +296,12 @@ fn read_lines<T: for<'de> Deserialize<'de>>(path: &PathBuf) -> anyhow::Result<Ve
 
 /// Embed every line of the input.
 pub fn embed(args: &EmbedArgs) -> anyhow::Result<()> {
+    if lorry_engine::models::gguf::is_gguf(&args.model) {
+        bail!(
+            "{}: lorry embed serves BERT-family checkpoint directories; GGUF files are served as text-generation models (lorry generate)",
+            args.model.display()
+        );
+    }
     let lines: Vec<EmbedLine> = read_lines(&args.input)?;
     let embedder =
         Embedder::from_dir(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lorry_batcher::adapters::AdapterCacheConfig;
-use lorry_engine::catalog::{demo_models, read_catalog_file, ModelSource};
+use lorry_engine::catalog::{default_models, read_catalog_file, ModelSource};
 use lorry_engine::lora::AdapterLimits;
 
 use crate::offline::EngineArgs;
@@ -188,13 +188,19 @@ impl Settings {
             .join("lorry")
     }
 
-    /// The served models other than the echo model: the catalogue file's, or the demo models.
+    /// The served models other than the echo model: the catalogue file's, or
+    /// the default ones (SmolLM2 and all-MiniLM where fetched, else the demo models).
     pub fn model_sources(&self) -> anyhow::Result<Vec<ModelSource>> {
         match &self.models {
             Some(file) => Ok(read_catalog_file(file)?),
             None => {
                 let dir = self.data_dir();
-                demo_models(&dir).with_context(|| format!("writing the demo models under {}", dir.display()))
+                let (sources, why) = default_models(&dir)
+                    .with_context(|| format!("reading the default models under {}", dir.display()))?;
+                if let Some(why) = why {
+                    tracing::warn!("{why}");
+                }
+                Ok(sources)
             }
         }
     }

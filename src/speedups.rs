@@ -241,7 +241,7 @@ async fn measure(
 /// lookup and for two draft models, then in a mixed-adapter batch.
 pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let target = scratch("bench-smooth", Fixture::BenchSmooth)?;
-    let model = TextModel::from_dir(&target, &Device::Cpu)?;
+    let model = TextModel::open(&target, &Device::Cpu)?;
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
     // Each batch size without adapters, and with a distinct adapter per sequence.
     let mut cases: Vec<(usize, bool)> = args.batch.iter().flat_map(|&b| [(b, false), (b, b > 1)]).collect();
@@ -297,7 +297,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     for (name, proposer, draft) in &runs {
         eprintln!("measuring {name}");
         let draft = match draft {
-            Some((what, fixture)) => Some(Llama::from_dir(&scratch(what, *fixture)?, &Device::Cpu)?),
+            Some((what, fixture)) => Some(Llama::open(&scratch(what, *fixture)?, &Device::Cpu)?),
             None => None,
         };
         let engine = TextEngine::start_with_draft(
@@ -395,7 +395,7 @@ fn prompt(text: String, new_tokens: usize) -> ValidRequest {
 /// sharing an instruction; a multi-turn chat: each with the cache on and off.
 pub async fn prefix(args: &PrefixBenchArgs) -> anyhow::Result<()> {
     let target = scratch("bench", Fixture::Bench)?;
-    let model = TextModel::from_dir(&target, &Device::Cpu)?;
+    let model = TextModel::open(&target, &Device::Cpu)?;
     let off = SpecConfig {
         proposer: Proposer::Off,
         ..SpecConfig::default()

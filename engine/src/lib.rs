@@ -26,6 +26,7 @@ pub mod scheduler;
 pub mod serial;
 pub mod speculative;
 pub mod text_engine;
+pub mod vocab;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;

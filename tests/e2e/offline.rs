@@ -149,7 +149,7 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
     assert!(full.find(stop).unwrap() <= cut);
 
     // Without ignore_eos, generation ends at the end-of-sequence token.
-    let eos = model.eos_id.unwrap();
+    let eos = model.stop_ids()[0];
     let until_eos: Vec<u32> = match greedy.iter().position(|&t| t == eos) {
         Some(i) => greedy[..=i].to_vec(),
         None => greedy.clone(),

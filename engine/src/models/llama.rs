@@ -861,4 +861,32 @@ impl Llama {
         let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
         Llama::load(vb, &cfg, dtype)
     }
+
+    /// Load a GGUF file: its tensors dequantized (f32, or the file's own
+    /// f16/bf16 where every projection is half precision).
+    pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device) -> Result<Self> {
+        let cfg = file.config()?;
+        let tensors = file.tensors(&cfg, device)?;
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        Llama::load(vb, &cfg, file.projection_dtype())
+    }
+
+    /// The configuration of a checkpoint (a GGUF file or a Hugging Face
+    /// directory), without reading its weights.
+    pub fn config_of(path: &Path) -> Result<Config> {
+        if super::gguf::is_gguf(path) {
+            super::gguf::GgufFile::open(path)?.config()
+        } else {
+            read_config::<LlamaConfigFile>(path)?.into_config()
+        }
+    }
+
+    /// Load a checkpoint: a GGUF file or a Hugging Face directory.
+    pub fn open(path: &Path, device: &Device) -> Result<Self> {
+        if super::gguf::is_gguf(path) {
+            Llama::from_gguf(&super::gguf::GgufFile::open(path)?, device)
+        } else {
+            Llama::from_dir(path, device)
+        }
+    }
 }

@@ -5,6 +5,7 @@
 //! sequences share one model.
 
 pub mod bert;
+pub mod gguf;
 pub mod llama;
 
 use std::collections::HashMap;
@@ -19,6 +20,10 @@ pub enum ModelError {
     /// `config.json` is missing, unreadable or not a config we serve.
     #[error("config.json: {0}")]
     Config(String),
+    /// A GGUF file is malformed or holds what is not served; the message
+    /// names the file and the field.
+    #[error("{0}")]
+    Gguf(String),
     /// A tensor is missing, has the wrong shape, or a file is unreadable.
     #[error("weights: {0}")]
     Weights(#[from] candle_core::Error),
@@ -46,12 +51,55 @@ pub fn read_config<T: DeserializeOwned>(dir: &Path) -> Result<T, ModelError> {
     serde_json::from_str(&text).map_err(|e| ModelError::Config(e.to_string()))
 }
 
-/// Every `*.safetensors` file of a checkpoint directory, in name order.
+/// The weight files of a checkpoint directory: the shards that
+/// `model.safetensors.index.json` names where there is one, else
+/// `model.safetensors` where there is one, else every `*.safetensors` in name
+/// order. Other files beside them (a `consolidated.safetensors`, an
+/// `adapter_model.safetensors`) are not weights of the model and are ignored.
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        #[derive(serde::Deserialize)]
+        struct Index {
+            weight_map: std::collections::BTreeMap<String, String>,
+        }
+        let text = std::fs::read_to_string(&index).map_err(io_error(&index))?;
+        let parsed: Index =
+            serde_json::from_str(&text).map_err(|e| ModelError::Config(format!("{}: {e}", index.display())))?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        for shard in parsed.weight_map.values() {
+            if shard.contains('/') || shard.contains('\\') || shard.starts_with('.') {
+                return Err(ModelError::Config(format!(
+                    "{}: shard {shard:?} is not a file name in the directory",
+                    index.display()
+                )));
+            }
+            let path = dir.join(shard);
+            if !files.contains(&path) {
+                files.push(path);
+            }
+        }
+        files.sort();
+        if files.is_empty() {
+            return Err(ModelError::Config(format!(
+                "{}: weight_map names no shard",
+                index.display()
+            )));
+        }
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
     let entries = std::fs::read_dir(dir).map_err(io_error(dir))?;
     let mut files: Vec<_> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            !name.starts_with("consolidated") && !name.starts_with("adapter_model")
+        })
         .collect();
     files.sort();
     if files.is_empty() {

