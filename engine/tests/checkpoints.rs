@@ -242,6 +242,34 @@ fn a_k_quant_qwen2_gguf_matches_transformers() {
 }
 
 #[test]
+fn a_sentencepiece_llama_gguf_matches_sentencepiece_and_transformers() {
+    // A `llama` file: q/k rows in llama.cpp's permuted order (4 heads sharing
+    // 2 key/value heads), F16, Q8_0 and Q4_0 tensors, a SentencePiece
+    // vocabulary with byte fallback and BOS added to raw text.
+    let path = data("tiny-llama-spm.gguf");
+    let model = TextModel::open(&path, &Device::Cpu).unwrap();
+    let expected = reference("tiny-llama-spm.json");
+    // Prompt ids as sentencepiece gives them (the model's own tokenizer);
+    // logits and greedy tokens as transformers gives them.
+    check_prompts(&model, &expected, "SentencePiece Llama");
+    check_corpus(&model, &expected, "SentencePiece Llama");
+    // transformers' GGUF tokenizer differs from sentencepiece only where text
+    // starts with a space (its Metaspace pre-tokenizer adds no `▁` there).
+    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
+    let theirs = expected["transformers_corpus_ids"].as_array().unwrap();
+    let own = expected["corpus_ids"].as_array().unwrap();
+    for ((line, theirs), own) in corpus.iter().zip(theirs).zip(own) {
+        if !line.starts_with([' ', '\t', '\n']) {
+            assert_eq!(theirs, own, "transformers and sentencepiece agree on {line:?}");
+        }
+    }
+    // Decoding gives the text back (byte fallback included).
+    let text = "naïve café — 😀";
+    let ids = model.encode_raw(text).unwrap();
+    assert_eq!(model.decode(&ids).unwrap(), text);
+}
+
+#[test]
 fn a_sharded_hugging_face_directory_matches_transformers() {
     // Shards named by model.safetensors.index.json, a stray consolidated.safetensors
     // beside them, BOS added to raw prompts by the tokenizer, named chat

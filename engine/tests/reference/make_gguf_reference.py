@@ -10,6 +10,7 @@ Usage (from the repository root):
     .venv/bin/python engine/tests/reference/make_gguf_reference.py dequant
     .venv/bin/python engine/tests/reference/make_gguf_reference.py qwen2
     .venv/bin/python engine/tests/reference/make_gguf_reference.py hf
+    .venv/bin/python engine/tests/reference/make_gguf_reference.py spm
 
 Writes, under engine/tests/data/gguf/:
 - corpus.txt: 200+ varied lines (prose, unicode, emoji, code, numbers, runs
@@ -26,6 +27,9 @@ Writes, under engine/tests/data/gguf/:
   model with K-quant, Q8_0, Q5_1, F16 and F32 tensors and a byte-level BPE
   tokenizer (qwen2 pre-tokenizer) trained on the corpus, with its
   transformers reference data;
+- tiny-llama-spm.gguf + tiny-llama-spm.json: a `llama`-architecture file
+  with a SentencePiece vocabulary, its tokenizer reference from the
+  `sentencepiece` library and its model reference from transformers;
 - hf-llama/ + hf-llama.json: a small Llama checkpoint as real ones come
   (shards and their index, a stray consolidated.safetensors, BOS added by the
   tokenizer, named chat templates, a list of end-of-sequence ids), with
@@ -488,6 +492,123 @@ def qwen2():
         )
 
 
+# ---- a SentencePiece vocabulary -------------------------------------------
+
+def llama_spm():
+    """A random-weight `llama`-architecture file (F16, Q8_0 and Q4_0 tensors;
+    q/k rows in llama.cpp's permuted order; 4 heads sharing 2 key/value
+    heads) with a SentencePiece BPE vocabulary (byte fallback) trained on the
+    corpus. Tokenizer reference: the `sentencepiece` library itself, the
+    model's own tokenizer, which llama.cpp follows; transformers' GGUF
+    tokenizer (a `Metaspace` pre-tokenizer) leaves out the `▁` prefix of text
+    that starts with a space or follows a special token, so its ids are
+    recorded beside, with the count of lines where they differ."""
+    import sentencepiece as spm
+    from gguf import GGMLQuantizationType as T, GGUFWriter, TokenType
+
+    corpus = load_corpus()
+    prefix = os.path.join("/tmp", f"lorry-spm-{os.getpid()}")
+    with open(prefix + ".txt", "w") as f:
+        for line in corpus * 2:
+            f.write(line.replace("\n", " ") + "\n")
+    spm.SentencePieceTrainer.train(
+        input=prefix + ".txt", model_prefix=prefix, vocab_size=600, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, add_dummy_prefix=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    vocab = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(vocab)]
+    scores = [sp.get_score(i) for i in range(vocab)]
+    types = []
+    for i in range(vocab):
+        if sp.is_unknown(i):
+            types.append(TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(TokenType.CONTROL)
+        elif sp.is_byte(i):
+            types.append(TokenType.BYTE)
+        else:
+            types.append(TokenType.NORMAL)
+
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    head_dim = hidden // heads
+    rng = np.random.default_rng(9)
+    path = os.path.join(OUT, "tiny-llama-spm.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+    def normal(shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", normal((vocab, hidden), 1.0).astype(np.float16))
+    w.add_tensor("output_norm.weight", 1.0 + normal((hidden,), 0.1))
+    w.add_tensor("output.weight", quantize_q(normal((vocab, hidden), 1.0), T.Q8_0), raw_dtype=T.Q8_0)
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", 1.0 + normal((hidden,), 0.1))
+        w.add_tensor(p + "ffn_norm.weight", 1.0 + normal((hidden,), 0.1))
+        w.add_tensor(p + "attn_q.weight", normal((heads * head_dim, hidden), 0.2).astype(np.float16))
+        w.add_tensor(p + "attn_k.weight", quantize_q(normal((kv_heads * head_dim, hidden), 0.2), T.Q8_0), raw_dtype=T.Q8_0)
+        w.add_tensor(p + "attn_v.weight", quantize_q(normal((kv_heads * head_dim, hidden), 0.2), T.Q4_0), raw_dtype=T.Q4_0)
+        w.add_tensor(p + "attn_output.weight", normal((hidden, heads * head_dim), 0.2).astype(np.float16))
+        w.add_tensor(p + "ffn_gate.weight", quantize_q(normal((inter, hidden), 0.2), T.Q8_0), raw_dtype=T.Q8_0)
+        w.add_tensor(p + "ffn_up.weight", normal((inter, hidden), 0.2))
+        w.add_tensor(p + "ffn_down.weight", quantize_q(normal((hidden, inter), 0.15), T.Q4_0), raw_dtype=T.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    tok = AutoTokenizer.from_pretrained(OUT, gguf_file="tiny-llama-spm.gguf")
+    model = AutoModelForCausalLM.from_pretrained(OUT, gguf_file="tiny-llama-spm.gguf", dtype=torch.float32)
+    model.eval()
+    # The model's own ids: sentencepiece, with BOS as the file asks.
+    own = [[1] + sp.encode(line) for line in corpus]
+    theirs = [tok(line).input_ids for line in corpus]
+    differing = sum(a != b for a, b in zip(own, theirs))
+    print(f"corpus lines where transformers' GGUF tokenizer differs from sentencepiece: {differing}", file=sys.stderr)
+    records = []
+    for text in [t for t in RAW if not t.startswith(" ") and not t.startswith("<")]:
+        ids = [1] + sp.encode(text)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        new, gap = greedy(model, ids, 2)
+        records.append({
+            "kind": "raw", "text": text, "prompt_ids": ids, "last_logits": logits_record(logits),
+            "greedy": new, "stopped": bool(new and new[-1] == 2), "min_top2_gap": gap,
+        })
+        print("spm", repr(text[:30]), "->", new[:8], f"gap {gap:.3g}", file=sys.stderr)
+    with open(os.path.join(OUT, "tiny-llama-spm.json"), "w") as f:
+        json.dump({
+            "transformers": transformers.__version__, "sentencepiece": spm.__version__, "eos": 2,
+            "prompts": records, "corpus_ids": own, "transformers_corpus_ids": theirs,
+            "transformers_differing_lines": differing,
+        }, f)
+
+
+def quantize_q(values, qtype):
+    """`gguf`'s own quantizer (Q8_0, Q4_0, …): blocks as llama.cpp writes them."""
+    from gguf.quants import quantize
+
+    return quantize(values, qtype)
+
+
 # ---- Hugging Face directories as they really are ----------------------------
 
 HF_DEFAULT_TEMPLATE = (
@@ -612,5 +733,7 @@ if __name__ == "__main__":
         qwen2()
     elif what == "hf":
         hf_dir()
+    elif what == "spm":
+        llama_spm()
     else:
         sys.exit(__doc__)
