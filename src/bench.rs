@@ -370,6 +370,7 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
 }
 
 /// This process's resident memory in bytes (Linux), for the load line.
+/// The benchmark's own buffers are freed before the model loads.
 fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
@@ -444,14 +445,15 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let mut reference = None;
     let mut loads = Vec::new();
     for (name, dir) in &models {
-        let (started, before) = (Instant::now(), resident_bytes().unwrap_or(0));
+        let started = Instant::now();
         let model = TextModel::open(dir, &Device::Cpu)?;
-        let resident = resident_bytes().unwrap_or(0).saturating_sub(before);
+        let seconds = started.elapsed().as_secs_f64();
         loads.push(format!(
-            "{name} {:.2} s, {:.0} MB resident for {:.0} MB of checkpoint",
-            started.elapsed().as_secs_f64(),
-            resident as f64 / 1e6,
-            checkpoint_bytes(dir) as f64 / 1e6
+            "{name}: {seconds:.2} s; {:.0} MB of checkpoint, {:.0} MB of projection weights as served ({} bytes each), process resident {:.0} MB",
+            checkpoint_bytes(dir) as f64 / 1e6,
+            params * model.model.weight_bytes_per_param() / 1e6,
+            model.model.weight_bytes_per_param(),
+            resident_bytes().unwrap_or(0) as f64 / 1e6
         ));
         let weight_bytes = params * model.model.weight_bytes_per_param();
         let max_batch = args.batch.iter().copied().max().unwrap_or(1);

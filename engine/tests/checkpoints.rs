@@ -228,6 +228,39 @@ fn a_peft_adapter_on_smollm2_gives_transformers_tokens() {
 }
 
 #[test]
+fn smollm2_as_a_hugging_face_directory_gives_the_gguf_tokens() {
+    // transformers' own config.json, generation_config.json, tokenizer files
+    // and template for SmolLM2, with the weights dequantized from the GGUF file.
+    let gguf = smollm2_gguf();
+    let dir = scratch("smollm2-hf");
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(data("smollm2-hf")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    let file = GgufFile::open(&gguf).unwrap();
+    let mut tensors = file.tensors(&file.config().unwrap(), &Device::Cpu).unwrap();
+    tensors.remove("lm_head.weight");
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    drop(tensors);
+    let from_dir = TextModel::open(&dir, &Device::Cpu).unwrap();
+    let from_gguf = TextModel::open(&gguf, &Device::Cpu).unwrap();
+    assert_eq!(from_dir.stop_ids(), from_gguf.stop_ids());
+    let expected = reference("smollm2.json");
+    for record in expected["prompts"].as_array().unwrap().iter().step_by(4) {
+        let request = request(record, 24);
+        let (a, b) = (
+            from_dir.generate(&request).unwrap(),
+            from_gguf.generate(&request).unwrap(),
+        );
+        assert_eq!(a.prompt_tokens, b.prompt_tokens, "{:?}", record["text"]);
+        assert_eq!(a.token_ids, b.token_ids, "{:?}", record["text"]);
+        assert_eq!(a.text, b.text);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn a_k_quant_qwen2_gguf_matches_transformers() {
     let path = data("tiny-qwen2.gguf");
     let file = GgufFile::open(&path).unwrap();
@@ -309,6 +342,130 @@ fn a_directory_with_only_tokenizer_model_is_refused_saying_so() {
     );
 }
 
+/// llama.cpp's name of a Hugging Face tensor name (the inverse of the loader's map).
+fn llama_cpp_name(hf: &str) -> String {
+    let fixed = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, name)) = fixed.iter().find(|(h, _)| *h == hf) {
+        return name.to_string();
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (layer, rest) = rest.split_once('.').unwrap();
+    let (module, kind) = rest.rsplit_once('.').unwrap();
+    let module = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        other => panic!("{other}"),
+    };
+    format!("blk.{layer}.{module}.{kind}")
+}
+
+#[test]
+fn a_gemma_gguf_gives_what_its_hugging_face_checkpoint_gives() {
+    // The tiny-gemma fixture (checked against transformers in conformance.rs)
+    // written as llama.cpp writes Gemma: norms stored as 1 + w, the head tied
+    // to the embedding (no output.weight), head_dim from key_length, the
+    // tokenizer in the metadata.
+    use lorry_engine::fixtures::{self, Fixture};
+    let dir = scratch("tiny-gemma");
+    fixtures::write(Fixture::TinyGemma, &dir).unwrap();
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut quantized: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(name, t)| {
+            let t = if name.ends_with("norm.weight") {
+                (t + 1.0).unwrap()
+            } else {
+                t.clone()
+            };
+            (llama_cpp_name(name), QTensor::quantize(&t, GgmlDType::F32).unwrap())
+        })
+        .collect();
+    quantized.sort_by(|a, b| a.0.cmp(&b.0));
+    let tokenizer: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let mut vocab: Vec<(String, u64)> = tokenizer["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(t, id)| (t.clone(), id.as_u64().unwrap()))
+        .collect();
+    vocab.sort_by_key(|(_, id)| *id);
+    let vocab_size = config["vocab_size"].as_u64().unwrap() as usize;
+    let mut tokens: Vec<GgufValue> = vocab.iter().map(|(t, _)| GgufValue::String(t.clone())).collect();
+    let mut types: Vec<GgufValue> = (0..tokens.len())
+        .map(|i| GgufValue::I32(if i < 3 { 3 } else { 1 }))
+        .collect();
+    while tokens.len() < vocab_size {
+        tokens.push(GgufValue::String(format!("<unused{}>", tokens.len())));
+        types.push(GgufValue::I32(5));
+    }
+    let u32_of = |key: &str| GgufValue::U32(config[key].as_u64().unwrap() as u32);
+    let metadata = vec![
+        ("general.architecture", GgufValue::String("gemma".into())),
+        ("gemma.block_count", u32_of("num_hidden_layers")),
+        ("gemma.context_length", u32_of("max_position_embeddings")),
+        ("gemma.embedding_length", u32_of("hidden_size")),
+        ("gemma.feed_forward_length", u32_of("intermediate_size")),
+        ("gemma.attention.head_count", u32_of("num_attention_heads")),
+        ("gemma.attention.head_count_kv", u32_of("num_key_value_heads")),
+        ("gemma.attention.key_length", u32_of("head_dim")),
+        ("gemma.attention.value_length", u32_of("head_dim")),
+        (
+            "gemma.rope.freq_base",
+            GgufValue::F32(config["rope_theta"].as_f64().unwrap() as f32),
+        ),
+        (
+            "gemma.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(config["rms_norm_eps"].as_f64().unwrap() as f32),
+        ),
+        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", GgufValue::String("default".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Array(tokens)),
+        ("tokenizer.ggml.token_type", GgufValue::Array(types)),
+        ("tokenizer.ggml.merges", GgufValue::Array(vec![])),
+        ("tokenizer.ggml.bos_token_id", GgufValue::U32(0)),
+        ("tokenizer.ggml.eos_token_id", GgufValue::U32(1)),
+        ("tokenizer.ggml.add_bos_token", GgufValue::Bool(false)),
+    ];
+    let gguf = scratch("tiny-gemma.gguf");
+    write_gguf(&gguf, &metadata, &quantized);
+
+    let from_dir = TextModel::open(&dir, &Device::Cpu).unwrap();
+    let from_gguf = TextModel::open(&gguf, &Device::Cpu).unwrap();
+    // The same configuration, but for the epsilon, which GGUF keeps in f32.
+    let mut want = from_dir.model.config().clone();
+    want.rms_norm_eps = 1e-6f32 as f64;
+    assert_eq!(from_gguf.model.config(), &want);
+    let prompt = from_dir.encode_raw("Hello, Gemma! 123").unwrap();
+    assert_eq!(from_gguf.encode_raw("Hello, Gemma! 123").unwrap(), prompt);
+    let logits = |m: &TextModel| {
+        let mut cache = m.model.new_cache();
+        m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (got, want) = (logits(&from_gguf), logits(&from_dir));
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-5 * scale,
+        "logits differ by {worst} against a scale of {scale}"
+    );
+    assert_eq!(
+        from_gguf.model.greedy(&prompt, 16).unwrap(),
+        from_dir.model.greedy(&prompt, 16).unwrap()
+    );
+}
+
 // ---- bad files ---------------------------------------------------------------
 
 fn scratch(name: &str) -> PathBuf {
@@ -318,10 +475,10 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// A small GGUF written with candle's writer.
-fn write_gguf(path: &Path, metadata: &[(&str, GgufValue)], tensors: &[(&str, QTensor)]) {
+fn write_gguf(path: &Path, metadata: &[(&str, GgufValue)], tensors: &[(impl AsRef<str>, QTensor)]) {
     let mut file = std::fs::File::create(path).unwrap();
     let metadata: Vec<(&str, &GgufValue)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_ref(), v)).collect();
     gguf_file::write(&mut file, &metadata, &tensors).unwrap();
 }
 

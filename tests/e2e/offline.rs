@@ -333,3 +333,45 @@ fn logged(stderr: &str, field: &str) -> f64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{field} has no number: {plain}"))
 }
+
+#[test]
+fn lorry_generate_reads_a_gguf_file_and_lorry_embed_refuses_one() {
+    let dir = scratch("generate-gguf");
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/gguf/tiny-qwen2.gguf");
+    let model = TextModel::open(&gguf, &Device::Cpu).unwrap();
+    let bodies = [
+        serde_json::json!({"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 8}),
+        serde_json::json!({"prompt": "Once upon a time", "raw": true, "max_tokens": 8}),
+    ];
+    let input = dir.join("in.jsonl");
+    let lines: String = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let mut line = b.clone();
+            line["id"] = serde_json::json!(i);
+            format!("{line}\n")
+        })
+        .collect();
+    std::fs::write(&input, lines).unwrap();
+    let output = dir.join("out.jsonl");
+    let result = run_lorry("generate", &gguf, &input, &output, &["--speculate", "ngram"]);
+    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
+    let out: Vec<Value> = read_jsonl(&output);
+    for (line, body) in out.iter().zip(&bodies) {
+        let alone = model
+            .generate(&ValidRequest::parse(Task::TextGeneration, body).unwrap())
+            .unwrap();
+        assert_eq!(line["token_ids"], serde_json::json!(alone.token_ids), "{body}");
+        assert_eq!(line["text"], alone.text.as_str());
+    }
+
+    let result = run_lorry("embed", &gguf, &input, &dir.join("embedded.jsonl"), &[]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        stderr.contains("tiny-qwen2.gguf") && stderr.contains("GGUF"),
+        "{stderr}"
+    );
+}

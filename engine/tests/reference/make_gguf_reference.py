@@ -15,6 +15,8 @@ Usage (from the repository root):
 Writes, under engine/tests/data/gguf/:
 - corpus.txt: 200+ varied lines (prose, unicode, emoji, code, numbers, runs
   of whitespace, special-token text) for tokenizer conformance;
+- smollm2-hf/: SmolLM2 as transformers writes a Hugging Face directory
+  (config, generation config, tokenizer, template; the test adds the weights);
 - smollm2.json: for chat and raw prompts, the prompt ids transformers'
   tokenizer gives, the logits at the prompt's last position (the 64 largest,
   and every 97th id), and the greedy continuation (up to 40 new tokens,
@@ -242,6 +244,7 @@ def smollm2(gguf_path):
     prompts = prompt_records(model, tok, eos)
     corpus = load_corpus()
     corpus_ids = [tok(line).input_ids for line in corpus]
+    smollm2_hf_files(model, tok)
     lora = smollm2_lora(model, tok, eos)
     with open(os.path.join(OUT, "smollm2.json"), "w") as f:
         json.dump(
@@ -255,6 +258,26 @@ def smollm2(gguf_path):
             },
             f,
         )
+
+
+def smollm2_hf_files(model, tok):
+    """SmolLM2 as a Hugging Face directory, as transformers writes it, less
+    the weights (540 MB in f32; the test writes them from the GGUF file,
+    dequantized as the `gguf` package does): config.json,
+    generation_config.json, tokenizer.json, tokenizer_config.json and the
+    chat template."""
+    path = os.path.join(OUT, "smollm2-hf")
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    tok.save_pretrained(path)
+    tok.backend_tokenizer.save(os.path.join(path, "tokenizer.json"), pretty=False)
+    # The quantization note transformers adds describes the GGUF source, not this directory.
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def smollm2_lora(model, tok, eos):
