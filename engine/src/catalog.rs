@@ -301,6 +301,38 @@ mod tests {
     }
 
     #[test]
+    fn the_default_models_are_the_fetched_ones_else_the_demos_with_the_reason() {
+        let root = std::env::temp_dir().join(format!("lorry-defaults-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (demos, why) = default_models(&root).unwrap();
+        assert_eq!(
+            demos.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            vec![DEMO_LLAMA, DEMO_BGE]
+        );
+        let why = why.unwrap();
+        assert!(why.contains(SMOLLM2_FILE) && why.contains("demo"), "{why}");
+        // What scripts/fetch-models leaves: a GGUF file and an embedding directory.
+        let gguf = root.join(SMOLLM2_FILE);
+        std::fs::create_dir_all(gguf.parent().unwrap()).unwrap();
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gguf/tiny-qwen2.gguf"),
+            &gguf,
+        )
+        .unwrap();
+        fixtures::write(Fixture::TinyBert, &root.join(MINILM_DIR)).unwrap();
+        let (real, why) = default_models(&root).unwrap();
+        assert_eq!(why, None);
+        assert_eq!(
+            real.iter().map(|s| (s.name.as_str(), s.task)).collect::<Vec<_>>(),
+            vec![(SMOLLM2, Task::TextGeneration), (MINILM, Task::Embeddings)]
+        );
+        assert_eq!(real[0].base.as_ref().unwrap().num_layers, 2, "the GGUF file's configuration");
+        let catalog = Catalog::with_sources(&real);
+        assert!(catalog.get(SMOLLM2).unwrap().takes_adapters);
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
     fn a_catalogue_file_names_directories_and_the_task_comes_from_each_config() {
         let root = std::env::temp_dir().join(format!("lorry-catalog-{}", std::process::id()));
         let demos = demo_models(&root).unwrap();

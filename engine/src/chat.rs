@@ -49,6 +49,25 @@ pub struct GenerationDefaults {
     pub top_k: Option<u32>,
 }
 
+impl GenerationDefaults {
+    /// From `generation_config.json` (`Null` where there is none); values
+    /// out of the ranges requests may ask for are left out.
+    fn read(generation: &Value) -> Self {
+        let sampled = generation["do_sample"].as_bool() == Some(true);
+        GenerationDefaults {
+            temperature: generation["temperature"]
+                .as_f64()
+                .filter(|t| sampled && (0.0..=5.0).contains(t))
+                .map(|t| t as f32),
+            top_p: generation["top_p"]
+                .as_f64()
+                .filter(|p| *p > 0.0 && *p <= 1.0)
+                .map(|p| p as f32),
+            top_k: generation["top_k"].as_u64().filter(|k| *k > 0).map(|k| k as u32),
+        }
+    }
+}
+
 fn token_text(config: &Value, key: &str) -> String {
     match &config[key] {
         Value::String(s) => s.clone(),
@@ -168,15 +187,7 @@ impl TextModel {
             }
             _ => None,
         };
-        let sampled = generation["do_sample"].as_bool() == Some(true);
-        let defaults = GenerationDefaults {
-            temperature: generation["temperature"].as_f64().filter(|_| sampled).map(|t| t as f32),
-            top_p: generation["top_p"]
-                .as_f64()
-                .map(|p| p as f32)
-                .filter(|p| *p > 0.0 && *p <= 1.0),
-            top_k: generation["top_k"].as_u64().map(|k| k as u32).filter(|k| *k > 0),
-        };
+        let defaults = GenerationDefaults::read(&generation);
         Ok(TextModel {
             model,
             tokenizer,
@@ -578,4 +589,39 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn generation_config_gives_defaults_and_stop_ids() {
+        let sampled = json!({"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "eos_token_id": [2, 7]});
+        assert_eq!(
+            GenerationDefaults::read(&sampled),
+            GenerationDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.9),
+                top_k: Some(50)
+            }
+        );
+        assert_eq!(generation_eos(&sampled), vec![2, 7]);
+        // Without do_sample, transformers decodes greedily whatever the temperature.
+        let greedy = json!({"temperature": 0.6, "top_p": 1.5, "top_k": 0, "eos_token_id": 3});
+        assert_eq!(GenerationDefaults::read(&greedy), GenerationDefaults::default());
+        assert_eq!(generation_eos(&greedy), vec![3]);
+        assert_eq!(GenerationDefaults::read(&Value::Null), GenerationDefaults::default());
+    }
+
+    #[test]
+    fn named_chat_templates_use_the_default_one() {
+        let named =
+            json!({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
+        assert_eq!(config_template(&named).as_deref(), Some("D"));
+        assert_eq!(config_template(&json!({"chat_template": "S"})).as_deref(), Some("S"));
+        assert_eq!(config_template(&json!({})), None);
+    }
 }
