@@ -326,9 +326,32 @@ mod tests {
             real.iter().map(|s| (s.name.as_str(), s.task)).collect::<Vec<_>>(),
             vec![(SMOLLM2, Task::TextGeneration), (MINILM, Task::Embeddings)]
         );
-        assert_eq!(real[0].base.as_ref().unwrap().num_layers, 2, "the GGUF file's configuration");
+        assert_eq!(
+            real[0].base.as_ref().unwrap().num_layers,
+            2,
+            "the GGUF file's configuration"
+        );
         let catalog = Catalog::with_sources(&real);
         assert!(catalog.get(SMOLLM2).unwrap().takes_adapters);
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn a_catalogue_naming_a_bad_gguf_file_is_refused_at_start() {
+        let root = std::env::temp_dir().join(format!("lorry-catalog-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let good =
+            std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gguf/tiny-qwen2.gguf")).unwrap();
+        std::fs::write(root.join("cut.gguf"), &good[..good.len() / 2]).unwrap();
+        std::fs::write(root.join("models.json"), r#"{"@cf/x": "cut.gguf"}"#).unwrap();
+        let error = read_catalog_file(&root.join("models.json")).unwrap_err().to_string();
+        assert!(
+            error.contains("cut.gguf") && error.contains("past the end of the file"),
+            "{error}"
+        );
+        std::fs::write(root.join("models.json"), r#"{"@cf/x": "missing.gguf"}"#).unwrap();
+        let error = read_catalog_file(&root.join("models.json")).unwrap_err().to_string();
+        assert!(error.contains("missing.gguf"), "{error}");
         let _ = std::fs::remove_dir_all(root);
     }
 

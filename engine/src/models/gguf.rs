@@ -308,6 +308,7 @@ impl GgufFile {
             rms_norm_eps,
             rope_theta,
             rope_scaling,
+            rope_factors: self.rope_factors(head_dim)?,
             vocab_size,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.arch == Arch::Qwen2 || self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
@@ -329,12 +330,28 @@ impl GgufFile {
             Some("linear") if factor.is_none_or(|f| f == 1.0) => {}
             Some(other) => return Err(self.error(format!("rope scaling {other:?} ({prefix}.type) is not supported"))),
         }
-        if self.content.tensor_infos.contains_key("rope_freqs.weight") {
-            return Err(self.error(
-                "tensor rope_freqs.weight (Llama 3.1 rope scaling written as frequency factors) is not supported",
-            ));
-        }
         Ok(RopeScaling::None)
+    }
+
+    /// `rope_freqs.weight`: Llama 3.1's rope scaling as llama.cpp writes it,
+    /// one divisor per rotary frequency.
+    fn rope_factors(&self, head_dim: usize) -> Result<Option<Vec<f32>>> {
+        if !self.content.tensor_infos.contains_key("rope_freqs.weight") {
+            return Ok(None);
+        }
+        let factors = self
+            .tensor("rope_freqs.weight")?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        if factors.len() != head_dim / 2 || factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+            return Err(self.error(format!(
+                "tensor rope_freqs.weight: {} positive factors expected (head_dim / 2), found {}",
+                head_dim / 2,
+                factors.len()
+            )));
+        }
+        Ok(Some(factors))
     }
 
     /// The tensors a Llama-family model loads, under Hugging Face's names,
@@ -345,6 +362,9 @@ impl GgufFile {
         let mut reader = self.reader()?;
         let mut out = HashMap::new();
         for name in self.content.tensor_infos.keys() {
+            if name == "rope_freqs.weight" {
+                continue; // in the configuration
+            }
             let Some(hf) = hf_name(name) else {
                 return Err(self.error(format!("tensor {name} is not part of a {} model", self.arch.name())));
             };
@@ -497,6 +517,52 @@ mod tests {
         );
         assert_eq!(hf_name("rope_freqs.weight"), None);
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn llama_cpp_rope_factors_give_llama3_frequencies() {
+        let file: super::super::llama::LlamaConfigFile = serde_json::from_value(serde_json::json!({
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 10, "max_position_embeddings": 64, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        }))
+        .unwrap();
+        let llama3 = file.into_config().unwrap();
+        // What llama.cpp's converter writes as rope_freqs.weight.
+        let d = llama3.head_dim;
+        let factors: Vec<f32> = (0..d)
+            .step_by(2)
+            .map(|i| {
+                let freq = 1.0 / 500000f64.powf(i as f64 / d as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let (low, high) = (8192.0 / 1.0, 8192.0 / 4.0);
+                if wavelen < high {
+                    1.0
+                } else if wavelen > low {
+                    32.0
+                } else {
+                    let smooth = (8192.0 / wavelen - 1.0) / (4.0 - 1.0);
+                    (1.0 / ((1.0 - smooth) / 32.0 + smooth)) as f32
+                }
+            })
+            .collect();
+        assert!(
+            factors.iter().any(|&f| f > 1.0 && f < 32.0),
+            "some frequency is smoothed"
+        );
+        let from_gguf = Config {
+            rope_scaling: RopeScaling::None,
+            rope_factors: Some(factors),
+            ..llama3.clone()
+        };
+        let (want, got) = (
+            super::super::llama::inverse_frequencies(&llama3),
+            super::super::llama::inverse_frequencies(&from_gguf),
+        );
+        for (w, g) in want.iter().zip(&got) {
+            assert!((w - g).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
+        }
     }
 
     #[test]

@@ -139,6 +139,9 @@ pub struct Config {
     pub rope_theta: f64,
     #[allow(missing_docs)]
     pub rope_scaling: RopeScaling,
+    /// Llama 3.1's rope scaling as llama.cpp writes it: one divisor per
+    /// rotary frequency (a GGUF file's `rope_freqs.weight`).
+    pub rope_factors: Option<Vec<f32>>,
     #[allow(missing_docs)]
     pub vocab_size: usize,
     #[allow(missing_docs)]
@@ -235,6 +238,7 @@ impl LlamaConfigFile {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
+            rope_factors: None,
             vocab_size: self.vocab_size,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma),
             qkv_bias: qwen2 || self.attention_bias,
@@ -277,7 +281,14 @@ pub fn inverse_frequencies(cfg: &Config) -> Vec<f32> {
                 .collect()
         }
     };
-    scaled.into_iter().map(|f| f as f32).collect()
+    match &cfg.rope_factors {
+        Some(factors) => scaled
+            .into_iter()
+            .zip(factors)
+            .map(|(f, &divisor)| (f / divisor as f64) as f32)
+            .collect(),
+        None => scaled.into_iter().map(|f| f as f32).collect(),
+    }
 }
 
 /// Precomputed cos/sin tables for every position, `(positions, head_dim / 2)`.
