@@ -293,7 +293,7 @@ fn bert_weights(config: &Value) -> candle_core::Result<HashMap<String, Tensor>> 
 }
 
 /// GPT-2's byte-to-character table for byte-level BPE.
-fn bytes_to_unicode() -> Vec<char> {
+pub(crate) fn bytes_to_unicode() -> Vec<char> {
     let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
         .chain(0xA1..=0xAC)
         .chain(0xAE..=0xFF)

@@ -22,6 +22,8 @@ use crate::models::ModelError;
 
 /// Llama 3's split.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The `tokenizer.ggml.pre` names of Llama 3's tokenizer.
+const LLAMA3_NAMES: [&str; 4] = ["llama-bpe", "llama3", "llama-v3", "falcon3"];
 /// Qwen2's split: Llama 3's with digits one by one.
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -133,7 +135,14 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
             ))
         }
     };
-    let add_bos = file.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(spm);
+    let pre = match file.get("tokenizer.ggml.pre") {
+        Some(Value::String(p)) => p.clone(),
+        _ => "default".to_string(),
+    };
+    // Where the file does not say, llama.cpp adds BOS for SentencePiece and Llama 3 vocabularies.
+    let add_bos = file
+        .bool("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(spm || LLAMA3_NAMES.contains(&pre.as_str()));
     let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
     let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
     let added: Vec<Json> = tokens
@@ -158,10 +167,6 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
         sentencepiece(vocab, &tokens, &scores, unk.map(|u| tokens[u as usize].clone()), prefix)
     } else {
         let merges = strings(file, "tokenizer.ggml.merges")?;
-        let pre = match file.get("tokenizer.ggml.pre") {
-            Some(Value::String(p)) => p.clone(),
-            _ => "default".to_string(),
-        };
         byte_level(vocab, merges, &pre).map_err(|e| file_error(file, e))?
     };
     spec["added_tokens"] = Json::Array(added);
@@ -195,27 +200,36 @@ fn byte_level(vocab: serde_json::Map<String, Json>, merges: Vec<String>, pre: &s
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let (normalizer, pre_tokenizer, ignore_merges) = match pre {
         "default" | "gpt-2" | "gpt2" => (Json::Null, byte_level(true), false),
-        "smollm" => (
+        // llama.cpp splits these digits first too.
+        "smollm" | "starcoder" | "refact" => (
             Json::Null,
             json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
             false,
         ),
-        "llama-bpe" | "llama3" => (
+        // Llama 3's split; llama.cpp takes a word found whole in the
+        // vocabulary as it is (ignore_merges) for Llama 3's own names only.
+        name if LLAMA3_NAMES.contains(&name) => (
             Json::Null,
             json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
             true,
         ),
+        "smaug-bpe" | "dbrx" => (
+            Json::Null,
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
+            false,
+        ),
         // llama.cpp (and transformers' GGUF loader) split Qwen2's text
         // without the NFC normalisation its tokenizer.json adds.
-        "qwen2" => (
+        "qwen2" | "deepseek-r1-qwen" => (
             Json::Null,
             json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}),
             false,
         ),
         other => {
             return Err(format!(
-                "tokenizer.ggml.pre {other:?} is not supported (default, gpt-2, smollm, llama-bpe and qwen2 are)"
+                "tokenizer.ggml.pre {other:?} is not supported (default, gpt-2, smollm, starcoder, refact, \
+                 llama-bpe, llama3, smaug-bpe, falcon3, dbrx, qwen2 and deepseek-r1-qwen are)"
             ))
         }
     };
@@ -334,7 +348,62 @@ fn post_processor(tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Json
 
 #[cfg(test)]
 mod tests {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_core::{DType, Device, Tensor};
+
     use super::*;
+
+    /// A GGUF file holding only a byte-level vocabulary with `merges`, split as `pre` names.
+    fn byte_level_file(pre: &str, extra: &[&str], merges: &[&str]) -> GgufFile {
+        let mut tokens: Vec<String> = vec!["<|begin_of_text|>".into(), "<|end_of_text|>".into()];
+        tokens.extend(crate::fixtures::bytes_to_unicode().iter().map(|c| c.to_string()));
+        tokens.extend(extra.iter().map(|t| t.to_string()));
+        let types: Vec<Value> = (0..tokens.len())
+            .map(|i| Value::I32(if i < 2 { 3 } else { 1 }))
+            .collect();
+        let metadata = [
+            ("general.architecture", Value::String("llama".into())),
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String(pre.into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(tokens.into_iter().map(Value::String).collect()),
+            ),
+            ("tokenizer.ggml.token_type", Value::Array(types)),
+            (
+                "tokenizer.ggml.merges",
+                Value::Array(merges.iter().map(|m| Value::String(m.to_string())).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(0)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(1)),
+        ];
+        let embedding = QTensor::quantize(
+            &Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap(),
+            GgmlDType::F32,
+        )
+        .unwrap();
+        let path = std::env::temp_dir().join(format!("lorry-vocab-{pre}-{}.gguf", std::process::id()));
+        let mut out = std::fs::File::create(&path).unwrap();
+        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        gguf_file::write(&mut out, &metadata, &[("token_embd.weight", &embedding)]).unwrap();
+        GgufFile::open(&path).unwrap()
+    }
+
+    #[test]
+    fn llama3_vocabularies_split_digits_by_three_and_add_bos_unless_told() {
+        let merges = ["1 2", "3 4", "12 3"];
+        let (llama3, specials) = from_gguf(&byte_level_file("llama-bpe", &["12", "34", "123"], &merges)).unwrap();
+        let id = |t: &str| llama3.token_to_id(t).unwrap();
+        // "123" then "4": the split keeps "1234" from merging as 12|34.
+        assert_eq!(llama3.encode("1234", true).unwrap().get_ids(), [0, id("123"), id("4")]);
+        assert_eq!(specials.stop_ids, vec![1]);
+        let (gpt2, _) = from_gguf(&byte_level_file("gpt-2", &["12", "34", "123"], &merges)).unwrap();
+        assert_eq!(gpt2.encode("1234", true).unwrap().get_ids(), [id("12"), id("34")]);
+        assert!(from_gguf(&byte_level_file("unheard-of", &[], &[]))
+            .unwrap_err()
+            .to_string()
+            .contains("tokenizer.ggml.pre \"unheard-of\" is not supported"));
+    }
 
     #[test]
     fn merges_come_from_scores_best_first() {
