@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
 
 use super::llama::{Activation, Config, RopeScaling};
 use super::ModelError;
@@ -359,8 +361,20 @@ impl GgufFile {
     /// precision. `attn_q`/`attn_k` of the `llama` architecture are
     /// un-permuted; Gemma's norms are stored as offsets from 1 again.
     pub fn tensors(&self, config: &Config, device: &Device) -> Result<HashMap<String, Tensor>> {
+        let names = self.hf_names()?;
         let mut reader = self.reader()?;
         let mut out = HashMap::new();
+        for (hf, name) in names {
+            let t = self.read_hf(&mut reader, &name, config)?;
+            out.insert(hf, t.to_device(device)?);
+        }
+        Ok(out)
+    }
+
+    /// Hugging Face's name of every tensor a model loads, and the file's name
+    /// of each; a tensor of no known place is refused by name.
+    fn hf_names(&self) -> Result<HashMap<String, String>> {
+        let mut names = HashMap::new();
         for name in self.content.tensor_infos.keys() {
             if name == "rope_freqs.weight" {
                 continue; // in the configuration
@@ -368,19 +382,35 @@ impl GgufFile {
             let Some(hf) = hf_name(name) else {
                 return Err(self.error(format!("tensor {name} is not part of a {} model", self.arch.name())));
             };
-            let t = self.read_tensor(&mut reader, name)?;
-            let t = if self.arch == Arch::Llama && name.ends_with("attn_q.weight") {
-                unpermute(&t, config.num_heads)?
-            } else if self.arch == Arch::Llama && name.ends_with("attn_k.weight") {
-                unpermute(&t, config.num_kv_heads)?
-            } else if self.arch == Arch::Gemma && name.ends_with("norm.weight") {
-                (t.to_dtype(DType::F32)? - 1.0)?
-            } else {
-                t
-            };
-            out.insert(hf, t.to_device(device)?);
+            names.insert(hf, name.clone());
         }
-        Ok(out)
+        Ok(names)
+    }
+
+    /// One tensor, dequantized, with llama.cpp's changes undone.
+    fn read_hf(&self, reader: &mut BufReader<File>, name: &str, config: &Config) -> Result<Tensor> {
+        let t = self.read_tensor(reader, name)?;
+        Ok(if self.arch == Arch::Llama && name.ends_with("attn_q.weight") {
+            unpermute(&t, config.num_heads)?
+        } else if self.arch == Arch::Llama && name.ends_with("attn_k.weight") {
+            unpermute(&t, config.num_kv_heads)?
+        } else if self.arch == Arch::Gemma && name.ends_with("norm.weight") {
+            (t.to_dtype(DType::F32)? - 1.0)?
+        } else {
+            t
+        })
+    }
+
+    /// The model's tensors as a `VarBuilder` that reads each one when the
+    /// model asks for it: besides what is already packed, only the tensor at
+    /// hand is held dequantized.
+    pub fn var_builder<'a>(&'a self, config: &Config, device: &Device) -> Result<VarBuilder<'a>> {
+        let backend = Lazy {
+            file: self,
+            config: config.clone(),
+            names: self.hf_names()?,
+        };
+        Ok(VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone()))
     }
 
     fn reader(&self) -> Result<BufReader<File>> {
@@ -441,6 +471,52 @@ impl GgufFile {
             .map(|(t, n)| format!("{t}×{n}"))
             .collect::<Vec<_>>()
             .join(" ")
+    }
+}
+
+/// [`GgufFile::var_builder`]'s backend.
+struct Lazy<'a> {
+    file: &'a GgufFile,
+    config: Config,
+    /// Hugging Face's names to the file's.
+    names: HashMap<String, String>,
+}
+
+impl SimpleBackend for Lazy<'_> {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, dtype, device)?;
+        if t.shape() != &shape {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: shape,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+        let Some(file_name) = self.names.get(name) else {
+            return Err(candle_core::Error::CannotFindTensor { path: name.to_string() }.bt());
+        };
+        let mut reader = self.file.reader().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let t = self
+            .file
+            .read_hf(&mut reader, file_name, &self.config)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        t.to_dtype(dtype)?.to_device(device)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.names.contains_key(name)
     }
 }
 

@@ -873,13 +873,12 @@ impl Llama {
         Llama::load(vb, &cfg, dtype)
     }
 
-    /// Load a GGUF file: its tensors dequantized (f32, or the file's own
-    /// f16/bf16 where every projection is half precision).
+    /// Load a GGUF file: its tensors dequantized one at a time as the layers
+    /// ask for them (f32, or the file's own f16/bf16 where every projection
+    /// is half precision).
     pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device) -> Result<Self> {
         let cfg = file.config()?;
-        let tensors = file.tensors(&cfg, device)?;
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
-        Llama::load(vb, &cfg, file.projection_dtype())
+        Llama::load(file.var_builder(&cfg, device)?, &cfg, file.projection_dtype())
     }
 
     /// The configuration of a checkpoint (a GGUF file or a Hugging Face
