@@ -152,7 +152,7 @@ fn print_table(runs: &[PipelineRun]) {
 /// `lorry bench engine`: what to measure.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineBenchArgs {
-    /// A Llama-family checkpoint; the `bench` fixture, written to a temporary directory, when absent.
+    /// A Llama-family checkpoint (a Hugging Face directory or a GGUF file); the `bench` fixture, written to a temporary directory, when absent.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Weight precisions to write the `bench` fixture in and decode with (without `--model`).
