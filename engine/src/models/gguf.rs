@@ -152,8 +152,20 @@ impl GgufFile {
             }
         };
         for (name, info) in &file.content.tensor_infos {
-            let bytes = (info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64;
-            let end = file.content.tensor_data_offset + info.offset + bytes;
+            // Checked: the dimensions and offsets are the file's word.
+            let elements = info.shape.dims().iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+            let end = elements
+                .filter(|n| n % info.ggml_dtype.block_size() as u64 == 0)
+                .and_then(|n| (n / info.ggml_dtype.block_size() as u64).checked_mul(info.ggml_dtype.type_size() as u64))
+                .and_then(|bytes| bytes.checked_add(info.offset))
+                .and_then(|end| end.checked_add(file.content.tensor_data_offset));
+            let Some(end) = end else {
+                return Err(file.error(format!(
+                    "tensor {name}: shape {:?} does not fit {} blocks",
+                    info.shape.dims(),
+                    type_name(info.ggml_dtype)
+                )));
+            };
             if end > len {
                 return Err(file.error(format!(
                     "tensor {name} ends at byte {end}, past the end of the file ({len} bytes): truncated?"
@@ -287,7 +299,13 @@ impl GgufFile {
             None => return Err(self.error("embedding_length does not divide into head_count")),
         };
         let vocab_size = match self.content.tensor_infos.get("token_embd.weight") {
-            Some(info) => info.shape.dims()[0],
+            Some(info) if info.shape.rank() == 2 => info.shape.dims()[0],
+            Some(info) => {
+                return Err(self.error(format!(
+                    "tensor token_embd.weight has shape {:?}; (vocabulary, embedding) expected",
+                    info.shape.dims()
+                )))
+            }
             None => return Err(self.error("tensor token_embd.weight is missing")),
         };
         let prefix = self.arch.name();
