@@ -40,6 +40,37 @@ fn llama3_rope_reads_the_same_from_rope_scaling_and_rope_parameters() {
 }
 
 #[test]
+fn linear_rope_scaling_divides_every_frequency_as_transformers_does() {
+    use lorry_engine::models::llama::inverse_frequencies;
+    let config = |scaling: serde_json::Value| {
+        let file: LlamaConfigFile = serde_json::from_value(serde_json::json!({
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "rms_norm_eps": 1e-5, "vocab_size": 10, "max_position_embeddings": 128, "rope_scaling": scaling
+        }))
+        .unwrap();
+        file.into_config()
+    };
+    let plain = config(serde_json::Value::Null).unwrap();
+    let linear = config(serde_json::json!({"type": "linear", "factor": 4.0})).unwrap();
+    assert!(matches!(linear.rope_scaling, RopeScaling::Linear { factor } if factor == 4.0));
+    // transformers: `inv_freq /= factor`.
+    let want: Vec<f32> = inverse_frequencies(&plain)
+        .iter()
+        .map(|f| (*f as f64 / 4.0) as f32)
+        .collect();
+    let got = inverse_frequencies(&linear);
+    assert!(
+        got.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 1e-7 * w.abs()),
+        "{got:?} vs {want:?}"
+    );
+    assert!(config(serde_json::json!({"type": "linear"})).is_err());
+    assert!(config(serde_json::json!({"type": "yarn", "factor": 4.0}))
+        .unwrap_err()
+        .to_string()
+        .contains("yarn"));
+}
+
+#[test]
 fn a_missing_tensor_is_an_error_that_names_it() {
     let dir = fixture("tiny-llama", "missing");
     let path = dir.join("model.safetensors");

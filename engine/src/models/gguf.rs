@@ -345,12 +345,14 @@ impl GgufFile {
             Some(_) => return Err(self.error(format!("metadata {prefix}.type is not a string"))),
         };
         let factor = self.float(&format!("{prefix}.factor"))?;
-        match kind.as_deref() {
-            None | Some("none") => {}
-            Some("linear") if factor.is_none_or(|f| f == 1.0) => {}
-            Some(other) => return Err(self.error(format!("rope scaling {other:?} ({prefix}.type) is not supported"))),
+        match (kind.as_deref(), factor) {
+            (None | Some("none"), _) | (Some("linear"), None) => Ok(RopeScaling::None),
+            (Some("linear"), Some(f)) if f == 1.0 => Ok(RopeScaling::None),
+            (Some("linear"), Some(factor)) if factor > 0.0 => Ok(RopeScaling::Linear { factor }),
+            (Some(other), _) => Err(self.error(format!(
+                "rope scaling {other:?} ({prefix}.type, factor {factor:?}) is not supported"
+            ))),
         }
-        Ok(RopeScaling::None)
     }
 
     /// `rope_freqs.weight`: Llama 3.1's rope scaling as llama.cpp writes it,

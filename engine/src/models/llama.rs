@@ -90,6 +90,11 @@ pub struct LlamaConfigFile {
 pub enum RopeScaling {
     /// Plain RoPE.
     None,
+    /// Positions divided by `factor` (every frequency divided by it).
+    Linear {
+        /// Scale factor.
+        factor: f64,
+    },
     /// Llama 3.1's frequency-dependent scaling.
     Llama3 {
         /// Scale factor.
@@ -208,6 +213,10 @@ impl LlamaConfigFile {
                 high_freq_factor: r.high_freq_factor.unwrap_or(4.0),
                 original_max_position_embeddings: r.original_max_position_embeddings.unwrap_or(8192),
             },
+            Some(r) if r.rope_type.as_deref() == Some("linear") => match r.factor {
+                Some(factor) if factor > 0.0 => RopeScaling::Linear { factor },
+                _ => return Err(ModelError::Config("linear rope scaling needs a positive factor".into())),
+            },
             Some(r) if matches!(r.rope_type.as_deref(), None | Some("default")) => RopeScaling::None,
             Some(r) => {
                 return Err(ModelError::Config(format!(
@@ -257,6 +266,7 @@ pub fn inverse_frequencies(cfg: &Config) -> Vec<f32> {
         .collect();
     let scaled = match cfg.rope_scaling {
         RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
