@@ -347,7 +347,7 @@ impl GgufFile {
         let factor = self.float(&format!("{prefix}.factor"))?;
         match (kind.as_deref(), factor) {
             (None | Some("none"), _) | (Some("linear"), None) => Ok(RopeScaling::None),
-            (Some("linear"), Some(f)) if f == 1.0 => Ok(RopeScaling::None),
+            (Some("linear"), Some(1.0)) => Ok(RopeScaling::None),
             (Some("linear"), Some(factor)) if factor > 0.0 => Ok(RopeScaling::Linear { factor }),
             (Some(other), _) => Err(self.error(format!(
                 "rope scaling {other:?} ({prefix}.type, factor {factor:?}) is not supported"
