@@ -1,15 +1,13 @@
-//! The `lorry` binary's library: settings, start-up and the benchmarks.
+//! The `lorry` binary's library: settings, start-up and the offline modes
+//! (the benchmarks are the `lorry-bench` crate).
 //!
 //! Start-up follows zero-to-production: [`Application::build`] connects,
 //! migrates and binds; [`Application::port`] tells where it listens;
 //! [`Application::run_until_stopped`] serves until SIGTERM, Ctrl-C or
 //! [`Application::stopper`] says stop, then drains.
 
-pub mod bench;
-pub mod isolation;
 pub mod offline;
 pub mod settings;
-pub mod speedups;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

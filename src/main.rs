@@ -1,10 +1,8 @@
 //! `lorry`: the batch inference service's one binary.
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use lorry::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
-use lorry::isolation::{self, IsolationArgs};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
-use lorry::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
 use tracing_subscriber::EnvFilter;
@@ -44,25 +42,29 @@ enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
-    /// Benchmarks.
-    #[command(subcommand)]
-    Bench(Bench),
+    /// Benchmarks: runs `lorry-bench` (built beside this binary by
+    /// `cargo build --release -p lorry-bench`) with the same arguments.
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// `pipeline`, `engine`, `lora`, `isolation`, `speculative` or `prefix`, and their flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
-#[derive(Subcommand)]
-enum Bench {
-    /// One large batch on the echo model against a running stack.
-    Pipeline(PipelineArgs),
-    /// Decode rates of the engine on the `bench` model against the machine's rooflines.
-    Engine(EngineBenchArgs),
-    /// Decode rates with LoRA adapters: none, one shared, many mixed, group by group.
-    Lora(LoraBenchArgs),
-    /// Real-time latency against a running stack, idle and while a large batch drains.
-    Isolation(IsolationArgs),
-    /// Tokens/s with speculative decoding (prompt lookup, draft models) against without.
-    Speculative(SpeculativeBenchArgs),
-    /// Pre-fill and batch time with the prefix cache against without.
-    Prefix(PrefixBenchArgs),
+/// Replace this process with the `lorry-bench` binary beside it.
+fn forward_to_bench(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let bench = exe.with_file_name("lorry-bench");
+    if !bench.exists() {
+        anyhow::bail!(
+            "{} is not built: the benchmarks are their own binary (cargo build --release -p lorry-bench)",
+            bench.display()
+        );
+    }
+    use std::os::unix::process::CommandExt as _;
+    let error = std::process::Command::new(&bench).args(args).exec();
+    Err(error).with_context(|| format!("running {}", bench.display()))
 }
 
 #[tokio::main]
@@ -97,30 +99,7 @@ async fn main() -> anyhow::Result<()> {
             fixtures::write_as(fixture, &dir, dtype)?;
             return Ok(());
         }
-        Command::Bench(Bench::Pipeline(args)) => {
-            bench::pipeline(&args).await?;
-            return Ok(());
-        }
-        Command::Bench(Bench::Engine(args)) => {
-            bench::engine(&args).await?;
-            return Ok(());
-        }
-        Command::Bench(Bench::Lora(args)) => {
-            bench::lora(&args).await?;
-            return Ok(());
-        }
-        Command::Bench(Bench::Isolation(args)) => {
-            isolation::isolation(&args).await?;
-            return Ok(());
-        }
-        Command::Bench(Bench::Speculative(args)) => {
-            speedups::speculative(&args).await?;
-            return Ok(());
-        }
-        Command::Bench(Bench::Prefix(args)) => {
-            speedups::prefix(&args).await?;
-            return Ok(());
-        }
+        Command::Bench { args } => return forward_to_bench(args),
     };
     let app = Application::build(settings, role).await?;
     if let Some(port) = app.port() {

@@ -908,7 +908,7 @@ async fn cold_loads(
     use lorry_batcher::objects::{adapter_key, ObjectStore, ObjectStoreConfig};
     use lorry_batcher::store::AdapterRecord;
 
-    let settings = crate::Settings::from_env()?;
+    let settings = lorry::Settings::from_env()?;
     let objects = ObjectStore::new(&ObjectStoreConfig {
         endpoint: settings.s3_endpoint.clone(),
         bucket: format!("lorry-bench-{}", std::process::id()),

@@ -1,0 +1,40 @@
+//! `lorry-bench`: the benchmarks' binary (`lorry bench …` forwards here).
+
+use clap::Parser;
+use lorry_bench::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
+use lorry_bench::isolation::{self, IsolationArgs};
+use lorry_bench::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "lorry-bench", version, about = "Lorry's benchmarks; each prints a table")]
+enum Bench {
+    /// One large batch on the echo model against a running stack.
+    Pipeline(PipelineArgs),
+    /// Decode rates of the engine on the `bench` model (or `--model`) against the machine's rooflines.
+    Engine(EngineBenchArgs),
+    /// Decode rates with LoRA adapters: none, one shared, many mixed, group by group.
+    Lora(LoraBenchArgs),
+    /// Real-time latency against a running stack, idle and while a large batch drains.
+    Isolation(IsolationArgs),
+    /// Tokens/s with speculative decoding (prompt lookup, draft models) against without.
+    Speculative(SpeculativeBenchArgs),
+    /// Pre-fill and batch time with the prefix cache against without.
+    Prefix(PrefixBenchArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    match Bench::parse() {
+        Bench::Pipeline(args) => bench::pipeline(&args).await.map(drop),
+        Bench::Engine(args) => bench::engine(&args).await,
+        Bench::Lora(args) => bench::lora(&args).await,
+        Bench::Isolation(args) => isolation::isolation(&args).await,
+        Bench::Speculative(args) => speedups::speculative(&args).await,
+        Bench::Prefix(args) => speedups::prefix(&args).await,
+    }
+}
