@@ -9,7 +9,9 @@ use base64::Engine as _;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::common::{spawn_app, TestApp, TOKEN};
+use lorry::Role;
+
+use crate::common::{spawn_app, spawn_app_with, TestApp, TOKEN};
 
 const LLAMA: &str = "@lorry/demo-llama";
 const BGE: &str = "@lorry/demo-bge";
@@ -221,14 +223,35 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
     app.stop().await;
 }
 
+/// A catalogue serving tiny-llama with a context of 40,000 tokens, so that a
+/// request may ask for [`MAX_TOKENS_LIMIT`] tokens: a generation that takes
+/// seconds however fast the engine is.
+fn long_context_catalogue() -> std::path::PathBuf {
+    use lorry_engine::fixtures::{self, Fixture};
+    let dir = std::env::temp_dir().join(format!("lorry-e2e-long-context-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    fixtures::write(Fixture::TinyLlama, &dir.join("long")).unwrap();
+    let config_path = dir.join("long/config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["max_position_embeddings"] = json!(40_000);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let file = dir.join("models.json");
+    std::fs::write(&file, json!({LONG: "long"}).to_string()).unwrap();
+    file
+}
+
+const LONG: &str = "@cf/lorry/long-context";
+const MAX_TOKENS_LIMIT: u64 = lorry_engine::input::MAX_TOKENS_LIMIT as u64;
+
 #[tokio::test]
 async fn a_streaming_client_that_goes_away_frees_its_sequence() {
-    let app = spawn_app().await;
+    let catalogue = long_context_catalogue();
+    let app = spawn_app_with(Role::Serve, |s| s.models = Some(catalogue)).await;
     let engine = app
         .backends
         .iter()
-        .find(|b| b.model() == LLAMA)
-        .expect("the demo model runs here")
+        .find(|b| b.model() == LONG)
+        .expect("the catalogue's model runs here")
         .clone();
     let counters = engine.counters().expect("the text engine keeps counters");
     let before = counters.cancelled.load(Ordering::Relaxed);
@@ -238,8 +261,8 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         .post(app.url("/v1/chat/completions"))
         .bearer_auth(TOKEN)
         .json(
-            &json!({"model": LLAMA, "messages": [{"role": "user", "content": "go on"}],
-                      "max_tokens": 480, "ignore_eos": true, "stream": true}),
+            &json!({"model": LONG, "messages": [{"role": "user", "content": "go on"}],
+                      "max_tokens": MAX_TOKENS_LIMIT, "ignore_eos": true, "stream": true}),
         )
         .send()
         .await
@@ -261,12 +284,15 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let generated = counters.generated_tokens.load(Ordering::Relaxed) - generated_before;
-    assert!(generated < 480, "the sequence ran to the end: {generated} tokens");
+    assert!(
+        generated < MAX_TOKENS_LIMIT,
+        "the sequence ran to the end: {generated} tokens"
+    );
     // The engine serves the next request.
     let next: Value = app
         .post(
             "/v1/chat/completions",
-            &json!({"model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+            &json!({"model": LONG, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
         )
         .await
         .json()
