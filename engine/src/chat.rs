@@ -26,10 +26,6 @@ pub struct TextModel {
     template: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
-    /// The beginning-of-sequence id that raw prompts start with, where the
-    /// tokenizer's configuration asks for it and its post-processor does not
-    /// already add it.
-    prepend_bos: Option<u32>,
     /// Tokens that end generation: the end-of-sequence token, every
     /// `eos_token_id` of `generation_config.json`, end-of-turn tokens.
     stop_ids: Vec<u32>,
@@ -141,7 +137,6 @@ impl TextModel {
             template,
             bos_token: specials.bos_token,
             eos_token: specials.eos_token,
-            prepend_bos: None,
             stop_ids: specials.stop_ids,
             defaults: GenerationDefaults::default(),
         })
@@ -175,18 +170,6 @@ impl TextModel {
                 stop_ids.push(id);
             }
         }
-        // transformers' fast tokenizers add the BOS token to raw text where
-        // `add_bos_token` says so, whatever tokenizer.json's post-processor does.
-        let bos_id = tokenizer.token_to_id(&bos_token);
-        let prepend_bos = match (config["add_bos_token"].as_bool(), bos_id) {
-            (Some(true), Some(bos)) => {
-                let probe = tokenizer
-                    .encode("a", true)
-                    .map_err(|e| config_error("tokenizer.json", e))?;
-                (probe.get_ids().first() != Some(&bos)).then_some(bos)
-            }
-            _ => None,
-        };
         let defaults = GenerationDefaults::read(&generation);
         Ok(TextModel {
             model,
@@ -194,7 +177,6 @@ impl TextModel {
             template,
             bos_token,
             eos_token,
-            prepend_bos,
             stop_ids,
             defaults,
         })
@@ -233,11 +215,7 @@ impl TextModel {
             .tokenizer
             .encode(text, true)
             .map_err(|e| config_error("tokenizing", e))?;
-        let mut ids = encoding.get_ids().to_vec();
-        if let Some(bos) = self.prepend_bos {
-            ids.insert(0, bos);
-        }
-        Ok(ids)
+        Ok(encoding.get_ids().to_vec())
     }
 
     /// The text the model sees: the prompt as is when `raw` (or when there is
