@@ -169,8 +169,8 @@ async fn an_adapter_that_cannot_fit_is_refused_and_a_missing_file_fails_the_load
 }
 
 /// Requests for `record` arriving every 10 ms, each holding its lease for
-/// 300 ms, until `stop`: a busy adapter that always has some in use (a gap
-/// would need the arrivals to stall for 300 ms).
+/// 300 ms, until `stop`: a busy adapter that nearly always has some in use,
+/// each request finishing on its own, as real ones do.
 fn traffic(
     cache: AdapterCache,
     record: AdapterRecord,
@@ -192,7 +192,36 @@ fn traffic(
     })
 }
 
-async fn contended(cycle: Duration, watch: Duration) -> (bool, AdapterStats) {
+/// Requests for `record` one after another, each taking its lease before the
+/// one before lets go: the adapter is never idle, however the machine
+/// schedules this task (no cycle may hold these requests back: each waits for
+/// the next lease while holding one).
+fn overlapping(
+    cache: AdapterCache,
+    record: AdapterRecord,
+    base: Config,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut held = cache.acquire(&record, &base).await.unwrap();
+        while !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let next = cache.acquire(&record, &base).await.unwrap();
+            drop(std::mem::replace(&mut held, next));
+        }
+    })
+}
+
+/// How the busy adapter's requests come.
+#[derive(Clone, Copy)]
+enum Load {
+    /// [`overlapping`].
+    Overlapping,
+    /// [`traffic`].
+    Arrivals,
+}
+
+async fn contended(cycle: Duration, watch: Duration, kind: Load) -> (bool, AdapterStats) {
     let base = base();
     let objects = objects().await;
     // The same files under two ids: each needs the whole budget.
@@ -207,7 +236,10 @@ async fn contended(cycle: Duration, watch: Duration) -> (bool, AdapterStats) {
     );
     drop(cache.acquire(&busy, &base).await.unwrap());
     let stop = Arc::new(AtomicBool::new(false));
-    let load = traffic(cache.clone(), busy.clone(), base.clone(), Arc::clone(&stop));
+    let load = match kind {
+        Load::Overlapping => overlapping(cache.clone(), busy.clone(), base.clone(), Arc::clone(&stop)),
+        Load::Arrivals => traffic(cache.clone(), busy.clone(), base.clone(), Arc::clone(&stop)),
+    };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got_in = tokio::time::timeout(watch, cache.acquire(&waiting, &base))
         .await
@@ -221,13 +253,18 @@ async fn contended(cycle: Duration, watch: Duration) -> (bool, AdapterStats) {
 #[tokio::test]
 async fn a_busy_adapter_keeps_another_out_only_for_a_cycle() {
     // Without a cycle to speak of, the busy adapter is never idle: the other waits all along.
-    let (got_in, stats) = contended(Duration::from_secs(3600), Duration::from_millis(1500)).await;
+    let (got_in, stats) = contended(
+        Duration::from_secs(3600),
+        Duration::from_millis(1500),
+        Load::Overlapping,
+    )
+    .await;
     assert!(!got_in, "{stats:?}");
     assert!(stats.waits >= 1);
     // With a cycle, new requests for the busy adapter are held back once the
     // other has waited that long; those in use finish and it gets in. (The
     // limit only keeps a broken cache from hanging the test.)
-    let (got_in, stats) = contended(Duration::from_millis(200), Duration::from_secs(30)).await;
+    let (got_in, stats) = contended(Duration::from_millis(200), Duration::from_secs(30), Load::Arrivals).await;
     assert!(got_in, "{stats:?}");
     assert!(stats.evictions >= 1, "{stats:?}");
 }
