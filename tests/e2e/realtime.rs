@@ -77,7 +77,7 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
             }
         }
         assert!(
-            started.elapsed() < Duration::from_secs(4),
+            started.elapsed() < Duration::from_secs(30),
             "the two requests never reached the lane"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
