@@ -37,6 +37,15 @@ use tokio_util::sync::CancellationToken;
 
 pub use settings::{Secret, Settings};
 
+/// Logs to stderr, filtered by `LORRY_LOG` (`tracing` syntax; `info` by default).
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Which parts of Lorry a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {

@@ -5,7 +5,6 @@ use clap::{Parser, Subcommand};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
-use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
 #[command(
@@ -69,10 +68,7 @@ fn forward_to_bench(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .init();
+    lorry::init_logging();
     let cli = Cli::parse();
     let (settings, role) = match cli.command {
         Command::Serve(s) => (s, Role::Serve),

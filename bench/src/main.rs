@@ -4,7 +4,6 @@ use clap::Parser;
 use lorry_bench::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
 use lorry_bench::isolation::{self, IsolationArgs};
 use lorry_bench::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
-use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
 #[command(name = "lorry-bench", version, about = "Lorry's benchmarks; each prints a table")]
@@ -25,10 +24,7 @@ enum Bench {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .init();
+    lorry::init_logging();
     match Bench::parse() {
         Bench::Pipeline(args) => bench::pipeline(&args).await.map(drop),
         Bench::Engine(args) => bench::engine(&args).await,
