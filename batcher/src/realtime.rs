@@ -127,10 +127,7 @@ pub async fn forward(
     let mut pending = std::collections::VecDeque::new();
     loop {
         let event = tokio::select! {
-            _ = cancel.cancelled() => {
-                tracing::debug!(correlation = reply.correlation, "real-time request cancelled by its client");
-                return Ok(());
-            }
+            _ = cancel.cancelled() => return cancelled(reply),
             event = events.recv() => event,
         };
         let Some(event) = event else { break };
@@ -139,10 +136,17 @@ pub async fn forward(
             Event::Finished(output) => Reply::Done { output },
             Event::Failed(e) => Reply::engine_error(&e),
         };
-        // Tokens go out back to back; their confirms are checked with the last reply's.
+        // Tokens go out back to back; their confirms are checked with the
+        // last reply's. A client that hangs up while a confirm is awaited
+        // (the broker may be slow to confirm under load) ends the wait:
+        // nobody reads the rest.
         pending.push_back(reply.send_pipelined(&message).await?);
         if pending.len() > MAX_UNCONFIRMED {
-            pending.pop_front().expect("not empty").wait().await?;
+            let confirm = pending.pop_front().expect("not empty");
+            tokio::select! {
+                _ = cancel.cancelled() => return cancelled(reply),
+                confirmed = confirm.wait() => confirmed?,
+            }
         }
         if message.is_last() {
             for confirm in pending {
@@ -152,6 +156,15 @@ pub async fn forward(
         }
     }
     reply.send(&Reply::error("engine_stopped", "the engine stopped")).await
+}
+
+/// What [`forward`] returns once its client has hung up: nothing more to send.
+fn cancelled(reply: &ReplyTo<'_>) -> Result<(), BatcherError> {
+    tracing::debug!(
+        correlation = reply.correlation,
+        "real-time request cancelled by its client"
+    );
+    Ok(())
 }
 
 /// How many cancelled requests a worker remembers, for cancellations that
