@@ -205,6 +205,7 @@ fn overlapping(
     tokio::spawn(async move {
         let mut held = cache.acquire(&record, &base).await.unwrap();
         while !stop.load(Ordering::Relaxed) {
+            // Pacing only: the overlap, not the timing, keeps the adapter in use.
             tokio::time::sleep(Duration::from_millis(10)).await;
             let next = cache.acquire(&record, &base).await.unwrap();
             drop(std::mem::replace(&mut held, next));

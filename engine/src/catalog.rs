@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use crate::fixtures::{self, Fixture};
 use crate::input::{InputError, ValidRequest};
-use crate::models::llama::{Config, LlamaConfigFile};
+use crate::models::llama::{Config, Llama};
 use crate::models::ModelError;
 
 /// The built-in deterministic model used to test and benchmark the pipeline.
@@ -138,18 +138,15 @@ pub struct ModelSource {
 
 impl ModelSource {
     fn new(name: &str, dir: PathBuf) -> Result<Self, ModelError> {
-        let (task, base) = if crate::models::gguf::is_gguf(&dir) {
-            let file = crate::models::gguf::GgufFile::open(&dir)?;
-            (Task::TextGeneration, Some(Arc::new(file.config()?)))
+        // A GGUF file holds a text-generation model; a directory says what it holds.
+        let task = if crate::models::gguf::is_gguf(&dir) {
+            Task::TextGeneration
         } else {
-            let task = task_of(&dir)?;
-            let base = match task {
-                Task::TextGeneration => Some(Arc::new(
-                    crate::models::read_config::<LlamaConfigFile>(&dir)?.into_config()?,
-                )),
-                Task::Echo | Task::Embeddings => None,
-            };
-            (task, base)
+            task_of(&dir)?
+        };
+        let base = match task {
+            Task::TextGeneration => Some(Arc::new(Llama::config_of(&dir)?)),
+            Task::Echo | Task::Embeddings => None,
         };
         Ok(ModelSource {
             name: name.to_string(),

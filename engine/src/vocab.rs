@@ -52,10 +52,7 @@ fn strings(file: &GgufFile, key: &str) -> Result<Vec<String>, ModelError> {
         .iter()
         .map(|v| match v {
             Value::String(s) => Ok(s.clone()),
-            _ => Err(ModelError::Gguf(format!(
-                "{}: {key} holds a non-string",
-                file.path().display()
-            ))),
+            _ => Err(file.error(format!("{key} holds a non-string"))),
         })
         .collect()
 }
@@ -74,27 +71,21 @@ fn numbers(file: &GgufFile, key: &str) -> Result<Option<Vec<f64>>, ModelError> {
             Value::I8(x) => Ok(*x as f64),
             Value::U8(x) => Ok(*x as f64),
             Value::I64(x) => Ok(*x as f64),
-            _ => Err(ModelError::Gguf(format!(
-                "{}: {key} holds a non-number",
-                file.path().display()
-            ))),
+            _ => Err(file.error(format!("{key} holds a non-number"))),
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
 }
 
 fn missing(file: &GgufFile, key: &str) -> ModelError {
-    ModelError::Gguf(format!(
-        "{}: metadata {key} is missing (the tokenizer is built from it)",
-        file.path().display()
-    ))
+    file.error(format!("metadata {key} is missing (the tokenizer is built from it)"))
 }
 
 /// The tokenizer and special tokens of a GGUF file.
 pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
     let model = match file.get("tokenizer.ggml.model") {
         Some(Value::String(m)) => m.clone(),
-        Some(_) => return Err(file_error(file, "metadata tokenizer.ggml.model is not a string")),
+        Some(_) => return Err(file.error("metadata tokenizer.ggml.model is not a string")),
         None => return Err(missing(file, "tokenizer.ggml.model")),
     };
     let tokens = strings(file, "tokenizer.ggml.tokens")?;
@@ -102,15 +93,12 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
         .map(|t| t.into_iter().map(|x| x as i64).collect())
         .unwrap_or_else(|| vec![1; tokens.len()]);
     if types.len() != tokens.len() {
-        return Err(file_error(
-            file,
-            "tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length",
-        ));
+        return Err(file.error("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length"));
     }
     let id = |key: &str| -> Result<Option<u32>, ModelError> {
         match file.uint(key)? {
             Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
-            Some(id) => Err(file_error(file, format!("{key} = {id} is outside the vocabulary"))),
+            Some(id) => Err(file.error(format!("{key} = {id} is outside the vocabulary"))),
             None => Ok(None),
         }
     };
@@ -129,10 +117,9 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
         "gpt2" => false,
         "llama" => true,
         other => {
-            return Err(file_error(
-                file,
-                format!("tokenizer.ggml.model {other:?} is not supported (gpt2 and llama are)"),
-            ))
+            return Err(file.error(format!(
+                "tokenizer.ggml.model {other:?} is not supported (gpt2 and llama are)"
+            )))
         }
     };
     let pre = match file.get("tokenizer.ggml.pre") {
@@ -158,16 +145,13 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
     let mut spec = if spm {
         let scores = numbers(file, "tokenizer.ggml.scores")?.ok_or_else(|| missing(file, "tokenizer.ggml.scores"))?;
         if scores.len() != tokens.len() {
-            return Err(file_error(
-                file,
-                "tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length",
-            ));
+            return Err(file.error("tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length"));
         }
         let prefix = file.bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
         sentencepiece(vocab, &tokens, &scores, unk.map(|u| tokens[u as usize].clone()), prefix)
     } else {
         let merges = strings(file, "tokenizer.ggml.merges")?;
-        byte_level(vocab, merges, &pre).map_err(|e| file_error(file, e))?
+        byte_level(vocab, merges, &pre).map_err(|e| file.error(e))?
     };
     spec["added_tokens"] = Json::Array(added);
     spec["post_processor"] = post_processor(
@@ -178,7 +162,7 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
     let tokenizer: Tokenizer = spec
         .to_string()
         .parse()
-        .map_err(|e| file_error(file, format!("building the tokenizer: {e}")))?;
+        .map_err(|e| file.error(format!("building the tokenizer: {e}")))?;
     let text = |id: Option<u32>| id.map(|i| tokens[i as usize].clone()).unwrap_or_default();
     Ok((
         tokenizer,
@@ -188,10 +172,6 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
             stop_ids,
         },
     ))
-}
-
-fn file_error(file: &GgufFile, what: impl std::fmt::Display) -> ModelError {
-    ModelError::Gguf(format!("{}: {what}", file.path().display()))
 }
 
 /// Byte-level BPE with the split `pre` names.

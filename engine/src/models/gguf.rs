@@ -181,17 +181,8 @@ impl GgufFile {
         Ok(file)
     }
 
-    /// The architecture.
-    pub fn arch(&self) -> Arch {
-        self.arch
-    }
-
-    /// The file's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn error(&self, what: impl std::fmt::Display) -> ModelError {
+    /// An error about this file: its path, then `what`.
+    pub(crate) fn error(&self, what: impl std::fmt::Display) -> ModelError {
         ModelError::Gguf(format!("{}: {what}", self.path.display()))
     }
 
@@ -266,19 +257,6 @@ impl GgufFile {
         let full = format!("{}.{key}", self.arch.name());
         self.arch_uint(key)?
             .ok_or_else(|| self.error(format!("metadata {full} is missing")))
-    }
-
-    /// The type of a tensor, if the file has it.
-    pub fn tensor_type(&self, name: &str) -> Option<GgmlDType> {
-        self.content.tensor_infos.get(name).map(|i| i.ggml_dtype)
-    }
-
-    /// Every tensor's name and type.
-    pub fn tensor_types(&self) -> impl Iterator<Item = (&str, GgmlDType)> {
-        self.content
-            .tensor_infos
-            .iter()
-            .map(|(n, i)| (n.as_str(), i.ggml_dtype))
     }
 
     /// The model's configuration, from the metadata (and the embedding's
