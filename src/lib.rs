@@ -106,8 +106,14 @@ impl Application {
         });
         objects.ensure_bucket().await.context("reaching the S3 bucket")?;
         let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
-        let sources = settings.model_sources()?;
-        let catalog = Catalog::with_sources(&sources);
+        // Only a worker reads (or writes) model files; the API needs the manifests alone.
+        let (sources, catalog) = if role.has_worker() {
+            let sources = settings.model_sources()?;
+            let catalog = Catalog::with_models(sources.iter().map(ModelSource::spec));
+            (sources, catalog)
+        } else {
+            (Vec::new(), Catalog::with_models(settings.model_specs()?))
+        };
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let relay = RelayConfig {
@@ -140,28 +146,7 @@ impl Application {
             backends,
         };
         if role.has_api() {
-            let state = AppState {
-                store,
-                objects,
-                realtime: RealtimeClient::new(
-                    &settings.amqp_url,
-                    topology.clone(),
-                    catalog.names(),
-                    settings.rt_max_depth,
-                ),
-                catalog: Arc::new(catalog),
-                config: Arc::new(ApiConfig {
-                    topology,
-                    chunk_size: settings.chunk_size,
-                    max_requests: settings.max_batch_requests,
-                    max_body_bytes: settings.max_body_bytes,
-                    max_file_bytes: settings.max_file_bytes,
-                    allow_private_webhooks: settings.webhook_allow_private,
-                    realtime_timeout: settings.rt_timeout(),
-                    output_url_ttl: Duration::from_secs(3600),
-                    adapter_limits: settings.adapter_limits(),
-                }),
-            };
+            let state = api_state(&settings, store, objects, topology, catalog);
             let listener = TcpListener::bind(&settings.listen)
                 .await
                 .with_context(|| format!("binding {}", settings.listen))?;
@@ -207,6 +192,38 @@ impl Application {
         }
         while self.tasks.join_next().await.is_some() {}
         Ok(())
+    }
+}
+
+/// What the API's handlers share.
+fn api_state(
+    settings: &Settings,
+    store: Store,
+    objects: ObjectStore,
+    topology: Topology,
+    catalog: Catalog,
+) -> AppState {
+    AppState {
+        store,
+        objects,
+        realtime: RealtimeClient::new(
+            &settings.amqp_url,
+            topology.clone(),
+            catalog.names(),
+            settings.rt_max_depth,
+        ),
+        catalog: Arc::new(catalog),
+        config: Arc::new(ApiConfig {
+            topology,
+            chunk_size: settings.chunk_size,
+            max_requests: settings.max_batch_requests,
+            max_body_bytes: settings.max_body_bytes,
+            max_file_bytes: settings.max_file_bytes,
+            allow_private_webhooks: settings.webhook_allow_private,
+            realtime_timeout: settings.rt_timeout(),
+            output_url_ttl: Duration::from_secs(3600),
+            adapter_limits: settings.adapter_limits(),
+        }),
     }
 }
 

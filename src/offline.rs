@@ -57,29 +57,14 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             bail!("--adapter {name}: named twice");
         }
     }
-    let lines: Vec<serde_json::Value> = read_lines(&args.input)?;
-    let mut requests = Vec::with_capacity(lines.len());
-    for (n, mut line) in lines.into_iter().enumerate() {
-        let object = line
-            .as_object_mut()
-            .with_context(|| format!("request {}: not a JSON object", n + 1))?;
-        let id = object.remove("id").unwrap_or(serde_json::Value::Null);
-        let adapter = match object.remove("adapter") {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(name)) if adapter_dirs.contains_key(&name) => Some(name),
-            Some(other) => bail!("request {id}: adapter {other} is not one of the --adapter names"),
-        };
-        let request = ValidRequest::parse(Task::TextGeneration, &line)
-            .map_err(|e| anyhow::anyhow!("request {id}: {} ({}: {})", e.message, e.code, e.param))?;
-        requests.push((id, request, adapter));
-    }
+    let requests = generate_requests(&args.input, &adapter_dirs)?;
     let model =
         TextModel::open(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
     let mut adapters: HashMap<String, Arc<PackedAdapter>> = HashMap::new();
     for (name, dir) in &adapter_dirs {
-        let adapter = Adapter::from_dir(dir, model.model.config(), AdapterLimits::default())
+        let adapter = Adapter::from_dir(dir, &model.model.config().adapter_shape(), AdapterLimits::default())
             .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
-        adapters.insert(name.clone(), Arc::new(adapter.packed()));
+        adapters.insert(name.clone(), Arc::new(PackedAdapter::new(&adapter)));
     }
     let draft = args.engine.draft_for(&model, None)?;
     let engine = TextEngine::start_with_draft("offline", model, draft, args.engine.config());
@@ -113,7 +98,38 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     bar.finish();
     out.flush()?;
-    let c = engine.counters();
+    log_counters(engine.counters());
+    Ok(())
+}
+
+/// Every line of a `lorry generate` input checked before any work: its `id`,
+/// the request, and the `--adapter` name it uses.
+#[allow(clippy::type_complexity)]
+fn generate_requests(
+    input: &Path,
+    adapter_dirs: &HashMap<String, PathBuf>,
+) -> anyhow::Result<Vec<(serde_json::Value, ValidRequest, Option<String>)>> {
+    let lines: Vec<serde_json::Value> = read_lines(input)?;
+    let mut requests = Vec::with_capacity(lines.len());
+    for (n, mut line) in lines.into_iter().enumerate() {
+        let object = line
+            .as_object_mut()
+            .with_context(|| format!("request {}: not a JSON object", n + 1))?;
+        let id = object.remove("id").unwrap_or(serde_json::Value::Null);
+        let adapter = match object.remove("adapter") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(name)) if adapter_dirs.contains_key(&name) => Some(name),
+            Some(other) => bail!("request {id}: adapter {other} is not one of the --adapter names"),
+        };
+        let request = ValidRequest::parse(Task::TextGeneration, &line)
+            .map_err(|e| anyhow::anyhow!("request {id}: {} ({}: {})", e.message, e.code, e.param))?;
+        requests.push((id, request, adapter));
+    }
+    Ok(requests)
+}
+
+/// What the engine did, for the log.
+fn log_counters(c: &lorry_engine::text_engine::Counters) {
     tracing::info!(
         steps = c.steps.load(Ordering::Relaxed),
         generated = c.generated_tokens.load(Ordering::Relaxed),
@@ -127,7 +143,6 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         draft_acceptance = c.acceptance(Proposer::Draft),
         "done"
     );
-    Ok(())
 }
 
 /// How the engine batches: `lorry generate` and the workers share these flags.
@@ -277,7 +292,7 @@ fn progress(total: usize, what: &str) -> ProgressBar {
 }
 
 /// Read and check every input line before any work starts, naming the first bad line.
-fn read_lines<T: for<'de> Deserialize<'de>>(path: &PathBuf) -> anyhow::Result<Vec<T>> {
+fn read_lines<T: for<'de> Deserialize<'de>>(path: &Path) -> anyhow::Result<Vec<T>> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut lines = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {

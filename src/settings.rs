@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lorry_batcher::adapters::AdapterCacheConfig;
-use lorry_engine::catalog::{default_models, read_catalog_file, ModelSource};
+use lorry_engine::catalog::{default_models, default_specs, read_catalog_file, ModelSource};
 use lorry_engine::lora::AdapterLimits;
+use lorry_engine::ModelSpec;
 
 use crate::offline::EngineArgs;
 
@@ -201,6 +202,23 @@ impl Settings {
                     tracing::warn!("{why}");
                 }
                 Ok(sources)
+            }
+        }
+    }
+
+    /// The manifests of [`Settings::model_sources`], resolved without reading
+    /// any weights or writing the demo models: what the API role needs.
+    pub fn model_specs(&self) -> anyhow::Result<Vec<ModelSpec>> {
+        match &self.models {
+            Some(file) => Ok(read_catalog_file(file)?.iter().map(ModelSource::spec).collect()),
+            None => {
+                let dir = self.data_dir();
+                let (specs, why) = default_specs(&dir)
+                    .with_context(|| format!("reading the default models under {}", dir.display()))?;
+                if let Some(why) = why {
+                    tracing::warn!("{why}");
+                }
+                Ok(specs)
             }
         }
     }

@@ -23,8 +23,8 @@ use axum::Json;
 use lorry_batcher::ids::{AccountId, AdapterId};
 use lorry_batcher::objects::adapter_key;
 use lorry_batcher::store::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter, NewRequest};
-use lorry_engine::input::Fields;
-use lorry_engine::lora::{self, Adapter, AdapterError};
+use lorry_protocol::input::Fields;
+use lorry_protocol::lora::{self, Adapter, AdapterError};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -429,12 +429,54 @@ pub async fn upload_asset(
         .get("file")
         .cloned()
         .ok_or_else(|| ApiError::invalid("adapter_missing_file", "file", format!("file must carry {file_name}")))?;
+    let (config, weights) = asset_and_partner(&state, &record, &file_name, &data).await?;
+    let summary = match (config, weights) {
+        (Some(config), Some(weights)) => Some(
+            check_pair(&state, &record.model, config, weights)
+                .await?
+                .map_err(|e| refused(e, "file", "file"))?,
+        ),
+        _ => None,
+    };
+    let asset = put_asset(&state, &account.id, &record.id, &file_name, data).await?;
+    let updated = match state
+        .store
+        .set_adapter_asset(&record.id, &asset, summary.as_ref())
+        .await
+    {
+        Ok(updated) => updated,
+        Err(e) => {
+            forget_objects(&state, [Some(asset_key(&asset))]).await;
+            return Err(ApiError::from(e).into());
+        }
+    };
+    let updated = recheck_pair(&state, &record.id, &asset, updated).await?;
+    let replaced = match asset {
+        AdapterAsset::Config { .. } => record.config_key,
+        AdapterAsset::Weights { .. } => record.weights_key,
+    };
+    forget_objects(&state, [replaced]).await;
+    Ok(envelope(json!({
+        "finetune_id": updated.id,
+        "file_name": file_name,
+        "status": updated.status(),
+    })))
+}
+
+/// One uploaded file checked alone (as `file_name` says it is), with the
+/// adapter's other file where it is already stored: `(config, weights)`.
+async fn asset_and_partner(
+    state: &AppState,
+    record: &AdapterRecord,
+    file_name: &str,
+    data: &Bytes,
+) -> Result<(Option<Bytes>, Option<Bytes>), ApiError> {
     let limits = state.config.adapter_limits;
     // The other file, when it is already there, for the check of the pair.
-    let (config, weights) = match file_name.as_str() {
+    let pair = match file_name {
         CONFIG_FILE => {
-            config_size(&data, "file")?;
-            lora::check_config(&data, limits).map_err(|e| refused(e, "file", "file"))?;
+            config_size(data, "file")?;
+            lora::check_config(data, limits).map_err(|e| refused(e, "file", "file"))?;
             let weights = match &record.weights_key {
                 Some(key) => Some(Bytes::from(state.objects.get(key).await?)),
                 None => None,
@@ -460,58 +502,32 @@ pub async fn upload_asset(
                 "invalid_file_name",
                 "file_name",
                 format!("file_name {other:?} is neither {CONFIG_FILE} nor {WEIGHTS_FILE}"),
-            )
-            .into())
+            ))
         }
     };
-    let summary = match (config, weights) {
-        (Some(config), Some(weights)) => Some(
-            check_pair(&state, &record.model, config, weights)
-                .await?
-                .map_err(|e| refused(e, "file", "file"))?,
-        ),
-        _ => None,
-    };
-    let asset = put_asset(&state, &account.id, &record.id, &file_name, data).await?;
-    let updated = match state
-        .store
-        .set_adapter_asset(&record.id, &asset, summary.as_ref())
-        .await
-    {
-        Ok(updated) => updated,
-        Err(e) => {
-            forget_objects(&state, [Some(asset_key(&asset))]).await;
-            return Err(ApiError::from(e).into());
-        }
-    };
-    // An upload of the other file that ran at the same time saw this one
-    // missing: with both now there, check the pair once more.
+    Ok(pair)
+}
+
+/// An upload of the other file that ran at the same time saw this one
+/// missing: with both now there, check the pair once more.
+async fn recheck_pair(
+    state: &AppState,
+    id: &AdapterId,
+    asset: &AdapterAsset,
+    updated: AdapterRecord,
+) -> Result<AdapterRecord, ApiError> {
     let updated = match (&updated.config_key, &updated.weights_key) {
         (Some(config_key), Some(weights_key)) if !updated.ready => {
             let (config, weights) = tokio::try_join!(state.objects.get(config_key), state.objects.get(weights_key))?;
-            match check_pair(&state, &updated.model, config.into(), weights.into()).await? {
-                Ok(summary) => {
-                    state
-                        .store
-                        .set_adapter_asset(&record.id, &asset, Some(&summary))
-                        .await?
-                }
+            match check_pair(state, &updated.model, config.into(), weights.into()).await? {
+                Ok(summary) => state.store.set_adapter_asset(id, asset, Some(&summary)).await?,
                 // They do not fit together: it stays pending until either is sent again.
                 Err(_) => updated,
             }
         }
         _ => updated,
     };
-    let replaced = match asset {
-        AdapterAsset::Config { .. } => record.config_key,
-        AdapterAsset::Weights { .. } => record.weights_key,
-    };
-    forget_objects(&state, [replaced]).await;
-    Ok(envelope(json!({
-        "finetune_id": updated.id,
-        "file_name": file_name,
-        "status": updated.status(),
-    })))
+    Ok(updated)
 }
 
 /// Look up the account's adapter `reference` for a request to `model`.

@@ -10,7 +10,7 @@ use lorry_batcher::ids::BatchId;
 use lorry_batcher::model::{Batch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
 use lorry_batcher::store::NewBatch;
-use lorry_engine::input::Fields;
+use lorry_protocol::input::Fields;
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated, JsonBody};
@@ -95,7 +95,7 @@ async fn inline(
     f.deny_unknown()?;
     let (base, default_adapter) = submit::split_model(state, &model_name);
     let spec = submit::model(state, base, "model")?;
-    if default_adapter.is_some() && !spec.takes_adapters {
+    if default_adapter.is_some() && !spec.takes_adapters() {
         return Err(ApiError::invalid(
             "adapters_not_supported",
             "model",

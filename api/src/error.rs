@@ -8,7 +8,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lorry_batcher::BatcherError;
-use lorry_engine::InputError;
+use lorry_protocol::InputError;
 use serde_json::json;
 
 /// An error answer.

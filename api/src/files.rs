@@ -16,7 +16,7 @@ use axum::Json;
 use lorry_batcher::ids::{AccountId, FileId};
 use lorry_batcher::openai::Endpoint;
 use lorry_batcher::store::{FileRecord, NewFile};
-use lorry_engine::input::Fields;
+use lorry_protocol::input::Fields;
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated};

@@ -9,7 +9,7 @@ use lorry_batcher::ids::AccountId;
 use lorry_batcher::realtime::{RealtimeClient, Reply, RtRequest};
 use lorry_batcher::store::NewRequest;
 use lorry_batcher::BatcherError;
-use lorry_engine::{Output, ValidRequest};
+use lorry_protocol::{Output, ValidRequest};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
@@ -129,8 +129,8 @@ impl Drop for Pending {
 /// client's 400 naming the field; anything else is a 502 carrying the engine's code.
 pub fn engine_failure(code: String, message: String, param: Option<String>) -> ApiError {
     if let Some(param) = param {
-        return ApiError::from(lorry_engine::InputError {
-            code: lorry_engine::input::input_code(&code),
+        return ApiError::from(lorry_protocol::InputError {
+            code: lorry_protocol::input::input_code(&code),
             param,
             message,
         });

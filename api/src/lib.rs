@@ -28,8 +28,8 @@ use lorry_batcher::broker::Topology;
 use lorry_batcher::objects::ObjectStore;
 use lorry_batcher::realtime::RealtimeClient;
 use lorry_batcher::store::Store;
-use lorry_engine::lora::AdapterLimits;
-use lorry_engine::Catalog;
+use lorry_protocol::lora::AdapterLimits;
+use lorry_protocol::Catalog;
 
 pub use error::ApiError;
 

@@ -13,9 +13,9 @@ use axum::Json;
 use futures::stream::{self, StreamExt};
 use lorry_batcher::openai::{answer, Endpoint, Finished};
 use lorry_batcher::realtime::Reply;
-use lorry_engine::catalog::Task;
-use lorry_engine::input::Fields;
-use lorry_engine::{InputError, Output};
+use lorry_protocol::input::Fields;
+use lorry_protocol::Task;
+use lorry_protocol::{InputError, Output};
 use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
@@ -43,6 +43,51 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
     let requested: String = f.required("model", "a string")?;
     let (base, adapter) = submit::split_model(state, &requested);
     let spec = submit::model(state, base, "model")?;
+    check_endpoint(spec, endpoint, adapter.is_some())?;
+    let mut draft = Draft::default();
+    match endpoint {
+        Endpoint::Embeddings => embeddings_input(&mut f, &mut draft)?,
+        Endpoint::Chat | Endpoint::Completions => {
+            if endpoint == Endpoint::Chat {
+                let messages = f
+                    .raw("messages")
+                    .ok_or_else(|| ApiError::invalid("missing_field", "messages", "messages is required"))?;
+                draft.input.insert("messages".into(), chat_messages(messages)?);
+            } else {
+                completion_prompt(&mut f, &mut draft)?;
+            }
+            generation_input(&mut f, endpoint, &mut draft)?;
+            if let Some(name) = adapter {
+                draft.input.insert("adapter".into(), Value::String(name.to_string()));
+                draft.renamed.push(("adapter", "model"));
+            }
+        }
+    }
+    f.deny_unknown()?;
+    let input = Value::Object(draft.input);
+    spec.validate(&input).map_err(|e| rename(e, &draft.renamed))?;
+    Ok(Translated {
+        model: spec.name.clone(),
+        requested,
+        input,
+        stream: draft.stream,
+        include_usage: draft.include_usage,
+    })
+}
+
+/// The engine's input as it is being built from an OpenAI body.
+#[derive(Default)]
+struct Draft {
+    input: Map<String, Value>,
+    /// Engine field → the client's spelling, for errors the engine reports.
+    renamed: Vec<(&'static str, &'static str)>,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// Refuse a model the endpoint does not serve, or an adapter for a model that takes none.
+fn check_endpoint(spec: &lorry_protocol::ModelSpec, endpoint: Endpoint, adapter: bool) -> Result<(), ApiError> {
+    let base = &spec.name;
     if !endpoint.serves(spec.task) {
         let message = match spec.task {
             Task::Embeddings => format!("model {base} makes embeddings; use /v1/embeddings"),
@@ -50,168 +95,153 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
         };
         return Err(ApiError::invalid("model_task_mismatch", "model", message));
     }
-    if adapter.is_some() && !spec.takes_adapters {
+    if adapter && !spec.takes_adapters() {
         return Err(ApiError::invalid(
             "adapters_not_supported",
             "model",
             format!("model {base} does not take LoRA adapters"),
         ));
     }
-    let mut input = Map::new();
-    let mut stream = false;
-    let mut include_usage = false;
-    // Engine field → the client's spelling, for errors the engine reports.
-    let mut renamed: Vec<(&str, &str)> = Vec::new();
-    match endpoint {
-        Endpoint::Embeddings => {
-            let texts = match f.raw("input") {
-                None => return Err(ApiError::invalid("missing_field", "input", "input is required")),
-                Some(Value::String(s)) => json!([s]),
-                Some(Value::Array(items)) if items.iter().all(Value::is_string) => Value::Array(items.clone()),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        "invalid_type",
-                        "input",
-                        "input must be a string or an array of strings (token arrays are not taken)",
-                    ))
-                }
-            };
-            input.insert("text".into(), texts);
-            renamed.push(("text", "input"));
-            match f
-                .optional::<String>("encoding_format", "\"float\" or \"base64\"")?
-                .as_deref()
-            {
-                None | Some("float") | Some("base64") => {}
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        "invalid_value",
-                        "encoding_format",
-                        "encoding_format must be \"float\" or \"base64\"",
-                    ))
-                }
-            }
-            if f.raw("dimensions").is_some() {
-                return Err(ApiError::invalid(
-                    "unsupported_parameter",
-                    "dimensions",
-                    "dimensions is not supported: embeddings have the model's own width",
-                ));
-            }
-            f.optional::<String>("user", "a string")?;
+    Ok(())
+}
+
+/// `/v1/embeddings`: `input` (a string or strings), `encoding_format`, `user`.
+fn embeddings_input(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiError> {
+    let texts = match f.raw("input") {
+        None => return Err(ApiError::invalid("missing_field", "input", "input is required")),
+        Some(Value::String(s)) => json!([s]),
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => Value::Array(items.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_type",
+                "input",
+                "input must be a string or an array of strings (token arrays are not taken)",
+            ))
         }
-        Endpoint::Chat | Endpoint::Completions => {
-            if endpoint == Endpoint::Chat {
-                let messages = f
-                    .raw("messages")
-                    .ok_or_else(|| ApiError::invalid("missing_field", "messages", "messages is required"))?;
-                input.insert("messages".into(), chat_messages(messages)?);
-            } else {
-                let prompt = match f.raw("prompt") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-                        items[0].as_str().unwrap_or_default().to_string()
-                    }
-                    Some(_) => {
-                        return Err(ApiError::invalid(
-                            "invalid_type",
-                            "prompt",
-                            "prompt must be a string (or an array of exactly one string)",
-                        ))
-                    }
-                    None => return Err(ApiError::invalid("missing_field", "prompt", "prompt is required")),
-                };
-                input.insert("prompt".into(), Value::String(prompt));
-                input.insert("raw".into(), Value::Bool(true));
-                match f.optional::<bool>("echo", "a boolean")? {
-                    None | Some(false) => {}
-                    Some(true) => return Err(unsupported("echo", "echo is not supported")),
-                }
-                if f.raw("suffix").is_some() {
-                    return Err(unsupported("suffix", "suffix is not supported"));
-                }
-                match f.optional::<u32>("best_of", "a positive integer")? {
-                    None | Some(1) => {}
-                    Some(_) => return Err(unsupported("best_of", "best_of must be 1")),
-                }
-            }
-            let max_tokens: Option<Value> = f.raw("max_tokens").cloned();
-            let max_completion: Option<Value> = if endpoint == Endpoint::Chat {
-                f.raw("max_completion_tokens").cloned()
-            } else {
-                None
-            };
-            match (max_tokens, max_completion) {
-                (Some(_), Some(_)) => {
-                    return Err(ApiError::invalid(
-                        "conflicting_fields",
-                        "max_completion_tokens",
-                        "give max_tokens or max_completion_tokens, not both",
-                    ))
-                }
-                (Some(n), None) => {
-                    input.insert("max_tokens".into(), n);
-                }
-                (None, Some(n)) => {
-                    input.insert("max_tokens".into(), n);
-                    renamed.push(("max_tokens", "max_completion_tokens"));
-                }
-                (None, None) => {}
-            }
-            for name in [
-                "temperature",
-                "top_p",
-                "seed",
-                "stop",
-                "frequency_penalty",
-                "presence_penalty",
-                // Extensions other OpenAI-compatible servers take too.
-                "top_k",
-                "ignore_eos",
-                "stop_token_ids",
-            ] {
-                if let Some(value) = f.raw(name) {
-                    input.insert(name.into(), value.clone());
-                }
-            }
-            match f.optional::<u32>("n", "an integer")? {
-                None | Some(1) => {}
-                Some(_) => return Err(unsupported("n", "n must be 1")),
-            }
-            match f.raw("logprobs") {
-                None | Some(Value::Bool(false)) => {}
-                Some(_) => return Err(unsupported("logprobs", "logprobs are not supported")),
-            }
-            stream = f.optional("stream", "a boolean")?.unwrap_or(false);
-            if let Some(options) = f.raw("stream_options") {
-                let mut o = Fields::new(options, "stream_options")?;
-                include_usage = o.optional("include_usage", "a boolean")?.unwrap_or(false);
-                o.deny_unknown()?;
-                if !stream {
-                    return Err(ApiError::invalid(
-                        "invalid_value",
-                        "stream_options",
-                        "stream_options is only allowed with stream: true",
-                    ));
-                }
-            }
-            f.optional::<String>("user", "a string")?;
-            if let Some(name) = adapter {
-                input.insert("adapter".into(), Value::String(name.to_string()));
-                renamed.push(("adapter", "model"));
-            }
+    };
+    draft.input.insert("text".into(), texts);
+    draft.renamed.push(("text", "input"));
+    match f
+        .optional::<String>("encoding_format", "\"float\" or \"base64\"")?
+        .as_deref()
+    {
+        None | Some("float") | Some("base64") => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                "encoding_format",
+                "encoding_format must be \"float\" or \"base64\"",
+            ))
         }
     }
-    f.deny_unknown()?;
-    let input = Value::Object(input);
-    spec.validate(&input).map_err(|e| rename(e, &renamed))?;
-    Ok(Translated {
-        model: spec.name.clone(),
-        requested,
-        input,
-        stream,
-        include_usage,
-    })
+    if f.raw("dimensions").is_some() {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "dimensions",
+            "dimensions is not supported: embeddings have the model's own width",
+        ));
+    }
+    f.optional::<String>("user", "a string")?;
+    Ok(())
+}
+
+/// `/v1/completions`' `prompt` (one string), taken raw; `echo`, `suffix` and
+/// `best_of` other than their defaults refused.
+fn completion_prompt(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiError> {
+    let prompt = match f.raw("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_type",
+                "prompt",
+                "prompt must be a string (or an array of exactly one string)",
+            ))
+        }
+        None => return Err(ApiError::invalid("missing_field", "prompt", "prompt is required")),
+    };
+    draft.input.insert("prompt".into(), Value::String(prompt));
+    draft.input.insert("raw".into(), Value::Bool(true));
+    match f.optional::<bool>("echo", "a boolean")? {
+        None | Some(false) => {}
+        Some(true) => return Err(unsupported("echo", "echo is not supported")),
+    }
+    if f.raw("suffix").is_some() {
+        return Err(unsupported("suffix", "suffix is not supported"));
+    }
+    match f.optional::<u32>("best_of", "a positive integer")? {
+        None | Some(1) => {}
+        Some(_) => return Err(unsupported("best_of", "best_of must be 1")),
+    }
+    Ok(())
+}
+
+/// The sampling and streaming fields both generation endpoints share.
+fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -> Result<(), ApiError> {
+    let max_tokens: Option<Value> = f.raw("max_tokens").cloned();
+    let max_completion: Option<Value> = if endpoint == Endpoint::Chat {
+        f.raw("max_completion_tokens").cloned()
+    } else {
+        None
+    };
+    match (max_tokens, max_completion) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "conflicting_fields",
+                "max_completion_tokens",
+                "give max_tokens or max_completion_tokens, not both",
+            ))
+        }
+        (Some(n), None) => {
+            draft.input.insert("max_tokens".into(), n);
+        }
+        (None, Some(n)) => {
+            draft.input.insert("max_tokens".into(), n);
+            draft.renamed.push(("max_tokens", "max_completion_tokens"));
+        }
+        (None, None) => {}
+    }
+    for name in [
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "frequency_penalty",
+        "presence_penalty",
+        // Extensions other OpenAI-compatible servers take too.
+        "top_k",
+        "ignore_eos",
+        "stop_token_ids",
+    ] {
+        if let Some(value) = f.raw(name) {
+            draft.input.insert(name.into(), value.clone());
+        }
+    }
+    match f.optional::<u32>("n", "an integer")? {
+        None | Some(1) => {}
+        Some(_) => return Err(unsupported("n", "n must be 1")),
+    }
+    match f.raw("logprobs") {
+        None | Some(Value::Bool(false)) => {}
+        Some(_) => return Err(unsupported("logprobs", "logprobs are not supported")),
+    }
+    draft.stream = f.optional("stream", "a boolean")?.unwrap_or(false);
+    if let Some(options) = f.raw("stream_options") {
+        let mut o = Fields::new(options, "stream_options")?;
+        draft.include_usage = o.optional("include_usage", "a boolean")?.unwrap_or(false);
+        o.deny_unknown()?;
+        if !draft.stream {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+    }
+    f.optional::<String>("user", "a string")?;
+    Ok(())
 }
 
 fn unsupported(param: &str, message: &str) -> ApiError {
@@ -284,7 +314,7 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
 
 fn finish_reason(output: &Output) -> &'static str {
     match output.completion.as_ref().map(|c| c.finish_reason) {
-        Some(lorry_engine::chat::FinishReason::Length) => "length",
+        Some(lorry_protocol::FinishReason::Length) => "length",
         _ => "stop",
     }
 }
@@ -293,7 +323,7 @@ fn now() -> i64 {
     chrono::Utc::now().timestamp()
 }
 
-fn model_json(spec: &lorry_engine::ModelSpec) -> Value {
+fn model_json(spec: &lorry_protocol::ModelSpec) -> Value {
     let task = match spec.task {
         Task::Embeddings => "embeddings",
         Task::TextGeneration | Task::Echo => "text-generation",
@@ -304,7 +334,7 @@ fn model_json(spec: &lorry_engine::ModelSpec) -> Value {
         "created": 0,
         "owned_by": "lorry",
         "task": task,
-        "adapters": spec.takes_adapters,
+        "adapters": spec.takes_adapters(),
     })
 }
 

@@ -9,8 +9,8 @@ use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{Batch, Chunk, RequestStatus, Shape, Tally};
 use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
-use lorry_engine::input::Fields;
-use lorry_engine::ModelSpec;
+use lorry_protocol::input::Fields;
+use lorry_protocol::ModelSpec;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -98,6 +98,32 @@ pub fn validate(
         items,
         options,
     } = submission;
+    let requests = check_requests(state, spec, items)?;
+    let completion_window = options.completion_window.unwrap_or_else(|| DEFAULT_WINDOW.to_string());
+    let window = parse_window(&completion_window)?;
+    let metadata = options.metadata.map(check_metadata).transpose()?;
+    let webhook_url = options
+        .webhook_url
+        .map(|url| allowed_webhook(state, &url))
+        .transpose()?;
+    Ok(NewBatch {
+        id: BatchId::generate(),
+        account_id: account.clone(),
+        model: spec.name.clone(),
+        shape,
+        completion_window,
+        window,
+        metadata,
+        webhook_url,
+        idempotency_key: idempotency_key(headers)?,
+        request_hash: hex::encode(Sha256::digest(raw)),
+        openai: options.openai,
+        requests,
+    })
+}
+
+/// Every request checked against the model, `custom_id`s unique.
+fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Result<Vec<NewRequest>, ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid(
             "empty_batch",
@@ -137,36 +163,20 @@ pub fn validate(
             body: item.body,
         });
     }
-    let completion_window = options.completion_window.unwrap_or_else(|| DEFAULT_WINDOW.to_string());
-    let window = parse_window(&completion_window)?;
-    let metadata = options.metadata.map(check_metadata).transpose()?;
-    let webhook_url = options
-        .webhook_url
-        .map(|url| {
-            check_url(&url, state.config.allow_private_webhooks).map_err(|problem| {
-                let code = match problem {
-                    UrlProblem::Invalid => "invalid_webhook_url",
-                    UrlProblem::Private => "webhook_url_not_allowed",
-                };
-                ApiError::invalid(code, "webhook.url", problem.to_string())
-            })
+    Ok(requests)
+}
+
+/// A webhook target the deployment allows.
+fn allowed_webhook(state: &AppState, url: &str) -> Result<String, ApiError> {
+    check_url(url, state.config.allow_private_webhooks)
+        .map(|u| u.to_string())
+        .map_err(|problem| {
+            let code = match problem {
+                UrlProblem::Invalid => "invalid_webhook_url",
+                UrlProblem::Private => "webhook_url_not_allowed",
+            };
+            ApiError::invalid(code, "webhook.url", problem.to_string())
         })
-        .transpose()?
-        .map(|u| u.to_string());
-    Ok(NewBatch {
-        id: BatchId::generate(),
-        account_id: account.clone(),
-        model: spec.name.clone(),
-        shape,
-        completion_window,
-        window,
-        metadata,
-        webhook_url,
-        idempotency_key: idempotency_key(headers)?,
-        request_hash: hex::encode(Sha256::digest(raw)),
-        openai: options.openai,
-        requests,
-    })
 }
 
 /// [`validate`], then resolve the adapter each request names (or `default`)

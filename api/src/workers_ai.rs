@@ -18,8 +18,8 @@ use futures::stream::{self, StreamExt};
 use lorry_batcher::ids::AccountId;
 use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
-use lorry_engine::input::Fields;
-use lorry_engine::Output;
+use lorry_protocol::input::Fields;
+use lorry_protocol::Output;
 use serde_json::{json, Value};
 
 use crate::batches::owned_batch;
@@ -80,7 +80,7 @@ pub async fn run(
 async fn queue(
     state: &AppState,
     account: &Authenticated,
-    spec: &lorry_engine::ModelSpec,
+    spec: &lorry_protocol::ModelSpec,
     headers: &HeaderMap,
     body: &JsonBody,
 ) -> Result<Response, CloudflareError> {

@@ -13,7 +13,7 @@ use lorry_batcher::broker::Topology;
 use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
 use lorry_batcher::realtime::RealtimeClient;
 use lorry_batcher::store::Store;
-use lorry_engine::Catalog;
+use lorry_protocol::Catalog;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -47,7 +47,7 @@ async fn state(pool: PgPool) -> AppState {
             allow_private_webhooks: false,
             realtime_timeout: Duration::from_secs(5),
             output_url_ttl: Duration::from_secs(60),
-            adapter_limits: lorry_engine::lora::AdapterLimits::default(),
+            adapter_limits: lorry_protocol::lora::AdapterLimits::default(),
         }),
     }
 }

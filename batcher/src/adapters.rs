@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
-use lorry_engine::models::llama::Config;
+use lorry_engine::AdapterShape;
 
 use crate::ids::AdapterId;
 use crate::objects::ObjectStore;
@@ -242,7 +242,7 @@ impl AdapterCache {
     /// Make `record`'s adapter resident for a model of shape `base`, and hold
     /// it until the lease is dropped. Waits while the resident budget is full
     /// of adapters in use.
-    pub async fn acquire(&self, record: &AdapterRecord, base: &Config) -> Result<Lease, LoadError> {
+    pub async fn acquire(&self, record: &AdapterRecord, base: &AdapterShape) -> Result<Lease, LoadError> {
         let key: Key = (record.id.clone(), record.version());
         // Packing pads each lora_A to 16 rows: at most twice the file.
         let estimate = (record.weights_bytes.unwrap_or(0).max(0) as usize).saturating_mul(2);
@@ -322,7 +322,13 @@ impl AdapterCache {
         Step::Wait
     }
 
-    async fn load(&self, record: &AdapterRecord, base: &Config, key: Key, reserved: usize) -> Result<Lease, LoadError> {
+    async fn load(
+        &self,
+        record: &AdapterRecord,
+        base: &AdapterShape,
+        key: Key,
+        reserved: usize,
+    ) -> Result<Lease, LoadError> {
         let shared = &self.shared;
         let mut reservation = Reservation {
             shared,
@@ -333,10 +339,10 @@ impl AdapterCache {
         let started = Instant::now();
         let loaded = async {
             let (config, weights, origin) = self.fetch(record, &key).await?;
-            let base = base.clone();
+            let base = *base;
             let limits = shared.config.limits;
             let packed = tokio::task::spawn_blocking(move || {
-                Adapter::parse(&config, &weights, &base, limits).map(|adapter| adapter.packed())
+                Adapter::parse(&config, &weights, &base, limits).map(|adapter| PackedAdapter::new(&adapter))
             })
             .await
             .map_err(|e| LoadError::Invalid(key.0.clone(), e.to_string()))?

@@ -88,83 +88,34 @@ impl Finaliser {
     /// Write the output of a batch in `finalizing` and end it.
     pub async fn finalize(&self, batch: Batch) -> Result<bool, BatcherError> {
         let finished = self.store.finished_requests(&batch.id).await?;
-        // A batch made from a file writes OpenAI's lines: every success in the
-        // output file, every failure in the error file.
-        let openai = batch.openai.as_ref().and_then(|o| {
-            let endpoint = Endpoint::from_path(o["endpoint"].as_str()?)?;
-            Some((endpoint, o["model"].as_str().unwrap_or(&batch.model).to_string()))
-        });
-        let created = batch.times.created_at.timestamp();
-        let (mut output, mut errors) = (Vec::new(), Vec::new());
-        let (mut output_lines, mut error_lines) = (0, 0);
-        for request in &finished {
-            let line = match &openai {
-                Some((endpoint, model)) => output_line(&batch.id, *endpoint, model, created, request),
-                None => request.result_line(&batch.id),
-            };
-            let mut line = serde_json::to_vec(&line)?;
-            line.push(b'\n');
-            let failed = request.status != RequestStatus::Succeeded;
-            if failed {
-                errors.extend_from_slice(&line);
-                error_lines += 1;
-            }
-            if !failed || openai.is_none() {
-                output.extend_from_slice(&line);
-                output_lines += 1;
-            }
-        }
+        let rendered = Rendered::of(&batch, &finished)?;
         let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");
-        let output_bytes = output.len();
-        self.objects.put(&output_key, output, "application/jsonl").await?;
-        let errors_bytes = errors.len();
-        let errors_key = if errors.is_empty() {
+        let (output_bytes, errors_bytes) = (rendered.output.len(), rendered.errors.len());
+        self.objects
+            .put(&output_key, rendered.output, "application/jsonl")
+            .await?;
+        let errors_key = if rendered.errors.is_empty() {
             None
         } else {
             let key = batch_key(&batch.account_id, &batch.id, "errors.jsonl");
-            self.objects.put(&key, errors, "application/jsonl").await?;
+            self.objects.put(&key, rendered.errors, "application/jsonl").await?;
             Some(key)
         };
-        let mut files = Vec::new();
-        let mut openai_fields = None;
-        if let (Some(_), Some(fields)) = (&openai, &batch.openai) {
-            let mut fields = fields.clone();
-            let mut record = |name: &str, key: &str, bytes: usize, lines: i32| {
-                let file = NewFile {
-                    id: FileId::generate(),
-                    account_id: batch.account_id.clone(),
-                    purpose: "batch_output".into(),
-                    filename: name.into(),
-                    bytes: bytes as i64,
-                    lines,
-                    object_key: key.into(),
-                };
-                let id = file.id.to_string();
-                files.push(file);
-                id
-            };
-            if output_lines > 0 {
-                fields["output_file_id"] = json!(record("output.jsonl", &output_key, output_bytes, output_lines));
-            }
-            if let Some(key) = &errors_key {
-                fields["error_file_id"] = json!(record("errors.jsonl", key, errors_bytes, error_lines));
-            }
-            openai_fields = Some(fields);
-        }
+        let output = (output_key.as_str(), output_bytes, rendered.output_lines);
+        let errors = errors_key
+            .as_deref()
+            .map(|key| (key, errors_bytes, rendered.error_lines));
+        let (files, openai_fields) = match rendered.openai {
+            true => openai_files(&batch, output, errors),
+            false => (Vec::new(), None),
+        };
         let status = match batch.end_reason.as_deref() {
             Some("cancelled") => BatchStatus::Cancelled,
             Some("expired") => BatchStatus::Expired,
             _ => BatchStatus::Completed,
         };
         let at = Utc::now();
-        let mut ended = batch.clone();
-        ended.status = status;
-        ended.openai = openai_fields.clone().or(ended.openai);
-        match status {
-            BatchStatus::Cancelled => ended.times.cancelled_at = Some(at),
-            BatchStatus::Expired => ended.times.expired_at = Some(at),
-            _ => ended.times.completed_at = Some(at),
-        }
+        let ended = ended(&batch, status, at, openai_fields.clone());
         let tally = self.store.tally(&batch.id).await?;
         let output_url = self.objects.presign_get(&output_key, WEBHOOK_URL_TTL).await?;
         let errors_url = match &errors_key {
@@ -235,4 +186,101 @@ pub fn cloud_event(event_type: &str, batch: &BatchId, data: &Value) -> Value {
         "datacontenttype": "application/json",
         "data": data,
     })
+}
+
+/// A finished batch's output and error files, rendered in its API shape.
+struct Rendered {
+    output: Vec<u8>,
+    output_lines: i32,
+    errors: Vec<u8>,
+    error_lines: i32,
+    /// Written in OpenAI's line format (a batch made from a file).
+    openai: bool,
+}
+
+impl Rendered {
+    /// Every ended request's line, in index order. A batch made from a file
+    /// writes OpenAI's lines: every success in the output file, every failure
+    /// in the error file; other batches write every line to the output and
+    /// repeat the failures in the error file.
+    fn of(batch: &Batch, finished: &[crate::model::FinishedRequest]) -> Result<Self, BatcherError> {
+        let openai = batch.openai.as_ref().and_then(|o| {
+            let endpoint = Endpoint::from_path(o["endpoint"].as_str()?)?;
+            Some((endpoint, o["model"].as_str().unwrap_or(&batch.model).to_string()))
+        });
+        let created = batch.times.created_at.timestamp();
+        let mut rendered = Rendered {
+            output: Vec::new(),
+            output_lines: 0,
+            errors: Vec::new(),
+            error_lines: 0,
+            openai: openai.is_some(),
+        };
+        for request in finished {
+            let line = match &openai {
+                Some((endpoint, model)) => output_line(&batch.id, *endpoint, model, created, request),
+                None => request.result_line(&batch.id),
+            };
+            let mut line = serde_json::to_vec(&line)?;
+            line.push(b'\n');
+            let failed = request.status != RequestStatus::Succeeded;
+            if failed {
+                rendered.errors.extend_from_slice(&line);
+                rendered.error_lines += 1;
+            }
+            if !failed || openai.is_none() {
+                rendered.output.extend_from_slice(&line);
+                rendered.output_lines += 1;
+            }
+        }
+        Ok(rendered)
+    }
+}
+
+/// A batch made from a file records its output and error files as OpenAI
+/// files (`(key, bytes, lines)` each) and names them in its `openai` fields.
+fn openai_files(
+    batch: &Batch,
+    output: (&str, usize, i32),
+    errors: Option<(&str, usize, i32)>,
+) -> (Vec<NewFile>, Option<Value>) {
+    let Some(fields) = &batch.openai else {
+        return (Vec::new(), None);
+    };
+    let mut fields = fields.clone();
+    let mut files = Vec::new();
+    let mut record = |name: &str, (key, bytes, lines): (&str, usize, i32)| {
+        let file = NewFile {
+            id: FileId::generate(),
+            account_id: batch.account_id.clone(),
+            purpose: "batch_output".into(),
+            filename: name.into(),
+            bytes: bytes as i64,
+            lines,
+            object_key: key.into(),
+        };
+        let id = file.id.to_string();
+        files.push(file);
+        id
+    };
+    if output.2 > 0 {
+        fields["output_file_id"] = json!(record("output.jsonl", output));
+    }
+    if let Some(errors) = errors {
+        fields["error_file_id"] = json!(record("errors.jsonl", errors));
+    }
+    (files, Some(fields))
+}
+
+/// The batch as it will read once ended with `status` at `at`.
+fn ended(batch: &Batch, status: BatchStatus, at: chrono::DateTime<Utc>, openai: Option<Value>) -> Batch {
+    let mut ended = batch.clone();
+    ended.status = status;
+    ended.openai = openai.or(ended.openai);
+    match status {
+        BatchStatus::Cancelled => ended.times.cancelled_at = Some(at),
+        BatchStatus::Expired => ended.times.expired_at = Some(at),
+        _ => ended.times.completed_at = Some(at),
+    }
+    ended
 }

@@ -230,7 +230,7 @@ impl Worker {
         let (Some(cache), Some(base)) = (&self.inner.adapters, backend.adapter_base()) else {
             return Err(unsupported());
         };
-        let lease = match cache.acquire(record, base).await {
+        let lease = match cache.acquire(record, &base).await {
             Ok(lease) => lease,
             Err(LoadError::Fetch(id, e)) => {
                 tracing::warn!(adapter = %id, error = %e, "could not fetch an adapter; the request will be delivered again");
@@ -383,6 +383,13 @@ impl Worker {
     }
 
     async fn handle_chunk(&self, delivery: &Delivery, dead: bool) -> Settle {
+        if dead && delivery.properties.reply_to().is_some() {
+            // A real-time request (they carry a reply queue; chunks do not)
+            // that expired in its queue or failed every delivery: its caller
+            // has already been answered (a timeout), so there is nothing to end.
+            tracing::info!("dropping a dead-lettered real-time request; its caller timed out");
+            return Settle::Ack;
+        }
         let chunk: Chunk = match serde_json::from_slice(&delivery.data) {
             Ok(chunk) => chunk,
             Err(e) => {

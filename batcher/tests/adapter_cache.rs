@@ -13,8 +13,9 @@ use lorry_batcher::ids::{AccountId, AdapterId};
 use lorry_batcher::objects::{adapter_key, ObjectStore, ObjectStoreConfig};
 use lorry_batcher::store::AdapterRecord;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::lora::{Adapter, AdapterLimits};
-use lorry_engine::models::llama::{Config, LlamaConfigFile};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
+use lorry_engine::models::llama::LlamaConfigFile;
+use lorry_engine::AdapterShape;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lorry-cache-{name}-{}", uuid::Uuid::new_v4().simple()));
@@ -28,7 +29,7 @@ fn reference(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn base() -> Config {
+fn base() -> AdapterShape {
     let dir = scratch("model");
     fixtures::write(Fixture::TinyLlama, &dir).unwrap();
     let config = lorry_engine::models::read_config::<LlamaConfigFile>(&dir)
@@ -36,7 +37,7 @@ fn base() -> Config {
         .into_config()
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    config
+    config.adapter_shape()
 }
 
 async fn objects() -> ObjectStore {
@@ -85,11 +86,8 @@ async fn stored(objects: &ObjectStore, reference_name: &str) -> AdapterRecord {
     }
 }
 
-fn packed_bytes(name: &str, base: &Config) -> usize {
-    Adapter::from_dir(&reference(name), base, AdapterLimits::default())
-        .unwrap()
-        .packed()
-        .bytes()
+fn packed_bytes(name: &str, base: &AdapterShape) -> usize {
+    PackedAdapter::new(&Adapter::from_dir(&reference(name), base, AdapterLimits::default()).unwrap()).bytes()
 }
 
 #[tokio::test]
@@ -174,13 +172,13 @@ async fn an_adapter_that_cannot_fit_is_refused_and_a_missing_file_fails_the_load
 fn traffic(
     cache: AdapterCache,
     record: AdapterRecord,
-    base: Config,
+    base: AdapterShape,
     stop: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut requests = tokio::task::JoinSet::new();
         while !stop.load(Ordering::Relaxed) {
-            let (cache, record, base) = (cache.clone(), record.clone(), base.clone());
+            let (cache, record, base) = (cache.clone(), record.clone(), base);
             requests.spawn(async move {
                 let lease = cache.acquire(&record, &base).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -199,7 +197,7 @@ fn traffic(
 fn overlapping(
     cache: AdapterCache,
     record: AdapterRecord,
-    base: Config,
+    base: AdapterShape,
     stop: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -238,8 +236,8 @@ async fn contended(cycle: Duration, watch: Duration, kind: Load) -> (bool, Adapt
     drop(cache.acquire(&busy, &base).await.unwrap());
     let stop = Arc::new(AtomicBool::new(false));
     let load = match kind {
-        Load::Overlapping => overlapping(cache.clone(), busy.clone(), base.clone(), Arc::clone(&stop)),
-        Load::Arrivals => traffic(cache.clone(), busy.clone(), base.clone(), Arc::clone(&stop)),
+        Load::Overlapping => overlapping(cache.clone(), busy.clone(), base, Arc::clone(&stop)),
+        Load::Arrivals => traffic(cache.clone(), busy.clone(), base, Arc::clone(&stop)),
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got_in = tokio::time::timeout(watch, cache.acquire(&waiting, &base))

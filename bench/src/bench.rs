@@ -599,7 +599,7 @@ pub(crate) fn random_adapter(config: &Config, rank: usize, precision: Precision,
     let mut modules = std::collections::BTreeMap::new();
     for layer in 0..config.num_layers {
         for target in Target::ALL {
-            let (out, inputs) = target.shape(config);
+            let (out, inputs) = target.shape(&config.adapter_shape());
             let weights = LoraWeights {
                 rank,
                 scale: 2.0,
@@ -752,11 +752,18 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     let config = model.model.config().clone();
     let model_bytes_per_param = model.model.weight_bytes_per_param();
     let precision = fixtures::parse_dtype(&args.adapter_dtype)
-        .map(Precision::for_dtype)
+        .map(gemm::precision_of)
         .with_context(|| format!("unknown --adapter-dtype {}", args.adapter_dtype))?;
     eprintln!("making {} random rank-{} adapters", args.batch, args.rank);
     let adapters: Vec<Arc<PackedAdapter>> = (0..args.batch)
-        .map(|i| Arc::new(random_adapter(&config, args.rank, precision, 1000 + i as u64).packed()))
+        .map(|i| {
+            Arc::new(PackedAdapter::new(&random_adapter(
+                &config,
+                args.rank,
+                precision,
+                1000 + i as u64,
+            )))
+        })
         .collect();
     let llama = model.model.clone();
     // Speculation off: every step decodes one token a sequence, so the runs
@@ -966,7 +973,7 @@ async fn cold_loads(
         let start = Instant::now();
         objects.get(record.weights_key.as_deref().unwrap_or_default()).await?;
         fetch.push(start.elapsed().as_secs_f64());
-        drop(cache.acquire(record, config).await?);
+        drop(cache.acquire(record, &config.adapter_shape()).await?);
     }
     let mut loads = cache.stats().load_seconds;
     loads.sort_by(f64::total_cmp);
@@ -988,7 +995,7 @@ async fn cold_loads(
                     modified_at: chrono::Utc::now(),
                     ..record.clone()
                 };
-                if cache.acquire(&fresh, &config).await.is_ok() {
+                if cache.acquire(&fresh, &config.adapter_shape()).await.is_ok() {
                     done += 1;
                 }
             }

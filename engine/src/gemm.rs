@@ -105,34 +105,16 @@ impl Kernel {
     }
 }
 
-/// The precision panels are stored in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    /// 4 bytes a weight.
-    F32,
-    /// IEEE half, 2 bytes a weight.
-    F16,
-    /// bfloat16, 2 bytes a weight.
-    Bf16,
-}
+/// The precision panels are stored in: the checkpoint's own.
+pub use lorry_protocol::lora::Precision;
 
-impl Precision {
-    /// The precision a tensor of `dtype` is packed in: its own where it is one
-    /// of the three, f32 otherwise.
-    pub fn for_dtype(dtype: DType) -> Self {
-        match dtype {
-            DType::F16 => Precision::F16,
-            DType::BF16 => Precision::Bf16,
-            _ => Precision::F32,
-        }
-    }
-
-    /// Bytes per weight.
-    pub fn bytes(self) -> usize {
-        match self {
-            Precision::F32 => 4,
-            Precision::F16 | Precision::Bf16 => 2,
-        }
+/// The precision a tensor of `dtype` is packed in: its own where it is one
+/// of the three, f32 otherwise.
+pub fn precision_of(dtype: DType) -> Precision {
+    match dtype {
+        DType::F16 => Precision::F16,
+        DType::BF16 => Precision::Bf16,
+        _ => Precision::F32,
     }
 }
 
@@ -265,7 +247,7 @@ impl PackedMatrix {
     /// any other dtype is converted to f32).
     pub fn from_tensor(w: &Tensor) -> candle_core::Result<Self> {
         let (n, k) = w.dims2()?;
-        Ok(match Precision::for_dtype(w.dtype()) {
+        Ok(match precision_of(w.dtype()) {
             Precision::F16 => Self::from_f16(&w.flatten_all()?.to_vec1::<f16>()?, n, k),
             Precision::Bf16 => Self::from_bf16(&w.flatten_all()?.to_vec1::<bf16>()?, n, k),
             Precision::F32 => Self::from_f32(&w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n, k),

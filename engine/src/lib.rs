@@ -5,9 +5,8 @@
 //! caller never sees a batch or a tensor, and this crate knows nothing of HTTP,
 //! Postgres, RabbitMQ or S3.
 //!
-//! Input validation lives here too ([`input`], [`catalog`]), as pure functions,
-//! so that the API can refuse a bad request before it accepts a batch without
-//! loading or running any model.
+//! The request and output types, and input validation, are
+//! [`lorry_protocol`]'s, re-exported here: the API links that crate, not this one.
 
 pub mod catalog;
 pub mod chat;
@@ -15,7 +14,6 @@ pub mod echo;
 pub mod embedding;
 pub mod fixtures;
 pub mod gemm;
-pub mod input;
 pub mod kernels;
 pub mod kv;
 pub mod lora;
@@ -28,51 +26,13 @@ pub mod speculative;
 pub mod text_engine;
 pub mod vocab;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-pub use catalog::{Catalog, ModelSpec, Task, ECHO_MODEL};
-pub use input::{InputError, ValidRequest};
-
-/// Which lane a request arrived on; the real-time lane is always served first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Lane {
-    /// Interactive traffic: admitted before anything on the batch lane.
-    RealTime,
-    /// Batch work: fills whatever capacity the real-time lane leaves.
-    Batch,
-}
-
-/// Token accounting for one request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Tokens in the prompt, after any chat template.
-    pub prompt_tokens: u32,
-    /// Tokens generated.
-    pub completion_tokens: u32,
-}
-
-/// The finished result of one request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Output {
-    /// The model's response body, e.g. `{"response": "…"}`.
-    pub body: serde_json::Value,
-    /// Token accounting.
-    pub usage: Usage,
-    /// Generated token ids and why generation ended, from text-generation models.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub completion: Option<Completion>,
-}
-
-/// The token-level result of a text generation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Completion {
-    /// Generated ids only (an end-of-sequence token included).
-    pub token_ids: Vec<u32>,
-    /// Why generation ended.
-    pub finish_reason: chat::FinishReason,
-}
+pub use catalog::ECHO_MODEL;
+pub use lorry_protocol::{
+    input, AdapterShape, Catalog, Completion, FinishReason, InputError, Lane, ModelSpec, Output, Task, Usage,
+    ValidRequest,
+};
 
 /// What a backend reports while serving one request.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,7 +91,7 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// The shape LoRA adapters must fit, for backends that serve them.
-    fn adapter_base(&self) -> Option<&models::llama::Config> {
+    fn adapter_base(&self) -> Option<AdapterShape> {
         None
     }
 

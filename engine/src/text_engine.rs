@@ -210,8 +210,8 @@ impl Backend for TextEngine {
         Some(TextEngine::counters(self))
     }
 
-    fn adapter_base(&self) -> Option<&Config> {
-        Some(&self.base)
+    fn adapter_base(&self) -> Option<crate::AdapterShape> {
+        Some(self.base.adapter_shape())
     }
 
     fn submit_with_adapter(

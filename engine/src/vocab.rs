@@ -95,13 +95,7 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
     if types.len() != tokens.len() {
         return Err(file.error("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length"));
     }
-    let id = |key: &str| -> Result<Option<u32>, ModelError> {
-        match file.uint(key)? {
-            Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
-            Some(id) => Err(file.error(format!("{key} = {id} is outside the vocabulary"))),
-            None => Ok(None),
-        }
-    };
+    let id = |key: &str| token_id(file, key, tokens.len());
     let bos = id("tokenizer.ggml.bos_token_id")?;
     let eos = id("tokenizer.ggml.eos_token_id")?;
     let unk = id("tokenizer.ggml.unknown_token_id")?;
@@ -132,16 +126,6 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
         .unwrap_or(spm || LLAMA3_NAMES.contains(&pre.as_str()));
     let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
     let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-    let added: Vec<Json> = tokens
-        .iter()
-        .zip(&types)
-        .enumerate()
-        .filter(|(_, (_, &t))| t == CONTROL || t == USER_DEFINED)
-        .map(|(i, (content, &t))| {
-            json!({"id": i, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
-                   "normalized": false, "special": t == CONTROL})
-        })
-        .collect();
     let mut spec = if spm {
         let scores = numbers(file, "tokenizer.ggml.scores")?.ok_or_else(|| missing(file, "tokenizer.ggml.scores"))?;
         if scores.len() != tokens.len() {
@@ -153,7 +137,7 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
         let merges = strings(file, "tokenizer.ggml.merges")?;
         byte_level(vocab, merges, &pre).map_err(|e| file.error(e))?
     };
-    spec["added_tokens"] = Json::Array(added);
+    spec["added_tokens"] = added_tokens(&tokens, &types);
     spec["post_processor"] = post_processor(
         &tokens,
         add_bos.then_some(bos).flatten(),
@@ -172,6 +156,29 @@ pub fn from_gguf(file: &GgufFile) -> Result<(Tokenizer, Specials), ModelError> {
             stop_ids,
         },
     ))
+}
+
+/// The token id metadata `key` holds, checked against the vocabulary's size.
+fn token_id(file: &GgufFile, key: &str, vocabulary: usize) -> Result<Option<u32>, ModelError> {
+    match file.uint(key)? {
+        Some(id) if (id as usize) < vocabulary => Ok(Some(id as u32)),
+        Some(id) => Err(file.error(format!("{key} = {id} is outside the vocabulary"))),
+        None => Ok(None),
+    }
+}
+
+/// Control tokens (special) and user-defined ones, as `tokenizer.json`'s `added_tokens`.
+fn added_tokens(tokens: &[String], types: &[i64]) -> Json {
+    tokens
+        .iter()
+        .zip(types)
+        .enumerate()
+        .filter(|(_, (_, &t))| t == CONTROL || t == USER_DEFINED)
+        .map(|(i, (content, &t))| {
+            json!({"id": i, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": t == CONTROL})
+        })
+        .collect()
 }
 
 /// Byte-level BPE with the split `pre` names.

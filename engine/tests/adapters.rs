@@ -44,7 +44,7 @@ fn weights(
     let mut tensors = HashMap::new();
     for layer in 0..base.num_layers {
         for &t in targets {
-            let (out, inputs) = t.shape(base);
+            let (out, inputs) = t.shape(&base.adapter_shape());
             let r = ranks.get(t.name()).copied().unwrap_or(rank);
             let a = Tensor::randn(0f32, 0.1, (r, inputs), &Device::Cpu).unwrap();
             let b = Tensor::randn(0f32, 0.1, (out, r), &Device::Cpu).unwrap();
@@ -87,7 +87,7 @@ fn config(extra: Value) -> Vec<u8> {
 }
 
 fn parse(config: &[u8], weights: &[u8]) -> Result<Adapter, (&'static str, String)> {
-    Adapter::parse(config, weights, &base(), AdapterLimits::default()).map_err(|e| (e.code, e.message))
+    Adapter::parse(config, weights, &base().adapter_shape(), AdapterLimits::default()).map_err(|e| (e.code, e.message))
 }
 
 const QV: [Target; 2] = [Target::Q, Target::V];
@@ -263,10 +263,15 @@ fn bad_tensors_are_named() {
         ..AdapterLimits::default()
     };
     let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
-    let err = Adapter::parse(&config(json!({})), &good, &base, limits).unwrap_err();
+    let err = Adapter::parse(&config(json!({})), &good, &base.adapter_shape(), limits).unwrap_err();
     assert_eq!(err.code, "adapter_too_large");
     // A directory without the two files.
-    let err = Adapter::from_dir(&std::env::temp_dir().join("lorry-no-adapter-here"), &base, limits).unwrap_err();
+    let err = Adapter::from_dir(
+        &std::env::temp_dir().join("lorry-no-adapter-here"),
+        &base.adapter_shape(),
+        limits,
+    )
+    .unwrap_err();
     assert_eq!(err.code, "adapter_missing_file");
     assert!(err.message.contains("adapter_config.json"), "{err:?}");
 }
@@ -277,9 +282,7 @@ fn reference_adapter(name: &str, base: &Config) -> lorry_engine::lora::PackedAda
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    Adapter::from_dir(&dir, base, AdapterLimits::default())
-        .unwrap()
-        .packed()
+    PackedAdapter::new(&Adapter::from_dir(&dir, &base.adapter_shape(), AdapterLimits::default()).unwrap())
 }
 
 fn greedy_adapted(model: &Llama, prompt: &[u32], adapter: Option<&PackedAdapter>, n: usize) -> (Vec<f32>, Vec<u32>) {
@@ -408,11 +411,17 @@ fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results
             .collect();
         let config = config(json!({"target_modules": "all-linear"}));
         let (half, wide) = (
-            Adapter::parse(&config, &bytes(&half), &base, AdapterLimits::default()).unwrap(),
-            Adapter::parse(&config, &bytes(&widened), &base, AdapterLimits::default()).unwrap(),
+            Adapter::parse(&config, &bytes(&half), &base.adapter_shape(), AdapterLimits::default()).unwrap(),
+            Adapter::parse(
+                &config,
+                &bytes(&widened),
+                &base.adapter_shape(),
+                AdapterLimits::default(),
+            )
+            .unwrap(),
         );
-        let (half, wide) = (half.packed(), wide.packed());
-        let want = lorry_engine::gemm::Precision::for_dtype(dtype);
+        let (half, wide) = (PackedAdapter::new(&half), PackedAdapter::new(&wide));
+        let want = lorry_engine::gemm::precision_of(dtype);
         assert_eq!(half.module(1, Target::Down).unwrap().a.precision(), want);
         assert_eq!(
             wide.module(1, Target::Down).unwrap().b.precision(),

@@ -198,8 +198,8 @@ fn reference_adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    let adapter = Adapter::from_dir(&dir, model.model.config(), AdapterLimits::default()).unwrap();
-    Arc::new(adapter.packed())
+    let adapter = Adapter::from_dir(&dir, &model.model.config().adapter_shape(), AdapterLimits::default()).unwrap();
+    Arc::new(PackedAdapter::new(&adapter))
 }
 
 #[tokio::test]

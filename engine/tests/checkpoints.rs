@@ -15,7 +15,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::chat::TextModel;
 use lorry_engine::input::{Message, Prompt};
-use lorry_engine::lora::{Adapter, AdapterLimits};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::gguf::GgufFile;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
@@ -209,9 +209,14 @@ fn smollm2_gguf_tokenizes_as_transformers() {
 #[test]
 fn a_peft_adapter_on_smollm2_gives_transformers_tokens() {
     let model = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
-    let adapter = Adapter::from_dir(&data("lora-smollm2"), model.model.config(), AdapterLimits::default())
-        .unwrap()
-        .packed();
+    let adapter = PackedAdapter::new(
+        &Adapter::from_dir(
+            &data("lora-smollm2"),
+            &model.model.config().adapter_shape(),
+            AdapterLimits::default(),
+        )
+        .unwrap(),
+    );
     for record in reference("smollm2.json")["lora"].as_array().unwrap() {
         let want = ids(&record["greedy"]);
         let generation = model

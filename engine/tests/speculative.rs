@@ -31,11 +31,9 @@ fn adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    Arc::new(
-        Adapter::from_dir(&dir, model.model.config(), AdapterLimits::default())
-            .unwrap()
-            .packed(),
-    )
+    Arc::new(PackedAdapter::new(
+        &Adapter::from_dir(&dir, &model.model.config().adapter_shape(), AdapterLimits::default()).unwrap(),
+    ))
 }
 
 fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use lorry_engine::chat::TextModel;
-use lorry_engine::lora::{Adapter, AdapterLimits};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::{Task, ValidRequest};
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
@@ -134,9 +134,14 @@ fn expected(model: &TextModel, body: &Value, dir: Option<&str>) -> String {
         .retain(|k, _| k != "lora" && k != "adapter");
     let request = ValidRequest::parse(Task::TextGeneration, &body).unwrap();
     let adapter = dir.map(|dir| {
-        Adapter::from_dir(&reference_dir(dir), model.model.config(), AdapterLimits::default())
-            .unwrap()
-            .packed()
+        PackedAdapter::new(
+            &Adapter::from_dir(
+                &reference_dir(dir),
+                &model.model.config().adapter_shape(),
+                AdapterLimits::default(),
+            )
+            .unwrap(),
+        )
     });
     model.generate_adapted(&request, adapter.as_ref()).unwrap().text
 }

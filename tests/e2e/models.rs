@@ -205,7 +205,7 @@ fn smollm2_gguf() -> std::path::PathBuf {
 
 #[tokio::test]
 async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
-    use lorry_engine::lora::{Adapter, AdapterLimits};
+    use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
     use reqwest::multipart::{Form, Part};
 
     let dir = scratch("catalogue-gguf");
@@ -217,9 +217,14 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
     let app = spawn_app_with(Role::Serve, |s| s.models = Some(file)).await;
     let model = TextModel::open(&gguf, &Device::Cpu).unwrap();
     let lora_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/gguf/lora-smollm2");
-    let adapter = Adapter::from_dir(&lora_dir, model.model.config(), AdapterLimits::default())
-        .unwrap()
-        .packed();
+    let adapter = PackedAdapter::new(
+        &Adapter::from_dir(
+            &lora_dir,
+            &model.model.config().adapter_shape(),
+            AdapterLimits::default(),
+        )
+        .unwrap(),
+    );
     let alone = |body: &Value, adapted: bool| {
         let mut body = body.clone();
         body.as_object_mut().unwrap().remove("lora");
@@ -311,4 +316,42 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
         assert_eq!(line["response"]["body"]["response"], json!(want), "request {index}");
     }
     app.stop().await;
+}
+
+#[tokio::test]
+async fn the_api_role_reads_no_weights_and_writes_no_models() {
+    let data = std::env::temp_dir().join(format!("lorry-api-only-{}", uuid::Uuid::new_v4().simple()));
+    let app = spawn_app_with(Role::Api, |s| {
+        s.models = None;
+        s.data_dir = Some(data.clone());
+    })
+    .await;
+    let models = app.get_json("/v1/models").await;
+    let listed = |id: &str| {
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("{id} missing from {models}"))
+    };
+    assert_eq!(listed("@lorry/demo-llama")["adapters"], true);
+    assert_eq!(listed("@lorry/demo-bge")["task"], "embeddings");
+    // Requests are checked against the manifests and accepted for a worker to serve.
+    let response = app
+        .post(
+            "/v1/batches",
+            &json!({"model": "@lorry/demo-llama", "requests": [{"body": {"prompt": "x", "max_tokens": 2}}]}),
+        )
+        .await;
+    assert_eq!(response.status(), 202);
+    let refused = app
+        .post(
+            "/v1/batches",
+            &json!({"model": "@lorry/demo-bge", "requests": [{"body": {"text": "x", "lora": "a"}}]}),
+        )
+        .await;
+    assert_eq!(refused.status(), 400);
+    assert!(!data.exists(), "the API role wrote under {}", data.display());
 }

@@ -7,7 +7,7 @@ use candle_core::Device;
 use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::lora::{Adapter, AdapterLimits};
+use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::bert::Pooling;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
@@ -227,9 +227,14 @@ fn lorry_generate_serves_each_line_with_its_adapter() {
     let out: Vec<Value> = read_jsonl(&output);
     let model = TextModel::from_dir(&model_dir, &Device::Cpu).unwrap();
     let packed = |name: &str| {
-        Adapter::from_dir(&adapters.join(name), model.model.config(), AdapterLimits::default())
-            .unwrap()
-            .packed()
+        PackedAdapter::new(
+            &Adapter::from_dir(
+                &adapters.join(name),
+                &model.model.config().adapter_shape(),
+                AdapterLimits::default(),
+            )
+            .unwrap(),
+        )
     };
     let (pa, pb) = (packed("adapter-a"), packed("adapter-b"));
     let mut seen = Vec::new();

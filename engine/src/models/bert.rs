@@ -42,15 +42,7 @@ fn default_eps() -> f64 {
     1e-12
 }
 
-/// How token vectors become one embedding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Pooling {
-    /// The first (`[CLS]`) token's vector.
-    Cls,
-    /// The mean over all tokens.
-    Mean,
-}
+pub use lorry_protocol::input::Pooling;
 
 #[derive(Debug, Clone)]
 struct SelfAttention {

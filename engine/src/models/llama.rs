@@ -21,6 +21,7 @@ use crate::gemm::PackedMatrix;
 use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::lora::{CpuSgmv, PackedAdapter, Segment, Sgmv, Target};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::AdapterShape;
 
 type Result<T> = std::result::Result<T, ModelError>;
 
@@ -160,6 +161,18 @@ pub struct Config {
 }
 
 impl Config {
+    /// The projection sizes a LoRA adapter for this model must fit.
+    pub fn adapter_shape(&self) -> AdapterShape {
+        AdapterShape {
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     /// Weights that take part in a matrix product per token: every projection and the output head.
     pub fn matmul_params(&self) -> usize {
         self.matmul_shapes().iter().map(|(n, k, count)| n * k * count).sum()

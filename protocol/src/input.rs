@@ -7,8 +7,17 @@
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-use crate::catalog::Task;
-use crate::models::bert::Pooling;
+use crate::model::Task;
+
+/// How token vectors become one embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// The first (`[CLS]`) token's vector.
+    Cls,
+    /// The mean over all tokens.
+    Mean,
+}
 
 /// Why a request body was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

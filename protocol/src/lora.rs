@@ -1,0 +1,595 @@
+//! LoRA adapters in PEFT's format, checked against the base model they are
+//! for: `adapter_config.json` and `adapter_model.safetensors`, as `peft`
+//! writes them (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`
+//! of `(r, in)` and `…lora_B.weight` of `(out, r)`).
+//!
+//! Everything an adapter could get wrong is found here, before it is stored
+//! or served, and named by a stable code: a bad configuration, an option Lorry
+//! does not serve (DoRA, trained biases, `modules_to_save`, …), a rank over
+//! the limit, a target outside the seven projections, a tensor missing, of the
+//! wrong shape, for a layer the model does not have, not finite, or a file
+//! that is not safetensors. Scales follow PEFT: `lora_alpha / r`, or
+//! `lora_alpha / √r` with `use_rslora`, with `rank_pattern` and
+//! `alpha_pattern` overriding rank and alpha per module.
+
+use std::collections::{BTreeMap, HashMap};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use serde::Deserialize;
+
+use crate::model::AdapterShape;
+
+/// The precision weights are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// 4 bytes a weight.
+    F32,
+    /// IEEE half, 2 bytes a weight.
+    F16,
+    /// bfloat16, 2 bytes a weight.
+    Bf16,
+}
+
+impl Precision {
+    /// Bytes per weight.
+    pub fn bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 => 2,
+        }
+    }
+}
+
+/// The projections an adapter may target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    #[allow(missing_docs)]
+    Q,
+    #[allow(missing_docs)]
+    K,
+    #[allow(missing_docs)]
+    V,
+    #[allow(missing_docs)]
+    O,
+    #[allow(missing_docs)]
+    Gate,
+    #[allow(missing_docs)]
+    Up,
+    #[allow(missing_docs)]
+    Down,
+}
+
+impl Target {
+    /// Every target, in checkpoint order.
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module's name in a checkpoint (`q_proj`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        Target::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// `(out, in)` of this projection in the base model.
+    pub fn shape(self, base: &AdapterShape) -> (usize, usize) {
+        let (h, d, i) = (base.hidden_size, base.head_dim, base.intermediate_size);
+        match self {
+            Target::Q => (base.num_heads * d, h),
+            Target::K | Target::V => (base.num_kv_heads * d, h),
+            Target::O => (h, base.num_heads * d),
+            Target::Gate | Target::Up => (i, h),
+            Target::Down => (h, i),
+        }
+    }
+
+    /// The block that holds the projection: `self_attn` or `mlp`.
+    pub fn block(self) -> &'static str {
+        match self {
+            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            _ => "mlp",
+        }
+    }
+}
+
+/// Why an adapter was refused: a stable `code` and a message naming the
+/// field, module or tensor at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct AdapterError {
+    /// Stable, for clients to match on.
+    pub code: &'static str,
+    /// What is wrong, and where.
+    pub message: String,
+    /// Whether `adapter_config.json` is at fault (else the weights file is).
+    pub in_config: bool,
+}
+
+impl AdapterError {
+    fn in_config(mut self) -> Self {
+        self.in_config = true;
+        self
+    }
+}
+
+fn refuse(code: &'static str, message: impl Into<String>) -> AdapterError {
+    AdapterError {
+        code,
+        message: message.into(),
+        in_config: false,
+    }
+}
+
+/// Limits an adapter must keep within.
+#[derive(Debug, Clone, Copy)]
+pub struct AdapterLimits {
+    /// Largest rank of any module.
+    pub max_rank: usize,
+    /// Largest `adapter_model.safetensors`, in bytes.
+    pub max_bytes: usize,
+}
+
+impl Default for AdapterLimits {
+    fn default() -> Self {
+        AdapterLimits {
+            max_rank: 32,
+            max_bytes: 300 * 1024 * 1024,
+        }
+    }
+}
+
+/// `adapter_config.json`, the fields that decide what the weights mean.
+#[derive(Debug, Deserialize)]
+struct ConfigFile {
+    peft_type: Option<String>,
+    r: Option<usize>,
+    lora_alpha: Option<f64>,
+    target_modules: Option<serde_json::Value>,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    bias: Option<String>,
+    modules_to_save: Option<serde_json::Value>,
+    #[serde(default)]
+    rank_pattern: BTreeMap<String, usize>,
+    #[serde(default)]
+    alpha_pattern: BTreeMap<String, f64>,
+}
+
+/// One adapted projection of one layer: `ΔW = scale · B · A`.
+#[derive(Debug, Clone)]
+pub struct LoraWeights {
+    /// Rank.
+    pub rank: usize,
+    /// `alpha / r` (or `/ √r`).
+    pub scale: f32,
+    /// `lora_A`, `(rank, in)` row-major.
+    pub a: Vec<f32>,
+    /// `lora_B`, `(out, rank)` row-major.
+    pub b: Vec<f32>,
+    /// The precision the file stored them in (the values above are exact
+    /// widenings); they are packed in it, as the base model's weights are.
+    pub precision: Precision,
+}
+
+/// A checked adapter: the weights of every adapted projection, by layer.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    /// `(layer, target)` → weights.
+    pub modules: BTreeMap<(usize, Target), LoraWeights>,
+}
+
+impl Adapter {
+    /// The highest rank of any module.
+    pub fn max_rank(&self) -> usize {
+        self.modules.values().map(|m| m.rank).max().unwrap_or(0)
+    }
+
+    /// The targets adapted in at least one layer.
+    pub fn targets(&self) -> Vec<Target> {
+        let mut targets: Vec<Target> = self.modules.keys().map(|(_, t)| *t).collect();
+        targets.sort();
+        targets.dedup();
+        targets
+    }
+
+    /// Read and check the adapter in `dir` (`adapter_config.json` and
+    /// `adapter_model.safetensors`) against the base model `base`.
+    pub fn from_dir(dir: &std::path::Path, base: &AdapterShape, limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let read = |file: &str| {
+            std::fs::read(dir.join(file))
+                .map_err(|e| refuse("adapter_missing_file", format!("{}: {e}", dir.join(file).display())))
+        };
+        Adapter::parse(
+            &read("adapter_config.json")?,
+            &read("adapter_model.safetensors")?,
+            base,
+            limits,
+        )
+    }
+
+    /// Parse and check an adapter's two files against the base model `base`.
+    pub fn parse(
+        config: &[u8],
+        weights: &[u8],
+        base: &AdapterShape,
+        limits: AdapterLimits,
+    ) -> Result<Self, AdapterError> {
+        let settings = Settings::read(config, limits)?;
+        check_size(weights, limits)?;
+        let tensors = read_safetensors(weights)?;
+        let mut halves: HashMap<(usize, Target), (Option<TensorView<'_>>, Option<TensorView<'_>>)> = HashMap::new();
+        for (name, tensor) in tensors.tensors() {
+            let (layer, target, matrix) = parse_key(&name)?;
+            if layer >= base.num_layers {
+                return Err(refuse(
+                    "adapter_shape_mismatch",
+                    format!("{name}: the base model has {} layers", base.num_layers),
+                ));
+            }
+            if !settings.targets.contains(&target) {
+                return Err(refuse(
+                    "adapter_unknown_target",
+                    format!("{name}: {} is not in target_modules", target.name()),
+                ));
+            }
+            let entry = halves.entry((layer, target)).or_default();
+            match matrix {
+                'A' => entry.0 = Some(tensor),
+                _ => entry.1 = Some(tensor),
+            }
+        }
+        if halves.is_empty() {
+            return Err(refuse(
+                "adapter_missing_tensor",
+                "adapter_model.safetensors holds no LoRA weights",
+            ));
+        }
+        let mut modules = BTreeMap::new();
+        for ((layer, target), pair) in halves {
+            let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
+            let (a, b) = match pair {
+                (Some(a), Some(b)) => (a, b),
+                (a, _) => {
+                    let missing = if a.is_none() { "lora_A" } else { "lora_B" };
+                    return Err(refuse(
+                        "adapter_missing_tensor",
+                        format!("base_model.model.{module}.{missing}.weight is missing"),
+                    ));
+                }
+            };
+            let (rank, alpha) = settings.rank_and_alpha(&module);
+            if rank > limits.max_rank {
+                return Err(refuse(
+                    "adapter_rank_too_large",
+                    format!("{module}: rank {rank}; the limit is {}", limits.max_rank),
+                ));
+            }
+            let (out, inputs) = target.shape(base);
+            // Both halves in one precision: theirs when they agree, f32 otherwise.
+            let precision = if a.dtype() == b.dtype() {
+                precision_of(a.dtype())
+            } else {
+                Precision::F32
+            };
+            let a = matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
+            let b = matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
+            let scale = if settings.rslora {
+                alpha / (rank as f64).sqrt()
+            } else {
+                alpha / rank as f64
+            };
+            modules.insert(
+                (layer, target),
+                LoraWeights {
+                    rank,
+                    scale: scale as f32,
+                    a,
+                    b,
+                    precision,
+                },
+            );
+        }
+        Ok(Adapter { modules })
+    }
+}
+
+/// Check `adapter_config.json` alone (rank, alpha, targets, patterns), for
+/// uploads that bring the two files one at a time. [`Adapter::parse`] checks
+/// the pair against the base model once both are there.
+pub fn check_config(config: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    Settings::read(config, limits).map(|_| ())
+}
+
+/// Check `adapter_model.safetensors` alone: size limit, a well-formed header
+/// and data, LoRA weight names of the seven projections, finite values.
+pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    check_size(weights, limits)?;
+    let tensors = read_safetensors(weights)?;
+    if tensors.is_empty() {
+        return Err(refuse(
+            "adapter_missing_tensor",
+            "adapter_model.safetensors holds no LoRA weights",
+        ));
+    }
+    for (name, tensor) in tensors.tensors() {
+        parse_key(&name)?;
+        let dims = tensor.shape().to_vec();
+        let [rows, cols] = dims[..] else {
+            return Err(refuse(
+                "adapter_shape_mismatch",
+                format!("{name}: shape {dims:?}; LoRA weights are matrices"),
+            ));
+        };
+        matrix(tensor, (rows, cols), &name)?;
+    }
+    Ok(())
+}
+
+fn check_size(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+    if weights.len() > limits.max_bytes {
+        return Err(refuse(
+            "adapter_too_large",
+            format!(
+                "adapter_model.safetensors is {} bytes; the limit is {}",
+                weights.len(),
+                limits.max_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// What the configuration says, checked.
+struct Settings {
+    rank: usize,
+    alpha: f64,
+    rslora: bool,
+    targets: Vec<Target>,
+    rank_pattern: Vec<(String, usize)>,
+    alpha_pattern: Vec<(String, f64)>,
+}
+
+impl Settings {
+    fn read(config: &[u8], limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let config: ConfigFile = serde_json::from_slice(config)
+            .map_err(|e| refuse("adapter_config_invalid", format!("adapter_config.json: {e}")).in_config())?;
+        Settings::check(&config, limits).map_err(AdapterError::in_config)
+    }
+
+    fn check(config: &ConfigFile, limits: AdapterLimits) -> Result<Self, AdapterError> {
+        let invalid = |m: String| refuse("adapter_config_invalid", m);
+        refuse_unserved_options(config)?;
+        let rank = config
+            .r
+            .filter(|r| *r > 0)
+            .ok_or_else(|| invalid("r: a positive rank is required".into()))?;
+        if rank > limits.max_rank {
+            return Err(refuse(
+                "adapter_rank_too_large",
+                format!("r: rank {rank}; the limit is {}", limits.max_rank),
+            ));
+        }
+        let alpha = config
+            .lora_alpha
+            .filter(|a| a.is_finite())
+            .ok_or_else(|| invalid("lora_alpha: a number is required".into()))?;
+        Ok(Settings {
+            rank,
+            alpha,
+            rslora: config.use_rslora,
+            targets: targets(config)?,
+            rank_pattern: pattern("rank_pattern", &config.rank_pattern)?,
+            alpha_pattern: pattern("alpha_pattern", &config.alpha_pattern)?,
+        })
+    }
+
+    /// Rank and alpha for `module` (`model.layers.3.self_attn.q_proj`): a
+    /// pattern key applies when it is the module's name or a dotted suffix of
+    /// it, as PEFT matches them; the longest such key wins.
+    fn rank_and_alpha(&self, module: &str) -> (usize, f64) {
+        fn lookup<T: Copy>(pattern: &[(String, T)], module: &str) -> Option<T> {
+            pattern
+                .iter()
+                .filter(|(key, _)| module == key || module.ends_with(&format!(".{key}")))
+                .max_by_key(|(key, _)| key.len())
+                .map(|(_, v)| *v)
+        }
+        (
+            lookup(&self.rank_pattern, module).unwrap_or(self.rank),
+            lookup(&self.alpha_pattern, module).unwrap_or(self.alpha),
+        )
+    }
+}
+
+/// PEFT's options whose adapters Lorry does not serve.
+fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
+    let unsupported = |m: String| Err(refuse("adapter_unsupported", m));
+    match config.peft_type.as_deref() {
+        None | Some("LORA") => {}
+        Some(other) => return unsupported(format!("peft_type {other}: only LORA adapters are served")),
+    }
+    if config.use_dora {
+        return unsupported("use_dora: DoRA adapters are not served".into());
+    }
+    if config.fan_in_fan_out {
+        return unsupported("fan_in_fan_out: Llama-family projections are not Conv1D".into());
+    }
+    if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
+        return unsupported(format!("bias {bias}: adapters that train biases are not served"));
+    }
+    if config
+        .modules_to_save
+        .as_ref()
+        .is_some_and(|m| !m.is_null() && m.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return unsupported("modules_to_save: only LoRA weights are served".into());
+    }
+    Ok(())
+}
+
+/// `target_modules`: a list of the seven projections' names, or `all-linear`.
+fn targets(config: &ConfigFile) -> Result<Vec<Target>, AdapterError> {
+    let invalid = |m: &str| refuse("adapter_config_invalid", m);
+    let names: Vec<String> = match &config.target_modules {
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .ok_or_else(|| invalid("target_modules: a list of module names"))?,
+        Some(serde_json::Value::String(s)) if s == "all-linear" => {
+            Target::ALL.iter().map(|t| t.name().to_string()).collect()
+        }
+        Some(serde_json::Value::String(s)) => {
+            return Err(refuse(
+                "adapter_unsupported",
+                format!("target_modules {s:?}: a regular expression; list the module names instead"),
+            ))
+        }
+        _ => return Err(invalid("target_modules: a list of module names is required")),
+    };
+    names
+        .iter()
+        .map(|n| {
+            Target::parse(n).ok_or_else(|| {
+                refuse(
+                    "adapter_unknown_target",
+                    format!(
+                        "target_modules: {n} is not one of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// `rank_pattern` or `alpha_pattern`, keyed by dotted module names (PEFT's
+/// regular-expression keys are refused).
+fn pattern<T: Copy>(field: &str, entries: &BTreeMap<String, T>) -> Result<Vec<(String, T)>, AdapterError> {
+    entries
+        .iter()
+        .map(|(key, value)| {
+            if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
+                Ok((key.clone(), *value))
+            } else {
+                Err(refuse(
+                    "adapter_unsupported",
+                    format!("{field}: key {key:?} is a regular expression; name modules by their dotted names"),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// `base_model.model.model.layers.N.<block>.<target>.lora_{A,B}.weight` →
+/// (N, target, 'A' | 'B').
+fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
+    let unexpected = || {
+        refuse(
+            "adapter_unsupported",
+            format!("{name}: not a LoRA weight of a Llama-family projection"),
+        )
+    };
+    let rest = name
+        .strip_prefix("base_model.model.model.layers.")
+        .ok_or_else(unexpected)?;
+    let parts: Vec<&str> = rest.split('.').collect();
+    let [layer, block, module, matrix, "weight"] = parts.as_slice() else {
+        return Err(unexpected());
+    };
+    let layer: usize = layer.parse().map_err(|_| unexpected())?;
+    let target = Target::parse(module).ok_or_else(|| {
+        refuse(
+            "adapter_unknown_target",
+            format!("{name}: {module} is not one of the seven projections"),
+        )
+    })?;
+    if *block != target.block() {
+        return Err(unexpected());
+    }
+    let matrix = match *matrix {
+        "lora_A" => 'A',
+        "lora_B" => 'B',
+        _ => return Err(unexpected()),
+    };
+    Ok((layer, target, matrix))
+}
+
+/// A safetensors file's header and data, checked for consistency.
+fn read_safetensors(weights: &[u8]) -> Result<SafeTensors<'_>, AdapterError> {
+    SafeTensors::deserialize(weights)
+        .map_err(|e| refuse("adapter_weights_invalid", format!("adapter_model.safetensors: {e}")))
+}
+
+/// The precision weights of `dtype` are kept in: their own where it is one of
+/// the three, f32 otherwise.
+fn precision_of(dtype: Dtype) -> Precision {
+    match dtype {
+        Dtype::F16 => Precision::F16,
+        Dtype::BF16 => Precision::Bf16,
+        _ => Precision::F32,
+    }
+}
+
+/// A tensor of `shape` as f32 values, every one finite.
+fn matrix(tensor: TensorView<'_>, shape: (usize, usize), name: &str) -> Result<Vec<f32>, AdapterError> {
+    if tensor.shape() != [shape.0, shape.1] {
+        return Err(refuse(
+            "adapter_shape_mismatch",
+            format!(
+                "{name}: shape {:?}, the base model needs {:?}",
+                tensor.shape(),
+                [shape.0, shape.1]
+            ),
+        ));
+    }
+    let bytes = tensor.data();
+    let values: Vec<f32> = match tensor.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(refuse(
+                "adapter_weights_invalid",
+                format!("{name}: {other:?} weights; f32, f16 or bf16 are served"),
+            ))
+        }
+    };
+    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+        return Err(refuse(
+            "adapter_nonfinite",
+            format!("{name}: element {at} is {}", values[at]),
+        ));
+    }
+    Ok(values)
+}
