@@ -25,6 +25,7 @@ use lorry_batcher::objects::adapter_key;
 use lorry_batcher::store::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter, NewRequest};
 use lorry_protocol::input::Fields;
 use lorry_protocol::lora::{self, Adapter, AdapterError};
+use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -49,7 +50,7 @@ fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
         Ok(())
     } else {
         Err(ApiError::invalid(
-            "invalid_adapter_name",
+            ErrorCode::InvalidAdapterName,
             param,
             format!("a name is 1 to {MAX_NAME} characters of letters, digits, '.', '_' and '-'"),
         ))
@@ -59,7 +60,7 @@ fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
 fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
     if description.len() > MAX_DESCRIPTION {
         return Err(ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             param,
             format!("description holds at most {MAX_DESCRIPTION} bytes"),
         ));
@@ -72,7 +73,7 @@ fn check_model(state: &AppState, model: &str, param: &str) -> Result<(), ApiErro
     crate::submit::model(state, model, param)?;
     if state.catalog.adapter_base(model).is_none() {
         return Err(ApiError::invalid(
-            "adapters_not_supported",
+            ErrorCode::AdaptersNotSupported,
             param,
             format!("model {model} does not take LoRA adapters"),
         ));
@@ -82,12 +83,8 @@ fn check_model(state: &AppState, model: &str, param: &str) -> Result<(), ApiErro
 
 /// An adapter refused by the checks, as a 4xx naming the file at fault.
 fn refused(error: AdapterError, config_param: &str, weights_param: &str) -> ApiError {
-    let status = match error.code {
-        "adapter_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
-        _ => StatusCode::BAD_REQUEST,
-    };
     let param = if error.in_config { config_param } else { weights_param };
-    ApiError::new(status, error.code, error.message).with_param(param)
+    ApiError::invalid(error.code, param, error.message)
 }
 
 /// Check the pair against the base model (off the async runtime: it reads every weight).
@@ -99,7 +96,7 @@ async fn check_pair(
 ) -> Result<Result<AdapterSummary, AdapterError>, ApiError> {
     let base = state.catalog.adapter_base(model).cloned().ok_or_else(|| {
         ApiError::invalid(
-            "adapters_not_supported",
+            ErrorCode::AdaptersNotSupported,
             "model",
             format!("model {model} does not take LoRA adapters"),
         )
@@ -112,19 +109,15 @@ async fn check_pair(
         })
     })
     .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))?;
+    .map_err(|e| ApiError::new(ErrorCode::InternalError, e.to_string()))?;
     Ok(checked)
 }
 
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "adapter_too_large",
-            "the upload is over the adapter size limit",
-        )
+        ApiError::new(ErrorCode::AdapterTooLarge, "the upload is over the adapter size limit")
     } else {
-        ApiError::invalid("invalid_multipart", "", error.body_text())
+        ApiError::invalid(ErrorCode::InvalidMultipart, "", error.body_text())
     }
 }
 
@@ -135,7 +128,7 @@ async fn parts(mut multipart: Multipart, allowed: &[&str]) -> Result<HashMap<Str
         let name = field.name().unwrap_or_default().to_string();
         if !allowed.contains(&name.as_str()) {
             return Err(ApiError::invalid(
-                "unknown_field",
+                ErrorCode::UnknownField,
                 name.clone(),
                 format!("unknown field {name:?}; the fields are {}", allowed.join(", ")),
             ));
@@ -143,7 +136,7 @@ async fn parts(mut multipart: Multipart, allowed: &[&str]) -> Result<HashMap<Str
         let data = field.bytes().await.map_err(multipart_error)?;
         if parts.insert(name.clone(), data).is_some() {
             return Err(ApiError::invalid(
-                "duplicate_field",
+                ErrorCode::DuplicateField,
                 name.clone(),
                 format!("{name} is given more than once"),
             ));
@@ -157,7 +150,7 @@ fn text_part(parts: &HashMap<String, Bytes>, name: &str) -> Result<Option<String
         .get(name)
         .map(|bytes| {
             String::from_utf8(bytes.to_vec())
-                .map_err(|_| ApiError::invalid("invalid_type", name, format!("{name} must be UTF-8 text")))
+                .map_err(|_| ApiError::invalid(ErrorCode::InvalidType, name, format!("{name} must be UTF-8 text")))
         })
         .transpose()
 }
@@ -165,7 +158,7 @@ fn text_part(parts: &HashMap<String, Bytes>, name: &str) -> Result<Option<String
 fn config_size(config: &Bytes, param: &str) -> Result<(), ApiError> {
     if config.len() > MAX_CONFIG_BYTES {
         return Err(ApiError::invalid(
-            "adapter_config_invalid",
+            ErrorCode::AdapterConfigInvalid,
             param,
             format!("{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes"),
         ));
@@ -216,7 +209,7 @@ fn asset_key(asset: &AdapterAsset) -> String {
 }
 
 fn adapter_not_found(param: &str) -> ApiError {
-    ApiError::not_found("adapter_not_found", param, "adapter")
+    ApiError::not_found(ErrorCode::AdapterNotFound, param, "adapter")
 }
 
 /// The account's adapter named by a path segment (id or name), or 404 naming `param`.
@@ -241,15 +234,19 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let parts = parts(multipart, &["model", "name", "description", "config", "weights"]).await?;
     let model = text_part(&parts, "model")?
-        .ok_or_else(|| ApiError::invalid("missing_field", "model", "model names the base model"))?;
-    let name =
-        text_part(&parts, "name")?.ok_or_else(|| ApiError::invalid("missing_field", "name", "name is required"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "model", "model names the base model"))?;
+    let name = text_part(&parts, "name")?
+        .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "name", "name is required"))?;
     let description = text_part(&parts, "description")?.unwrap_or_default();
     check_model(&state, &model, "model")?;
     check_name(&name, "name")?;
     check_description(&description, "description")?;
     let missing = |param: &str, file: &str| {
-        ApiError::invalid("adapter_missing_file", param, format!("{param} must carry {file}"))
+        ApiError::invalid(
+            ErrorCode::AdapterMissingFile,
+            param,
+            format!("{param} must carry {file}"),
+        )
     };
     let config = parts
         .get("config")
@@ -297,8 +294,7 @@ pub async fn create(
 
 fn name_taken(name: &str) -> ApiError {
     ApiError::new(
-        StatusCode::CONFLICT,
-        "adapter_name_taken",
+        ErrorCode::AdapterNameTaken,
         format!("this account already has an adapter named {name}"),
     )
     .with_param("name")
@@ -350,7 +346,7 @@ fn envelope(result: Value) -> Json<Value> {
 
 fn owner(account: &AccountId, account_id: &str) -> Result<(), ApiError> {
     if account.0 != account_id {
-        return Err(ApiError::not_found("account_not_found", "account_id", "account"));
+        return Err(ApiError::not_found(ErrorCode::AccountNotFound, "account_id", "account"));
     }
     Ok(())
 }
@@ -424,11 +420,14 @@ pub async fn upload_asset(
     let record = owned_adapter(&state, &account.id, &finetune, "finetune_id").await?;
     let parts = parts(multipart, &["file_name", "file"]).await?;
     let file_name = text_part(&parts, "file_name")?
-        .ok_or_else(|| ApiError::invalid("missing_field", "file_name", "file_name is required"))?;
-    let data = parts
-        .get("file")
-        .cloned()
-        .ok_or_else(|| ApiError::invalid("adapter_missing_file", "file", format!("file must carry {file_name}")))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "file_name", "file_name is required"))?;
+    let data = parts.get("file").cloned().ok_or_else(|| {
+        ApiError::invalid(
+            ErrorCode::AdapterMissingFile,
+            "file",
+            format!("file must carry {file_name}"),
+        )
+    })?;
     let (config, weights) = asset_and_partner(&state, &record, &file_name, &data).await?;
     let summary = match (config, weights) {
         (Some(config), Some(weights)) => Some(
@@ -488,7 +487,7 @@ async fn asset_and_partner(
                 let data = data.clone();
                 tokio::task::spawn_blocking(move || lora::check_weights(&data, limits))
                     .await
-                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))?
+                    .map_err(|e| ApiError::new(ErrorCode::InternalError, e.to_string()))?
             };
             checked.map_err(|e| refused(e, "file", "file"))?;
             let config = match &record.config_key {
@@ -499,7 +498,7 @@ async fn asset_and_partner(
         }
         other => {
             return Err(ApiError::invalid(
-                "invalid_file_name",
+                ErrorCode::InvalidFileName,
                 "file_name",
                 format!("file_name {other:?} is neither {CONFIG_FILE} nor {WEIGHTS_FILE}"),
             ))
@@ -540,23 +539,21 @@ pub async fn resolve(
 ) -> Result<AdapterId, ApiError> {
     let record = state.store.find_adapter(account, reference).await?.ok_or_else(|| {
         ApiError::new(
-            StatusCode::NOT_FOUND,
-            "adapter_not_found",
+            ErrorCode::AdapterNotFound,
             format!("no adapter {reference:?} in this account"),
         )
         .with_param(param)
     })?;
     if record.model != model {
         return Err(ApiError::invalid(
-            "adapter_model_mismatch",
+            ErrorCode::AdapterModelMismatch,
             param,
             format!("adapter {reference} adapts {}, not {model}", record.model),
         ));
     }
     if !record.ready {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "adapter_not_ready",
+            ErrorCode::AdapterNotReady,
             format!("adapter {reference} is missing a file; upload {CONFIG_FILE} and {WEIGHTS_FILE}"),
         )
         .with_param(param));

@@ -11,6 +11,7 @@ use lorry_batcher::model::{Batch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
 use lorry_batcher::store::NewBatch;
 use lorry_protocol::input::Fields;
+use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated, JsonBody};
@@ -39,7 +40,7 @@ pub async fn owned_batch(
     raw_id: &str,
     param: &str,
 ) -> Result<Batch, ApiError> {
-    let missing = || ApiError::not_found("batch_not_found", param, "batch");
+    let missing = || ApiError::not_found(ErrorCode::BatchNotFound, param, "batch");
     let id = BatchId::parse(raw_id).ok_or_else(missing)?;
     state.store.batch(&account.0.id, &id).await?.ok_or_else(missing)
 }
@@ -83,7 +84,7 @@ async fn inline(
     let model_name: String = f.required("model", "a string")?;
     let requests = f
         .raw("requests")
-        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "requests is required"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "requests", "requests is required"))?;
     let items = native_items(requests)?;
     let options = Options {
         completion_window: f.optional("completion_window", "a string")?,
@@ -97,7 +98,7 @@ async fn inline(
     let spec = submit::model(state, base, "model")?;
     if default_adapter.is_some() && !spec.takes_adapters() {
         return Err(ApiError::invalid(
-            "adapters_not_supported",
+            ErrorCode::AdaptersNotSupported,
             "model",
             format!("model {base} does not take LoRA adapters"),
         ));
@@ -133,7 +134,7 @@ async fn from_file(
     let endpoint: String = f.required("endpoint", "a string")?;
     let endpoint = Endpoint::from_path(&endpoint).ok_or_else(|| {
         ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "endpoint",
             "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings",
         )
@@ -169,7 +170,7 @@ async fn from_file(
 fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
     let list = requests
         .as_array()
-        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "requests", "requests must be an array"))?;
     list.iter()
         .enumerate()
         .map(|(i, item)| {
@@ -180,7 +181,7 @@ fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
                 .raw("body")
                 .ok_or_else(|| {
                     ApiError::invalid(
-                        "missing_field",
+                        ErrorCode::MissingField,
                         format!("{path}.body"),
                         format!("{path}.body is required"),
                     )
@@ -243,11 +244,10 @@ pub async fn cancel(
         .store
         .cancel_batch(&account.0.id, &batch.id)
         .await?
-        .ok_or_else(|| ApiError::not_found("batch_not_found", "id", "batch"))?;
+        .ok_or_else(|| ApiError::not_found(ErrorCode::BatchNotFound, "id", "batch"))?;
     if batch.status.is_terminal() || batch.status == lorry_batcher::model::BatchStatus::Finalizing {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "batch_not_cancellable",
+            ErrorCode::BatchNotCancellable,
             format!("the batch is {} and can no longer be cancelled", batch.status.as_str()),
         )
         .with_param("id"));

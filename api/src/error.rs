@@ -1,23 +1,86 @@
 //! Errors as clients see them, mapped to HTTP in exactly this one place.
 //!
-//! Every error has a stable `code`, and `param` names the field at fault:
-//! `{"error":{"type","code","message","param"}}`. Internal failures are
-//! logged here and answered with a generic message.
+//! Every error has a stable [`ErrorCode`], and `param` names the field at
+//! fault: `{"error":{"type","code","message","param"}}`. [`status`] is the
+//! one table from codes to HTTP statuses; every error body, the Workers AI
+//! envelope and both streaming shapes' error events are renderings of
+//! [`ApiError`]. Internal failures are logged here and answered with a
+//! generic message.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lorry_batcher::BatcherError;
-use lorry_protocol::InputError;
+use lorry_protocol::{ErrorCode, InputError};
 use serde_json::json;
+
+/// The HTTP status of every code.
+pub fn status(code: ErrorCode) -> StatusCode {
+    use ErrorCode::*;
+    match code {
+        InvalidType
+        | InvalidValue
+        | MissingField
+        | UnknownField
+        | ConflictingFields
+        | OutOfRange
+        | EmptyMessages
+        | EmptyPrompt
+        | ContextLengthExceeded
+        | TemplateError
+        | TokenOutOfVocabulary
+        | UnsupportedParameter
+        | InvalidJson
+        | UnreadableBody
+        | InvalidMultipart
+        | DuplicateField
+        | InvalidRequest
+        | ModelTaskMismatch
+        | AdaptersNotSupported
+        | AdapterModelMismatch
+        | InvalidAdapterName
+        | InvalidFileName
+        | AdapterConfigInvalid
+        | AdapterMissingFile
+        | AdapterMissingTensor
+        | AdapterNonfinite
+        | AdapterRankTooLarge
+        | AdapterShapeMismatch
+        | AdapterUnknownTarget
+        | AdapterUnsupported
+        | AdapterWeightsInvalid
+        | EmptyBatch
+        | TooManyRequests
+        | DuplicateCustomId
+        | InvalidCompletionWindow
+        | InvalidIdempotencyKey
+        | InvalidMetadata
+        | InvalidWebhookUrl
+        | WebhookUrlNotAllowed
+        | EmptyFile
+        | InvalidFile
+        | InvalidFilePurpose
+        | ModelMismatch
+        | EndpointMismatch => StatusCode::BAD_REQUEST,
+        InvalidToken => StatusCode::UNAUTHORIZED,
+        ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound => {
+            StatusCode::NOT_FOUND
+        }
+        AdapterNameTaken | AdapterNotReady | BatchNotCancellable | IdempotencyKeyReused => StatusCode::CONFLICT,
+        BodyTooLarge | AdapterTooLarge | FileTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        RealtimeLaneSaturated => StatusCode::TOO_MANY_REQUESTS,
+        RealtimeTimeout => StatusCode::GATEWAY_TIMEOUT,
+        ServiceUnavailable | EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
+        InferenceFailed | ModelError | DeliveryLimitExceeded | BatchCancelled | BatchExpired => StatusCode::BAD_GATEWAY,
+        InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
 
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
-    /// HTTP status.
-    pub status: StatusCode,
-    /// Stable machine-readable code.
-    pub code: &'static str,
+    /// Stable machine-readable code; it decides the HTTP status.
+    pub code: ErrorCode,
     /// Human-readable message.
     pub message: String,
     /// The field at fault.
@@ -27,20 +90,20 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// An error with a status and code.
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    /// An error with a code.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        let retry_after = matches!(code, ErrorCode::RealtimeLaneSaturated | ErrorCode::ServiceUnavailable).then_some(1);
         ApiError {
-            status,
             code,
             message: message.into(),
             param: None,
-            retry_after: None,
+            retry_after,
         }
     }
 
-    /// A 400 about one field.
-    pub fn invalid(code: &'static str, param: impl Into<String>, message: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, code, message).with_param(param)
+    /// An error about one field.
+    pub fn invalid(code: ErrorCode, param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::new(code, message).with_param(param)
     }
 
     /// Name the field at fault.
@@ -50,13 +113,18 @@ impl ApiError {
     }
 
     /// A 404 for anything the caller may not see or that does not exist.
-    pub fn not_found(code: &'static str, param: &str, what: &str) -> Self {
-        ApiError::new(StatusCode::NOT_FOUND, code, format!("no such {what}")).with_param(param)
+    pub fn not_found(code: ErrorCode, param: &str, what: &str) -> Self {
+        ApiError::new(code, format!("no such {what}")).with_param(param)
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        status(self.code)
     }
 
     /// The error class, as in OpenAI's error shape.
     pub fn kind(&self) -> &'static str {
-        match self.status {
+        match self.status() {
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
@@ -73,7 +141,7 @@ impl ApiError {
 
 impl From<InputError> for ApiError {
     fn from(e: InputError) -> Self {
-        let error = ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message);
+        let error = ApiError::new(e.code, e.message);
         // An empty path is the body itself: no field to name.
         if e.param.is_empty() {
             error
@@ -86,29 +154,20 @@ impl From<InputError> for ApiError {
 impl From<BatcherError> for ApiError {
     fn from(e: BatcherError) -> Self {
         match e {
-            BatcherError::Saturated => {
-                let mut err = ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "realtime_lane_saturated",
-                    "the real-time lane is full; retry shortly or submit a batch",
-                );
-                err.retry_after = Some(1);
-                err
-            }
+            BatcherError::Saturated => ApiError::new(
+                ErrorCode::RealtimeLaneSaturated,
+                "the real-time lane is full; retry shortly or submit a batch",
+            ),
             BatcherError::Timeout(after) => ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "realtime_timeout",
+                ErrorCode::RealtimeTimeout,
                 format!("no worker answered within {}s", after.as_secs()),
             ),
             other => {
                 tracing::error!(error = %other, "internal failure");
-                let mut err = ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
+                ApiError::new(
+                    ErrorCode::ServiceUnavailable,
                     "a backing service is unavailable; retry shortly",
-                );
-                err.retry_after = Some(1);
-                err
+                )
             }
         }
     }
@@ -116,13 +175,32 @@ impl From<BatcherError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status, Json(self.body())).into_response();
+        let body = self.body();
+        self.respond(body)
+    }
+}
+
+impl ApiError {
+    /// `body` with this error's status and `Retry-After`.
+    fn respond(&self, body: serde_json::Value) -> Response {
+        let mut response = (self.status(), Json(body)).into_response();
         if let Some(secs) = self.retry_after {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
+    }
+
+    /// The Workers AI envelope: the `error` object plus Cloudflare's
+    /// `success`/`errors`/`messages`/`result` fields.
+    pub fn cloudflare_body(&self) -> serde_json::Value {
+        let mut body = self.body();
+        body["success"] = json!(false);
+        body["result"] = serde_json::Value::Null;
+        body["messages"] = json!([]);
+        body["errors"] = json!([{"code": self.status().as_u16() as u32 * 10, "message": format!("{}: {}", self.code, self.message)}]);
+        body
     }
 }
 
@@ -150,19 +228,143 @@ impl From<InputError> for CloudflareError {
 
 impl IntoResponse for CloudflareError {
     fn into_response(self) -> Response {
-        let e = self.0;
-        let mut body = e.body();
-        body["success"] = json!(false);
-        body["result"] = serde_json::Value::Null;
-        body["messages"] = json!([]);
-        body["errors"] =
-            json!([{"code": e.status.as_u16() as u32 * 10, "message": format!("{}: {}", e.code, e.message)}]);
-        let mut response = (e.status, Json(body)).into_response();
-        if let Some(secs) = e.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        let body = self.0.cloudflare_body();
+        self.0.respond(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code's status, written out apart from [`status`] so that a
+    /// change to the table is a change to this pin too.
+    const PINNED: &[(u16, &[&str])] = &[
+        (
+            400,
+            &[
+                "invalid_type",
+                "invalid_value",
+                "missing_field",
+                "unknown_field",
+                "conflicting_fields",
+                "out_of_range",
+                "empty_messages",
+                "empty_prompt",
+                "context_length_exceeded",
+                "template_error",
+                "token_out_of_vocabulary",
+                "unsupported_parameter",
+                "invalid_json",
+                "unreadable_body",
+                "invalid_multipart",
+                "duplicate_field",
+                "invalid_request",
+                "model_task_mismatch",
+                "adapters_not_supported",
+                "adapter_model_mismatch",
+                "invalid_adapter_name",
+                "invalid_file_name",
+                "adapter_config_invalid",
+                "adapter_missing_file",
+                "adapter_missing_tensor",
+                "adapter_nonfinite",
+                "adapter_rank_too_large",
+                "adapter_shape_mismatch",
+                "adapter_unknown_target",
+                "adapter_unsupported",
+                "adapter_weights_invalid",
+                "empty_batch",
+                "too_many_requests",
+                "duplicate_custom_id",
+                "invalid_completion_window",
+                "invalid_idempotency_key",
+                "invalid_metadata",
+                "invalid_webhook_url",
+                "webhook_url_not_allowed",
+                "empty_file",
+                "invalid_file",
+                "invalid_file_purpose",
+                "model_mismatch",
+                "endpoint_mismatch",
+            ],
+        ),
+        (401, &["invalid_token"]),
+        (
+            404,
+            &[
+                "model_not_found",
+                "adapter_not_found",
+                "batch_not_found",
+                "file_not_found",
+                "account_not_found",
+                "route_not_found",
+            ],
+        ),
+        (
+            409,
+            &[
+                "adapter_name_taken",
+                "adapter_not_ready",
+                "batch_not_cancellable",
+                "idempotency_key_reused",
+            ],
+        ),
+        (413, &["body_too_large", "adapter_too_large", "file_too_large"]),
+        (429, &["realtime_lane_saturated"]),
+        (500, &["internal_error"]),
+        (
+            502,
+            &[
+                "inference_failed",
+                "model_error",
+                "delivery_limit_exceeded",
+                "batch_cancelled",
+                "batch_expired",
+            ],
+        ),
+        (503, &["service_unavailable", "engine_stopped"]),
+        (504, &["realtime_timeout"]),
+    ];
+
+    #[test]
+    fn every_code_has_its_pinned_status_and_renders_one_body() {
+        let mut pinned = 0;
+        for &(want, codes) in PINNED {
+            for &text in codes {
+                let code = ErrorCode::parse(text).unwrap_or_else(|| panic!("{text} is not a code"));
+                let error = ApiError::invalid(code, "field", "what went wrong");
+                assert_eq!(error.status().as_u16(), want, "{text}");
+                let body = error.body();
+                assert_eq!(body["error"]["code"], text);
+                assert_eq!(body["error"]["param"], "field");
+                assert_eq!(body["error"]["message"], "what went wrong");
+                let kind = match want {
+                    401 => "authentication_error",
+                    404 => "not_found_error",
+                    429 => "rate_limit_error",
+                    500.. => "api_error",
+                    _ => "invalid_request_error",
+                };
+                assert_eq!(body["error"]["type"], kind, "{text}");
+                let envelope = error.cloudflare_body();
+                assert_eq!(envelope["error"], body["error"]);
+                assert_eq!(envelope["success"], false);
+                assert_eq!(envelope["errors"][0]["code"], u32::from(want) * 10);
+                let retry = matches!(text, "realtime_lane_saturated" | "service_unavailable");
+                assert_eq!(error.retry_after.is_some(), retry, "{text}");
+                pinned += 1;
+            }
         }
-        response
+        assert_eq!(pinned, ErrorCode::ALL.len(), "every code is pinned once");
+    }
+
+    #[test]
+    fn a_response_carries_the_status_and_retry_after() {
+        let response = ApiError::new(ErrorCode::RealtimeLaneSaturated, "full").into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        let response = CloudflareError(ApiError::new(ErrorCode::BatchNotFound, "no")).into_response();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
     }
 }

@@ -5,6 +5,7 @@ use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use lorry_batcher::store::Account;
+use lorry_protocol::ErrorCode;
 use serde_json::Value;
 
 use crate::{ApiError, AppState};
@@ -16,7 +17,7 @@ impl FromRequestParts<AppState> for Authenticated {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let unauthorized = |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", message);
+        let unauthorized = |message: &str| ApiError::new(ErrorCode::InvalidToken, message);
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
@@ -46,22 +47,13 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let raw = Bytes::from_request(req, state).await.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    "the request body is over the limit",
-                )
+                ApiError::new(ErrorCode::BodyTooLarge, "the request body is over the limit")
             } else {
-                ApiError::new(rejection.status(), "unreadable_body", rejection.body_text())
+                ApiError::new(ErrorCode::UnreadableBody, rejection.body_text())
             }
         })?;
-        let value = serde_json::from_slice(&raw).map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_json",
-                format!("the body is not valid JSON: {e}"),
-            )
-        })?;
+        let value = serde_json::from_slice(&raw)
+            .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("the body is not valid JSON: {e}")))?;
         Ok(JsonBody { value, raw })
     }
 }
@@ -83,7 +75,7 @@ pub fn page<T>(
             .filter(|n| (1..=max).contains(n))
             .ok_or_else(|| {
                 ApiError::invalid(
-                    "invalid_value",
+                    ErrorCode::InvalidValue,
                     "limit",
                     format!("limit must be an integer from 1 to {max}"),
                 )
@@ -92,7 +84,8 @@ pub fn page<T>(
     let after = match query.get("after") {
         None => None,
         Some(raw) => Some(
-            parse(raw).ok_or_else(|| ApiError::invalid("invalid_value", "after", format!("after must be {what}")))?,
+            parse(raw)
+                .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidValue, "after", format!("after must be {what}")))?,
         ),
     };
     Ok((limit, after))

@@ -17,6 +17,7 @@ use lorry_batcher::ids::{AccountId, FileId};
 use lorry_batcher::openai::Endpoint;
 use lorry_batcher::store::{FileRecord, NewFile};
 use lorry_protocol::input::Fields;
+use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated};
@@ -46,7 +47,7 @@ fn line_error(number: usize, error: ApiError) -> ApiError {
     } else {
         format!("line {number}: {field}")
     };
-    let mut refused = ApiError::new(error.status, error.code, format!("{at}: {}", error.message));
+    let mut refused = ApiError::new(error.code, format!("{at}: {}", error.message));
     refused.param = Some(format!(
         "file.line[{number}]{}{field}",
         if field.is_empty() { "" } else { "." }
@@ -57,7 +58,7 @@ fn line_error(number: usize, error: ApiError) -> ApiError {
 /// Check every line of a batch input file; the first bad line is refused, named.
 pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError> {
     let text = std::str::from_utf8(bytes)
-        .map_err(|_| ApiError::invalid("invalid_file", "file", "the file must be UTF-8 JSON lines"))?;
+        .map_err(|_| ApiError::invalid(ErrorCode::InvalidFile, "file", "the file must be UTF-8 JSON lines"))?;
     let mut lines = Vec::new();
     let mut seen = HashSet::new();
     for (i, raw) in text.lines().enumerate() {
@@ -67,7 +68,7 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
         }
         if lines.len() == state.config.max_requests {
             return Err(ApiError::invalid(
-                "too_many_requests",
+                ErrorCode::TooManyRequests,
                 "file",
                 format!("a batch file holds at most {} requests", state.config.max_requests),
             ));
@@ -75,7 +76,7 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
         let value: Value = serde_json::from_str(raw).map_err(|e| {
             line_error(
                 number,
-                ApiError::invalid("invalid_json", "", format!("not valid JSON: {e}")),
+                ApiError::invalid(ErrorCode::InvalidJson, "", format!("not valid JSON: {e}")),
             )
         })?;
         let line = read_line(state, &value).map_err(|e| line_error(number, e))?;
@@ -84,7 +85,7 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
             return Err(line_error(
                 number,
                 ApiError::invalid(
-                    "duplicate_custom_id",
+                    ErrorCode::DuplicateCustomId,
                     "custom_id",
                     format!("custom_id {custom_id:?} appears more than once"),
                 ),
@@ -98,7 +99,11 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
         });
     }
     if lines.is_empty() {
-        return Err(ApiError::invalid("empty_file", "file", "the file holds no requests"));
+        return Err(ApiError::invalid(
+            ErrorCode::EmptyFile,
+            "file",
+            "the file holds no requests",
+        ));
     }
     Ok(lines)
 }
@@ -108,26 +113,30 @@ fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Trans
     let custom_id: String = f.required("custom_id", "a string")?;
     if custom_id.is_empty() || custom_id.len() > MAX_CUSTOM_ID {
         return Err(ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "custom_id",
             format!("custom_id must be 1 to {MAX_CUSTOM_ID} characters"),
         ));
     }
     let method: String = f.required("method", "a string")?;
     if method != "POST" {
-        return Err(ApiError::invalid("invalid_value", "method", "method must be POST"));
+        return Err(ApiError::invalid(
+            ErrorCode::InvalidValue,
+            "method",
+            "method must be POST",
+        ));
     }
     let url: String = f.required("url", "a string")?;
     let endpoint = Endpoint::from_path(&url).ok_or_else(|| {
         ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "url",
             "url must be /v1/chat/completions, /v1/completions or /v1/embeddings",
         )
     })?;
     let body = f
         .raw("body")
-        .ok_or_else(|| ApiError::invalid("missing_field", "body", "body is required"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "body", "body is required"))?;
     f.deny_unknown()?;
     let request = translate(state, endpoint, body).map_err(|e| {
         let field = e.param.clone().unwrap_or_default();
@@ -141,7 +150,7 @@ fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Trans
     })?;
     if request.stream {
         return Err(ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "body.stream",
             "a batch request cannot stream",
         ));
@@ -160,7 +169,7 @@ pub async fn batch_items(
     let file = owned_file(state, account, file_id, "input_file_id").await?;
     if file.purpose != "batch" {
         return Err(ApiError::invalid(
-            "invalid_file_purpose",
+            ErrorCode::InvalidFilePurpose,
             "input_file_id",
             "the input file must have been uploaded with purpose=batch",
         ));
@@ -173,7 +182,7 @@ pub async fn batch_items(
         let path = format!("input_file_id.line[{}]", line.number);
         if line.endpoint != endpoint {
             return Err(ApiError::invalid(
-                "endpoint_mismatch",
+                ErrorCode::EndpointMismatch,
                 format!("{path}.url"),
                 format!(
                     "line {}: url must be the batch's endpoint {}",
@@ -184,7 +193,7 @@ pub async fn batch_items(
         }
         if line.request.requested != first.requested {
             return Err(ApiError::invalid(
-                "model_mismatch",
+                ErrorCode::ModelMismatch,
                 format!("{path}.body.model"),
                 format!(
                     "line {}: every line of a batch must name the same model ({})",
@@ -209,21 +218,16 @@ pub async fn owned_file(
     raw_id: &str,
     param: &str,
 ) -> Result<FileRecord, ApiError> {
-    let missing = || ApiError::not_found("file_not_found", param, "file");
+    let missing = || ApiError::not_found(ErrorCode::FileNotFound, param, "file");
     let id = FileId::parse(raw_id).ok_or_else(missing)?;
     state.store.file(account, &id).await?.ok_or_else(missing)
 }
 
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "file_too_large",
-            "the file is over the size limit",
-        )
-        .with_param("file")
+        ApiError::new(ErrorCode::FileTooLarge, "the file is over the size limit").with_param("file")
     } else {
-        ApiError::invalid("invalid_multipart", "", error.body_text())
+        ApiError::invalid(ErrorCode::InvalidMultipart, "", error.body_text())
     }
 }
 
@@ -248,14 +252,14 @@ pub async fn create(
             }
             "purpose" | "file" => {
                 return Err(ApiError::invalid(
-                    "duplicate_field",
+                    ErrorCode::DuplicateField,
                     name.clone(),
                     format!("{name} is given more than once"),
                 ))
             }
             _ => {
                 return Err(ApiError::invalid(
-                    "unknown_field",
+                    ErrorCode::UnknownField,
                     name.clone(),
                     format!("unknown field {name:?}; the fields are purpose and file"),
                 ))
@@ -264,19 +268,26 @@ pub async fn create(
     }
     match purpose.as_deref() {
         Some("batch") => {}
-        None => return Err(ApiError::invalid("missing_field", "purpose", "purpose is required")),
+        None => {
+            return Err(ApiError::invalid(
+                ErrorCode::MissingField,
+                "purpose",
+                "purpose is required",
+            ))
+        }
         Some(_) => {
             return Err(ApiError::invalid(
-                "invalid_value",
+                ErrorCode::InvalidValue,
                 "purpose",
                 "purpose must be batch: files here are batch input",
             ))
         }
     }
-    let (filename, bytes) = file.ok_or_else(|| ApiError::invalid("missing_field", "file", "file is required"))?;
+    let (filename, bytes) =
+        file.ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "file", "file is required"))?;
     if filename.is_empty() || filename.len() > 255 || filename.contains(['/', '\\']) {
         return Err(ApiError::invalid(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "file",
             "the file name must be 1 to 255 characters without slashes",
         ));
@@ -357,7 +368,7 @@ pub async fn delete(
         .store
         .delete_file(&account.id, &file.id)
         .await?
-        .ok_or_else(|| ApiError::not_found("file_not_found", "file_id", "file"))?;
+        .ok_or_else(|| ApiError::not_found(ErrorCode::FileNotFound, "file_id", "file"))?;
     if let Err(e) = state.objects.delete(&deleted.object_key).await {
         tracing::warn!(file = %deleted.id, error = %e, "could not delete a file's bytes");
     }

@@ -9,6 +9,7 @@ use lorry_batcher::ids::AccountId;
 use lorry_batcher::realtime::{RealtimeClient, Reply, RtRequest};
 use lorry_batcher::store::NewRequest;
 use lorry_batcher::BatcherError;
+use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, ValidRequest};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -65,7 +66,7 @@ impl Call {
                 }
             }
             Err(engine_failure(
-                "engine_stopped".into(),
+                ErrorCode::EngineStopped,
                 "the worker went away".into(),
                 None,
             ))
@@ -126,16 +127,11 @@ impl Drop for Pending {
 }
 
 /// A bad input found by the model (a prompt too long for it, say) is the
-/// client's 400 naming the field; anything else is a 502 carrying the engine's code.
-pub fn engine_failure(code: String, message: String, param: Option<String>) -> ApiError {
-    if let Some(param) = param {
-        return ApiError::from(lorry_protocol::InputError {
-            code: lorry_protocol::input::input_code(&code),
-            param,
-            message,
-        });
+/// client's error naming the field; anything else is `inference_failed`,
+/// whose message carries the engine's code.
+pub fn engine_failure(code: ErrorCode, message: String, param: Option<String>) -> ApiError {
+    match param {
+        Some(param) => ApiError::invalid(code, param, message),
+        None => ApiError::new(ErrorCode::InferenceFailed, format!("{code}: {message}")),
     }
-    let mut error = ApiError::new(axum::http::StatusCode::BAD_GATEWAY, "inference_failed", message);
-    error.param = Some(code);
-    error
 }

@@ -30,6 +30,7 @@ use lorry_batcher::realtime::RealtimeClient;
 use lorry_batcher::store::Store;
 use lorry_protocol::lora::AdapterLimits;
 use lorry_protocol::Catalog;
+use lorry_protocol::ErrorCode;
 
 pub use error::ApiError;
 
@@ -116,7 +117,7 @@ pub fn router(state: AppState) -> Router {
             "/client/v4/accounts/{account_id}/ai/run/{*model}",
             post(workers_ai::run),
         )
-        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "route_not_found", "no such route") })
+        .fallback(|| async { ApiError::new(ErrorCode::RouteNotFound, "no such route") })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

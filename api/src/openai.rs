@@ -14,6 +14,7 @@ use futures::stream::{self, StreamExt};
 use lorry_batcher::openai::{answer, Endpoint, Finished};
 use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
+use lorry_protocol::ErrorCode;
 use lorry_protocol::Task;
 use lorry_protocol::{InputError, Output};
 use serde_json::{json, Map, Value};
@@ -51,7 +52,7 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
             if endpoint == Endpoint::Chat {
                 let messages = f
                     .raw("messages")
-                    .ok_or_else(|| ApiError::invalid("missing_field", "messages", "messages is required"))?;
+                    .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "messages", "messages is required"))?;
                 draft.input.insert("messages".into(), chat_messages(messages)?);
             } else {
                 completion_prompt(&mut f, &mut draft)?;
@@ -93,11 +94,11 @@ fn check_endpoint(spec: &lorry_protocol::ModelSpec, endpoint: Endpoint, adapter:
             Task::Embeddings => format!("model {base} makes embeddings; use /v1/embeddings"),
             _ => format!("model {base} generates text; use /v1/chat/completions or /v1/completions"),
         };
-        return Err(ApiError::invalid("model_task_mismatch", "model", message));
+        return Err(ApiError::invalid(ErrorCode::ModelTaskMismatch, "model", message));
     }
     if adapter && !spec.takes_adapters() {
         return Err(ApiError::invalid(
-            "adapters_not_supported",
+            ErrorCode::AdaptersNotSupported,
             "model",
             format!("model {base} does not take LoRA adapters"),
         ));
@@ -108,12 +109,12 @@ fn check_endpoint(spec: &lorry_protocol::ModelSpec, endpoint: Endpoint, adapter:
 /// `/v1/embeddings`: `input` (a string or strings), `encoding_format`, `user`.
 fn embeddings_input(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiError> {
     let texts = match f.raw("input") {
-        None => return Err(ApiError::invalid("missing_field", "input", "input is required")),
+        None => return Err(ApiError::invalid(ErrorCode::MissingField, "input", "input is required")),
         Some(Value::String(s)) => json!([s]),
         Some(Value::Array(items)) if items.iter().all(Value::is_string) => Value::Array(items.clone()),
         Some(_) => {
             return Err(ApiError::invalid(
-                "invalid_type",
+                ErrorCode::InvalidType,
                 "input",
                 "input must be a string or an array of strings (token arrays are not taken)",
             ))
@@ -128,7 +129,7 @@ fn embeddings_input(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiErro
         None | Some("float") | Some("base64") => {}
         Some(_) => {
             return Err(ApiError::invalid(
-                "invalid_value",
+                ErrorCode::InvalidValue,
                 "encoding_format",
                 "encoding_format must be \"float\" or \"base64\"",
             ))
@@ -136,7 +137,7 @@ fn embeddings_input(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiErro
     }
     if f.raw("dimensions").is_some() {
         return Err(ApiError::invalid(
-            "unsupported_parameter",
+            ErrorCode::UnsupportedParameter,
             "dimensions",
             "dimensions is not supported: embeddings have the model's own width",
         ));
@@ -155,12 +156,18 @@ fn completion_prompt(f: &mut Fields<'_>, draft: &mut Draft) -> Result<(), ApiErr
         }
         Some(_) => {
             return Err(ApiError::invalid(
-                "invalid_type",
+                ErrorCode::InvalidType,
                 "prompt",
                 "prompt must be a string (or an array of exactly one string)",
             ))
         }
-        None => return Err(ApiError::invalid("missing_field", "prompt", "prompt is required")),
+        None => {
+            return Err(ApiError::invalid(
+                ErrorCode::MissingField,
+                "prompt",
+                "prompt is required",
+            ))
+        }
     };
     draft.input.insert("prompt".into(), Value::String(prompt));
     draft.input.insert("raw".into(), Value::Bool(true));
@@ -189,7 +196,7 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
     match (max_tokens, max_completion) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
-                "conflicting_fields",
+                ErrorCode::ConflictingFields,
                 "max_completion_tokens",
                 "give max_tokens or max_completion_tokens, not both",
             ))
@@ -234,7 +241,7 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
         o.deny_unknown()?;
         if !draft.stream {
             return Err(ApiError::invalid(
-                "invalid_value",
+                ErrorCode::InvalidValue,
                 "stream_options",
                 "stream_options is only allowed with stream: true",
             ));
@@ -245,7 +252,7 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
 }
 
 fn unsupported(param: &str, message: &str) -> ApiError {
-    ApiError::invalid("unsupported_parameter", param, message)
+    ApiError::invalid(ErrorCode::UnsupportedParameter, param, message)
 }
 
 /// An engine error about one of its fields, named as the client spelled it.
@@ -265,7 +272,7 @@ pub fn rename(mut error: InputError, renamed: &[(&str, &str)]) -> InputError {
 fn chat_messages(value: &Value) -> Result<Value, ApiError> {
     let items = value
         .as_array()
-        .ok_or_else(|| ApiError::invalid("invalid_type", "messages", "messages must be an array"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "messages", "messages must be an array"))?;
     let mut out = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let path = format!("messages[{i}]");
@@ -286,7 +293,7 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
                     let kind: String = p.required("type", "a string")?;
                     if kind != "text" {
                         return Err(ApiError::invalid(
-                            "unsupported_parameter",
+                            ErrorCode::UnsupportedParameter,
                             format!("{path}.content[{j}].type"),
                             "only text content parts are supported",
                         ));
@@ -299,7 +306,7 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
             }
             Some(_) => {
                 return Err(ApiError::invalid(
-                    "invalid_type",
+                    ErrorCode::InvalidType,
                     format!("{path}.content"),
                     format!("{path}.content must be a string or an array of text parts"),
                 ))

@@ -4,12 +4,13 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{Batch, Chunk, RequestStatus, Shape, Tally};
 use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
 use lorry_protocol::input::Fields;
+use lorry_protocol::ErrorCode;
 use lorry_protocol::ModelSpec;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
@@ -50,12 +51,7 @@ pub struct Options {
 /// Look a model up, or refuse with 404 naming `param`.
 pub fn model<'a>(state: &'a AppState, name: &str, param: &str) -> Result<&'a ModelSpec, ApiError> {
     state.catalog.get(name).ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "model_not_found",
-            format!("model {name} is not served here"),
-        )
-        .with_param(param)
+        ApiError::new(ErrorCode::ModelNotFound, format!("model {name} is not served here")).with_param(param)
     })
 }
 
@@ -126,14 +122,14 @@ pub fn validate(
 fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Result<Vec<NewRequest>, ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid(
-            "empty_batch",
+            ErrorCode::EmptyBatch,
             "requests",
             "requests must hold at least one request",
         ));
     }
     if items.len() > state.config.max_requests {
         return Err(ApiError::invalid(
-            "too_many_requests",
+            ErrorCode::TooManyRequests,
             "requests",
             format!("a batch holds at most {} requests", state.config.max_requests),
         ));
@@ -145,14 +141,14 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
         if let Some(id) = &item.custom_id {
             if id.is_empty() || id.len() > MAX_CUSTOM_ID {
                 return Err(ApiError::invalid(
-                    "invalid_value",
+                    ErrorCode::InvalidValue,
                     item.custom_id_path,
                     format!("custom_id must be 1 to {MAX_CUSTOM_ID} characters"),
                 ));
             }
             if !seen.insert(id.clone()) {
                 return Err(ApiError::invalid(
-                    "duplicate_custom_id",
+                    ErrorCode::DuplicateCustomId,
                     item.custom_id_path,
                     format!("custom_id {id:?} appears more than once"),
                 ));
@@ -172,8 +168,8 @@ fn allowed_webhook(state: &AppState, url: &str) -> Result<String, ApiError> {
         .map(|u| u.to_string())
         .map_err(|problem| {
             let code = match problem {
-                UrlProblem::Invalid => "invalid_webhook_url",
-                UrlProblem::Private => "webhook_url_not_allowed",
+                UrlProblem::Invalid => ErrorCode::InvalidWebhookUrl,
+                UrlProblem::Private => ErrorCode::WebhookUrlNotAllowed,
             };
             ApiError::invalid(code, "webhook.url", problem.to_string())
         })
@@ -204,7 +200,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     match value.to_str() {
         Ok(key) if !key.is_empty() && key.len() <= MAX_IDEMPOTENCY_KEY => Ok(Some(key.to_string())),
         _ => Err(ApiError::invalid(
-            "invalid_idempotency_key",
+            ErrorCode::InvalidIdempotencyKey,
             "Idempotency-Key",
             format!("the Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters"),
         )),
@@ -215,7 +211,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 pub fn parse_window(raw: &str) -> Result<Duration, ApiError> {
     let bad = || {
         ApiError::invalid(
-            "invalid_completion_window",
+            ErrorCode::InvalidCompletionWindow,
             "completion_window",
             "completion_window must look like 30s, 15m, 24h or 7d, and be at most 7d",
         )
@@ -238,7 +234,7 @@ pub fn parse_window(raw: &str) -> Result<Duration, ApiError> {
 }
 
 fn check_metadata(value: Value) -> Result<Value, ApiError> {
-    let bad = |message: &str| ApiError::invalid("invalid_metadata", "metadata", message);
+    let bad = |message: &str| ApiError::invalid(ErrorCode::InvalidMetadata, "metadata", message);
     let map: Map<String, Value> = match value {
         Value::Object(map) => map,
         _ => return Err(bad("metadata must be an object of strings")),
@@ -296,8 +292,7 @@ pub async fn create(state: &AppState, new: NewBatch) -> Result<(Batch, bool), Ap
             same_request: true,
         } => Ok((batch, false)),
         Created::Existing { .. } => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "idempotency_key_reused",
+            ErrorCode::IdempotencyKeyReused,
             "this Idempotency-Key was used for a different request",
         )
         .with_param("Idempotency-Key")),

@@ -19,6 +19,7 @@ use lorry_batcher::ids::AccountId;
 use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
+use lorry_protocol::ErrorCode;
 use lorry_protocol::Output;
 use serde_json::{json, Value};
 
@@ -42,7 +43,7 @@ pub async fn run(
     body: JsonBody,
 ) -> Result<Response, CloudflareError> {
     if account_id != account.0.id.0 {
-        return Err(ApiError::not_found("account_not_found", "account_id", "account").into());
+        return Err(ApiError::not_found(ErrorCode::AccountNotFound, "account_id", "account").into());
     }
     let model = model.trim_start_matches('/');
     let spec = submit::model(&state, model, "model")?;
@@ -50,13 +51,18 @@ pub async fn run(
         None | Some("false") => false,
         Some("true") => true,
         Some(_) => {
-            return Err(ApiError::invalid("invalid_value", "queueRequest", "queueRequest must be true or false").into())
+            return Err(ApiError::invalid(
+                ErrorCode::InvalidValue,
+                "queueRequest",
+                "queueRequest must be true or false",
+            )
+            .into())
         }
     };
     let object = body
         .value
         .as_object()
-        .ok_or_else(|| ApiError::invalid("invalid_type", "", "the body must be a JSON object"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "", "the body must be a JSON object"))?;
     if object.contains_key("request_id") {
         return poll(&state, &account, &body.value).await;
     }
@@ -64,7 +70,9 @@ pub async fn run(
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => {
-            return Err(ApiError::invalid("invalid_type", "queueRequest", "queueRequest must be a boolean").into())
+            return Err(
+                ApiError::invalid(ErrorCode::InvalidType, "queueRequest", "queueRequest must be a boolean").into(),
+            )
         }
     };
     if queued_in_query || queued_in_body {
@@ -86,12 +94,16 @@ async fn queue(
 ) -> Result<Response, CloudflareError> {
     let mut f = Fields::new(&body.value, "")?;
     f.raw("queueRequest");
-    let requests = f
-        .raw("requests")
-        .ok_or_else(|| ApiError::invalid("missing_field", "requests", "a queued request needs requests: [...]"))?;
+    let requests = f.raw("requests").ok_or_else(|| {
+        ApiError::invalid(
+            ErrorCode::MissingField,
+            "requests",
+            "a queued request needs requests: [...]",
+        )
+    })?;
     let list = requests
         .as_array()
-        .ok_or_else(|| ApiError::invalid("invalid_type", "requests", "requests must be an array"))?;
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "requests", "requests must be an array"))?;
     let options = Options {
         webhook_url: submit::webhook_url(&mut f)?,
         ..Options::default()
@@ -109,7 +121,7 @@ async fn queue(
                 Some(_) => {
                     let param = format!("{path}.external_reference");
                     return Err(ApiError::invalid(
-                        "invalid_type",
+                        ErrorCode::InvalidType,
                         param,
                         "external_reference must be a string",
                     ));
@@ -215,9 +227,10 @@ fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Ev
                 let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
                 vec![Event::default().data(usage), Event::default().data("[DONE]")]
             }
-            Reply::Error { code, message, param } => vec![Event::default()
-                .event("error")
-                .data(json!({"code": code, "message": message, "param": param}).to_string())],
+            Reply::Error { code, message, param } => {
+                let error = lane::engine_failure(code, message, param);
+                vec![Event::default().event("error").data(error.body().to_string())]
+            }
         };
         Some((stream::iter(events), call))
     })

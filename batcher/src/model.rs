@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use lorry_engine::ErrorCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -322,15 +323,18 @@ impl FinishedRequest {
 /// The error written for requests that end without running.
 pub fn unstarted_error(status: RequestStatus) -> RequestError {
     let (code, message) = match status {
-        RequestStatus::Canceled => ("batch_cancelled", "the batch was cancelled before this request started"),
+        RequestStatus::Canceled => (
+            ErrorCode::BatchCancelled,
+            "the batch was cancelled before this request started",
+        ),
         _ => (
-            "batch_expired",
+            ErrorCode::BatchExpired,
             "the completion window passed before this request started",
         ),
     };
     RequestError {
         kind: status.as_str().to_string(),
-        code: code.to_string(),
+        code: code.as_str().to_string(),
         message: message.to_string(),
         retryable: true,
     }

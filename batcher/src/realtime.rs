@@ -10,7 +10,7 @@ use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use lorry_engine::{EngineError, Event, EventStream, Output};
+use lorry_engine::{EngineError, ErrorCode, Event, EventStream, Output};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -49,7 +49,7 @@ pub enum Reply {
     /// The request failed.
     Error {
         /// Stable code.
-        code: String,
+        code: ErrorCode,
         /// Explanation.
         message: String,
         /// The input field at fault, when the request itself was bad.
@@ -60,9 +60,9 @@ pub enum Reply {
 
 impl Reply {
     /// An error reply.
-    pub fn error(code: &str, message: &str) -> Self {
+    pub fn error(code: ErrorCode, message: &str) -> Self {
         Reply::Error {
-            code: code.to_string(),
+            code,
             message: message.to_string(),
             param: None,
         }
@@ -72,7 +72,7 @@ impl Reply {
     pub fn engine_error(error: &EngineError) -> Self {
         match error {
             EngineError::Input(input) => Reply::Error {
-                code: input.code.to_string(),
+                code: input.code,
                 message: input.message.clone(),
                 param: Some(input.param.clone()),
             },
@@ -155,7 +155,9 @@ pub async fn forward(
             return Ok(());
         }
     }
-    reply.send(&Reply::error("engine_stopped", "the engine stopped")).await
+    reply
+        .send(&Reply::error(ErrorCode::EngineStopped, "the engine stopped"))
+        .await
 }
 
 /// What [`forward`] returns once its client has hung up: nothing more to send.

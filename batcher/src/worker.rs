@@ -17,7 +17,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use lorry_engine::{collect, Backend, Catalog, EngineError, EventStream, InputError, Lane, ValidRequest};
+use lorry_engine::{collect, Backend, Catalog, EngineError, ErrorCode, EventStream, InputError, Lane, ValidRequest};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -199,7 +199,7 @@ impl Worker {
         }
         Ok(records[&reference].clone().ok_or_else(|| {
             EngineError::Input(InputError::new(
-                "adapter_not_found",
+                ErrorCode::AdapterNotFound,
                 request.lora_param,
                 format!("adapter {reference} no longer exists"),
             ))
@@ -222,7 +222,7 @@ impl Worker {
     {
         let unsupported = || {
             EngineError::Input(InputError::new(
-                "adapters_not_supported",
+                ErrorCode::AdaptersNotSupported,
                 request.lora_param,
                 format!("model {} does not take LoRA adapters", backend.model()),
             ))
@@ -250,7 +250,7 @@ impl Worker {
     pub async fn process_dead_letter(&self, chunk: &Chunk) -> Result<u64, BatcherError> {
         let error = RequestError {
             kind: "errored".into(),
-            code: "delivery_limit_exceeded".into(),
+            code: ErrorCode::DeliveryLimitExceeded.as_str().into(),
             message: "the request failed on every delivery and was dead-lettered".into(),
             retryable: false,
         };
@@ -431,7 +431,9 @@ impl Worker {
         let request: RtRequest = match serde_json::from_slice(&delivery.data) {
             Ok(r) => r,
             Err(e) => {
-                let _ = reply.send(&Reply::error("malformed_request", &e.to_string())).await;
+                let _ = reply
+                    .send(&Reply::error(ErrorCode::InternalError, &e.to_string()))
+                    .await;
                 return Settle::Ack;
             }
         };
@@ -507,7 +509,7 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
             index,
             result: Err(RequestError {
                 kind: "errored".into(),
-                code: e.code().into(),
+                code: e.code().as_str().into(),
                 message: e.to_string(),
                 retryable: e.retryable(),
             }),

@@ -16,6 +16,7 @@ use crate::models::llama::Llama;
 use crate::models::ModelError;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::EngineError;
+use crate::ErrorCode;
 
 /// A decoder with its tokenizer, template and special tokens; clones share the weights.
 #[derive(Clone)]
@@ -321,20 +322,20 @@ impl TextModel {
                 let vocab = self.model.config().vocab_size;
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::Input(InputError::new(
-                        "invalid_token",
+                        ErrorCode::TokenOutOfVocabulary,
                         "prompt",
                         format!("token {bad} is outside the vocabulary of {vocab}"),
                     )));
                 }
                 ids.clone()
             }
-            _ => self
-                .prompt_ids(&request.prompt, request.raw)
-                .map_err(|e| EngineError::Input(InputError::new("template_error", "messages", e.to_string())))?,
+            _ => self.prompt_ids(&request.prompt, request.raw).map_err(|e| {
+                EngineError::Input(InputError::new(ErrorCode::TemplateError, "messages", e.to_string()))
+            })?,
         };
         if prompt.is_empty() {
             return Err(EngineError::Input(InputError::new(
-                "empty_prompt",
+                ErrorCode::EmptyPrompt,
                 "prompt",
                 "the prompt is empty after tokenisation",
             )));
@@ -342,7 +343,7 @@ impl TextModel {
         let context = context.min(self.model.config().max_position_embeddings);
         if prompt.len() >= context {
             return Err(EngineError::Input(InputError::new(
-                "context_length_exceeded",
+                ErrorCode::ContextLengthExceeded,
                 "prompt",
                 format!(
                     "the prompt has {} tokens; this model serves at most {}",

@@ -30,8 +30,8 @@ use tokio::sync::mpsc;
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    input, AdapterShape, Catalog, Completion, FinishReason, InputError, Lane, ModelSpec, Output, Task, Usage,
-    ValidRequest,
+    input, AdapterShape, Catalog, Completion, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output, Task,
+    Usage, ValidRequest,
 };
 
 /// What a backend reports while serving one request.
@@ -66,11 +66,11 @@ impl EngineError {
     }
 
     /// A stable machine-readable code.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            EngineError::Stopped => "engine_stopped",
+            EngineError::Stopped => ErrorCode::EngineStopped,
             EngineError::Input(e) => e.code,
-            EngineError::Model(_) => "model_error",
+            EngineError::Model(_) => ErrorCode::ModelError,
         }
     }
 }
@@ -105,7 +105,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<EventStream, EngineError> {
         let _ = (lane, adapter);
         Err(EngineError::Input(InputError::new(
-            "adapters_not_supported",
+            ErrorCode::AdaptersNotSupported,
             request.lora_param,
             format!("model {} does not take LoRA adapters", self.model()),
         )))

@@ -87,7 +87,8 @@ fn config(extra: Value) -> Vec<u8> {
 }
 
 fn parse(config: &[u8], weights: &[u8]) -> Result<Adapter, (&'static str, String)> {
-    Adapter::parse(config, weights, &base().adapter_shape(), AdapterLimits::default()).map_err(|e| (e.code, e.message))
+    Adapter::parse(config, weights, &base().adapter_shape(), AdapterLimits::default())
+        .map_err(|e| (e.code.as_str(), e.message))
 }
 
 const QV: [Target; 2] = [Target::Q, Target::V];
@@ -264,7 +265,7 @@ fn bad_tensors_are_named() {
     };
     let good = bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32));
     let err = Adapter::parse(&config(json!({})), &good, &base.adapter_shape(), limits).unwrap_err();
-    assert_eq!(err.code, "adapter_too_large");
+    assert_eq!(err.code.as_str(), "adapter_too_large");
     // A directory without the two files.
     let err = Adapter::from_dir(
         &std::env::temp_dir().join("lorry-no-adapter-here"),
@@ -272,7 +273,7 @@ fn bad_tensors_are_named() {
         limits,
     )
     .unwrap_err();
-    assert_eq!(err.code, "adapter_missing_file");
+    assert_eq!(err.code.as_str(), "adapter_missing_file");
     assert!(err.message.contains("adapter_config.json"), "{err:?}");
 }
 

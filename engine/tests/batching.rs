@@ -186,7 +186,10 @@ async fn a_prompt_longer_than_the_context_fails_alone() {
     let long = request(json!({"prompt": "z".repeat(600), "raw": true}));
     let err = collect(engine.submit(long, Lane::Batch).unwrap()).await.unwrap_err();
     match err {
-        EngineError::Input(e) => assert_eq!((e.code, e.param.as_str()), ("context_length_exceeded", "prompt")),
+        EngineError::Input(e) => assert_eq!(
+            (e.code.as_str(), e.param.as_str()),
+            ("context_length_exceeded", "prompt")
+        ),
         other => panic!("{other:?}"),
     }
     let ok = request(json!({"prompt": "z", "raw": true, "max_tokens": 2}));

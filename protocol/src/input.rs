@@ -7,6 +7,7 @@
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
+use crate::error::ErrorCode;
 use crate::model::Task;
 
 /// How token vectors become one embedding.
@@ -24,7 +25,7 @@ pub enum Pooling {
 #[error("{message}")]
 pub struct InputError {
     /// Stable machine-readable code, e.g. `unknown_field`.
-    pub code: &'static str,
+    pub code: ErrorCode,
     /// The field at fault, as a path relative to the validated value (`messages[0].role`).
     pub param: String,
     /// A human-readable explanation.
@@ -33,7 +34,7 @@ pub struct InputError {
 
 impl InputError {
     /// An error about one field.
-    pub fn new(code: &'static str, param: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, param: impl Into<String>, message: impl Into<String>) -> Self {
         InputError {
             code,
             param: param.into(),
@@ -57,32 +58,6 @@ fn join_path(prefix: &str, field: &str) -> String {
     }
 }
 
-/// Every code an [`InputError`] can carry, so that one crossing a process
-/// boundary as text can be turned back into the same stable code.
-pub const INPUT_CODES: [&str; 12] = [
-    "adapter_not_found",
-    "adapters_not_supported",
-    "conflicting_fields",
-    "context_length_exceeded",
-    "empty_messages",
-    "empty_prompt",
-    "invalid_type",
-    "invalid_value",
-    "missing_field",
-    "out_of_range",
-    "template_error",
-    "unknown_field",
-];
-
-/// The stable code spelled `code`, or `invalid_request` for one this version does not know.
-pub fn input_code(code: &str) -> &'static str {
-    INPUT_CODES
-        .iter()
-        .find(|&&c| c == code)
-        .copied()
-        .unwrap_or("invalid_request")
-}
-
 /// Reads the fields of one JSON object, refusing wrong types and, at the end, unknown fields.
 pub struct Fields<'a> {
     path: String,
@@ -93,9 +68,13 @@ pub struct Fields<'a> {
 impl<'a> Fields<'a> {
     /// Start reading `value`, which must be an object; `path` names it in errors.
     pub fn new(value: &'a Value, path: &str) -> Result<Self, InputError> {
-        let object = value
-            .as_object()
-            .ok_or_else(|| InputError::new("invalid_type", path, format!("{} must be a JSON object", display(path))))?;
+        let object = value.as_object().ok_or_else(|| {
+            InputError::new(
+                ErrorCode::InvalidType,
+                path,
+                format!("{} must be a JSON object", display(path)),
+            )
+        })?;
         Ok(Fields {
             path: path.to_string(),
             object,
@@ -120,7 +99,11 @@ impl<'a> Fields<'a> {
             None => Ok(None),
             Some(value) => T::deserialize(value).map(Some).map_err(|_| {
                 let path = self.path_of(name);
-                InputError::new("invalid_type", path.clone(), format!("{path} must be {expected}"))
+                InputError::new(
+                    ErrorCode::InvalidType,
+                    path.clone(),
+                    format!("{path} must be {expected}"),
+                )
             }),
         }
     }
@@ -129,7 +112,7 @@ impl<'a> Fields<'a> {
     pub fn required<T: DeserializeOwned>(&mut self, name: &'a str, expected: &str) -> Result<T, InputError> {
         self.optional(name, expected)?.ok_or_else(|| {
             let path = self.path_of(name);
-            InputError::new("missing_field", path.clone(), format!("{path} is required"))
+            InputError::new(ErrorCode::MissingField, path.clone(), format!("{path} is required"))
         })
     }
 
@@ -140,7 +123,7 @@ impl<'a> Fields<'a> {
             Some(key) => {
                 let path = join_path(&self.path, key);
                 Err(InputError::new(
-                    "unknown_field",
+                    ErrorCode::UnknownField,
                     path.clone(),
                     format!("unknown field {path}"),
                 ))
@@ -263,14 +246,14 @@ impl ValidRequest {
             (None, None, Some(t)) => Prompt::Plain(t),
             (None, None, None) => {
                 return Err(InputError::new(
-                    "missing_field",
+                    ErrorCode::MissingField,
                     "prompt",
                     "one of prompt or messages is required",
                 ))
             }
             _ => {
                 return Err(InputError::new(
-                    "conflicting_fields",
+                    ErrorCode::ConflictingFields,
                     "messages",
                     "give exactly one of prompt, messages or text",
                 ))
@@ -301,7 +284,7 @@ impl ValidRequest {
 /// `{"text": string | [strings], "pooling"?: "cls" | "mean"}`.
 fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
     let texts = match f.raw("text") {
-        None => return Err(InputError::new("missing_field", "text", "text is required")),
+        None => return Err(InputError::new(ErrorCode::MissingField, "text", "text is required")),
         Some(Value::String(t)) => vec![t.clone()],
         Some(Value::Array(items)) => items
             .iter()
@@ -309,7 +292,7 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
             .map(|(i, v)| {
                 v.as_str().map(str::to_string).ok_or_else(|| {
                     InputError::new(
-                        "invalid_type",
+                        ErrorCode::InvalidType,
                         format!("text[{i}]"),
                         format!("text[{i}] must be a string"),
                     )
@@ -318,7 +301,7 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
             .collect::<Result<Vec<_>, _>>()?,
         Some(_) => {
             return Err(InputError::new(
-                "invalid_type",
+                ErrorCode::InvalidType,
                 "text",
                 "text must be a string or an array of strings",
             ))
@@ -326,7 +309,7 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
     };
     if texts.is_empty() || texts.len() > MAX_EMBEDDING_INPUTS {
         return Err(InputError::new(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "text",
             format!("text takes 1 to {MAX_EMBEDDING_INPUTS} strings"),
         ));
@@ -351,7 +334,7 @@ fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), I
     let (name, param) = match (lora, adapter) {
         (Some(_), Some(_)) => {
             return Err(InputError::new(
-                "conflicting_fields",
+                ErrorCode::ConflictingFields,
                 "adapter",
                 "give lora or adapter, not both",
             ))
@@ -362,7 +345,7 @@ fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), I
     };
     if name.as_deref().is_some_and(|n| n.is_empty() || n.len() > 128) {
         return Err(InputError::new(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             param,
             format!("{param} must name an adapter in 1 to 128 characters"),
         ));
@@ -373,10 +356,10 @@ fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), I
 fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {
     let items = value
         .as_array()
-        .ok_or_else(|| InputError::new("invalid_type", "messages", "messages must be an array"))?;
+        .ok_or_else(|| InputError::new(ErrorCode::InvalidType, "messages", "messages must be an array"))?;
     if items.is_empty() {
         return Err(InputError::new(
-            "empty_messages",
+            ErrorCode::EmptyMessages,
             "messages",
             "messages must not be empty",
         ));
@@ -390,7 +373,7 @@ fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {
             if !ROLES.contains(&role.as_str()) {
                 let path = f.path_of("role");
                 return Err(InputError::new(
-                    "invalid_value",
+                    ErrorCode::InvalidValue,
                     path.clone(),
                     format!("{path} must be one of {}", ROLES.join(", ")),
                 ));
@@ -411,7 +394,7 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
     let top_p = ranged(f, "top_p", 0.0, 1.0)?;
     if top_p == Some(0.0) {
         return Err(InputError::new(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "top_p",
             "top_p must be greater than 0",
         ));
@@ -421,12 +404,17 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
     let stop = match f.raw("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(v) => serde_json::from_value::<Vec<String>>(v.clone())
-            .map_err(|_| InputError::new("invalid_type", "stop", "stop must be a string or an array of strings"))?,
+        Some(v) => serde_json::from_value::<Vec<String>>(v.clone()).map_err(|_| {
+            InputError::new(
+                ErrorCode::InvalidType,
+                "stop",
+                "stop must be a string or an array of strings",
+            )
+        })?,
     };
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(InputError::new(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "stop",
             "stop takes at most 4 non-empty strings",
         ));
@@ -436,7 +424,7 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
         .unwrap_or_default();
     if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
         return Err(InputError::new(
-            "invalid_value",
+            ErrorCode::InvalidValue,
             "stop_token_ids",
             format!("stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids"),
         ));
@@ -470,7 +458,7 @@ fn in_range(f: &Fields<'_>, name: &str, value: f64, lo: f64, hi: f64) -> Result<
     }
     let path = f.path_of(name);
     Err(InputError::new(
-        "out_of_range",
+        ErrorCode::OutOfRange,
         path.clone(),
         format!("{path} must be between {lo} and {hi}"),
     ))
@@ -497,13 +485,16 @@ mod tests {
     #[test]
     fn an_unknown_field_is_named() {
         let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "hi", "bogus": 1})).unwrap_err();
-        assert_eq!((err.code, err.param.as_str()), ("unknown_field", "bogus"));
+        assert_eq!((err.code.as_str(), err.param.as_str()), ("unknown_field", "bogus"));
     }
 
     #[test]
     fn a_wrong_type_inside_messages_names_the_path() {
         let err = ValidRequest::parse(Task::Echo, &json!({"messages": [{"role": "user", "content": 3}]})).unwrap_err();
-        assert_eq!((err.code, err.param.as_str()), ("invalid_type", "messages[0].content"));
+        assert_eq!(
+            (err.code.as_str(), err.param.as_str()),
+            ("invalid_type", "messages[0].content")
+        );
         let err = err.under("requests[7].body");
         assert_eq!(err.param, "requests[7].body.messages[0].content");
     }
@@ -512,18 +503,18 @@ mod tests {
     fn text_is_only_for_the_echo_model() {
         assert!(ValidRequest::parse(Task::Echo, &json!({"text": "a"})).is_ok());
         let err = ValidRequest::parse(Task::TextGeneration, &json!({"text": "a"})).unwrap_err();
-        assert_eq!(err.code, "unknown_field");
+        assert_eq!(err.code.as_str(), "unknown_field");
     }
 
     #[test]
     fn out_of_range_and_missing_inputs_are_refused() {
         let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "temperature": 9})).unwrap_err();
-        assert_eq!((err.code, err.param.as_str()), ("out_of_range", "temperature"));
+        assert_eq!((err.code.as_str(), err.param.as_str()), ("out_of_range", "temperature"));
         let err = ValidRequest::parse(Task::Echo, &json!({"max_tokens": 3})).unwrap_err();
-        assert_eq!(err.code, "missing_field");
+        assert_eq!(err.code.as_str(), "missing_field");
         let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "messages": []})).unwrap_err();
-        assert_eq!(err.code, "empty_messages");
+        assert_eq!(err.code.as_str(), "empty_messages");
         let err = ValidRequest::parse(Task::Echo, &json!([1])).unwrap_err();
-        assert_eq!(err.code, "invalid_type");
+        assert_eq!(err.code.as_str(), "invalid_type");
     }
 }

@@ -7,12 +7,14 @@
 //! database, no network, so the API can check a request or an adapter before
 //! it accepts it without linking the engine.
 
+pub mod error;
 pub mod input;
 pub mod lora;
 pub mod model;
 
 use serde::{Deserialize, Serialize};
 
+pub use error::ErrorCode;
 pub use input::{InputError, ValidRequest};
 pub use model::{AdapterShape, Catalog, ModelSpec, Task, ECHO_MODEL};
 

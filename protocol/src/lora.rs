@@ -18,6 +18,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
+use crate::error::ErrorCode;
 use crate::model::AdapterShape;
 
 /// The precision weights are stored in.
@@ -116,7 +117,7 @@ impl Target {
 #[error("{code}: {message}")]
 pub struct AdapterError {
     /// Stable, for clients to match on.
-    pub code: &'static str,
+    pub code: ErrorCode,
     /// What is wrong, and where.
     pub message: String,
     /// Whether `adapter_config.json` is at fault (else the weights file is).
@@ -130,7 +131,7 @@ impl AdapterError {
     }
 }
 
-fn refuse(code: &'static str, message: impl Into<String>) -> AdapterError {
+fn refuse(code: ErrorCode, message: impl Into<String>) -> AdapterError {
     AdapterError {
         code,
         message: message.into(),
@@ -218,8 +219,12 @@ impl Adapter {
     /// `adapter_model.safetensors`) against the base model `base`.
     pub fn from_dir(dir: &std::path::Path, base: &AdapterShape, limits: AdapterLimits) -> Result<Self, AdapterError> {
         let read = |file: &str| {
-            std::fs::read(dir.join(file))
-                .map_err(|e| refuse("adapter_missing_file", format!("{}: {e}", dir.join(file).display())))
+            std::fs::read(dir.join(file)).map_err(|e| {
+                refuse(
+                    ErrorCode::AdapterMissingFile,
+                    format!("{}: {e}", dir.join(file).display()),
+                )
+            })
         };
         Adapter::parse(
             &read("adapter_config.json")?,
@@ -244,13 +249,13 @@ impl Adapter {
             let (layer, target, matrix) = parse_key(&name)?;
             if layer >= base.num_layers {
                 return Err(refuse(
-                    "adapter_shape_mismatch",
+                    ErrorCode::AdapterShapeMismatch,
                     format!("{name}: the base model has {} layers", base.num_layers),
                 ));
             }
             if !settings.targets.contains(&target) {
                 return Err(refuse(
-                    "adapter_unknown_target",
+                    ErrorCode::AdapterUnknownTarget,
                     format!("{name}: {} is not in target_modules", target.name()),
                 ));
             }
@@ -262,7 +267,7 @@ impl Adapter {
         }
         if halves.is_empty() {
             return Err(refuse(
-                "adapter_missing_tensor",
+                ErrorCode::AdapterMissingTensor,
                 "adapter_model.safetensors holds no LoRA weights",
             ));
         }
@@ -274,7 +279,7 @@ impl Adapter {
                 (a, _) => {
                     let missing = if a.is_none() { "lora_A" } else { "lora_B" };
                     return Err(refuse(
-                        "adapter_missing_tensor",
+                        ErrorCode::AdapterMissingTensor,
                         format!("base_model.model.{module}.{missing}.weight is missing"),
                     ));
                 }
@@ -282,7 +287,7 @@ impl Adapter {
             let (rank, alpha) = settings.rank_and_alpha(&module);
             if rank > limits.max_rank {
                 return Err(refuse(
-                    "adapter_rank_too_large",
+                    ErrorCode::AdapterRankTooLarge,
                     format!("{module}: rank {rank}; the limit is {}", limits.max_rank),
                 ));
             }
@@ -329,7 +334,7 @@ pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), Adapte
     let tensors = read_safetensors(weights)?;
     if tensors.is_empty() {
         return Err(refuse(
-            "adapter_missing_tensor",
+            ErrorCode::AdapterMissingTensor,
             "adapter_model.safetensors holds no LoRA weights",
         ));
     }
@@ -338,7 +343,7 @@ pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), Adapte
         let dims = tensor.shape().to_vec();
         let [rows, cols] = dims[..] else {
             return Err(refuse(
-                "adapter_shape_mismatch",
+                ErrorCode::AdapterShapeMismatch,
                 format!("{name}: shape {dims:?}; LoRA weights are matrices"),
             ));
         };
@@ -350,7 +355,7 @@ pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), Adapte
 fn check_size(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
     if weights.len() > limits.max_bytes {
         return Err(refuse(
-            "adapter_too_large",
+            ErrorCode::AdapterTooLarge,
             format!(
                 "adapter_model.safetensors is {} bytes; the limit is {}",
                 weights.len(),
@@ -374,12 +379,12 @@ struct Settings {
 impl Settings {
     fn read(config: &[u8], limits: AdapterLimits) -> Result<Self, AdapterError> {
         let config: ConfigFile = serde_json::from_slice(config)
-            .map_err(|e| refuse("adapter_config_invalid", format!("adapter_config.json: {e}")).in_config())?;
+            .map_err(|e| refuse(ErrorCode::AdapterConfigInvalid, format!("adapter_config.json: {e}")).in_config())?;
         Settings::check(&config, limits).map_err(AdapterError::in_config)
     }
 
     fn check(config: &ConfigFile, limits: AdapterLimits) -> Result<Self, AdapterError> {
-        let invalid = |m: String| refuse("adapter_config_invalid", m);
+        let invalid = |m: String| refuse(ErrorCode::AdapterConfigInvalid, m);
         refuse_unserved_options(config)?;
         let rank = config
             .r
@@ -387,7 +392,7 @@ impl Settings {
             .ok_or_else(|| invalid("r: a positive rank is required".into()))?;
         if rank > limits.max_rank {
             return Err(refuse(
-                "adapter_rank_too_large",
+                ErrorCode::AdapterRankTooLarge,
                 format!("r: rank {rank}; the limit is {}", limits.max_rank),
             ));
         }
@@ -425,7 +430,7 @@ impl Settings {
 
 /// PEFT's options whose adapters Lorry does not serve.
 fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
-    let unsupported = |m: String| Err(refuse("adapter_unsupported", m));
+    let unsupported = |m: String| Err(refuse(ErrorCode::AdapterUnsupported, m));
     match config.peft_type.as_deref() {
         None | Some("LORA") => {}
         Some(other) => return unsupported(format!("peft_type {other}: only LORA adapters are served")),
@@ -451,7 +456,7 @@ fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
 
 /// `target_modules`: a list of the seven projections' names, or `all-linear`.
 fn targets(config: &ConfigFile) -> Result<Vec<Target>, AdapterError> {
-    let invalid = |m: &str| refuse("adapter_config_invalid", m);
+    let invalid = |m: &str| refuse(ErrorCode::AdapterConfigInvalid, m);
     let names: Vec<String> = match &config.target_modules {
         Some(serde_json::Value::Array(items)) => items
             .iter()
@@ -463,7 +468,7 @@ fn targets(config: &ConfigFile) -> Result<Vec<Target>, AdapterError> {
         }
         Some(serde_json::Value::String(s)) => {
             return Err(refuse(
-                "adapter_unsupported",
+                ErrorCode::AdapterUnsupported,
                 format!("target_modules {s:?}: a regular expression; list the module names instead"),
             ))
         }
@@ -474,7 +479,7 @@ fn targets(config: &ConfigFile) -> Result<Vec<Target>, AdapterError> {
         .map(|n| {
             Target::parse(n).ok_or_else(|| {
                 refuse(
-                    "adapter_unknown_target",
+                    ErrorCode::AdapterUnknownTarget,
                     format!(
                         "target_modules: {n} is not one of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
                     ),
@@ -494,7 +499,7 @@ fn pattern<T: Copy>(field: &str, entries: &BTreeMap<String, T>) -> Result<Vec<(S
                 Ok((key.clone(), *value))
             } else {
                 Err(refuse(
-                    "adapter_unsupported",
+                    ErrorCode::AdapterUnsupported,
                     format!("{field}: key {key:?} is a regular expression; name modules by their dotted names"),
                 ))
             }
@@ -507,7 +512,7 @@ fn pattern<T: Copy>(field: &str, entries: &BTreeMap<String, T>) -> Result<Vec<(S
 fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
     let unexpected = || {
         refuse(
-            "adapter_unsupported",
+            ErrorCode::AdapterUnsupported,
             format!("{name}: not a LoRA weight of a Llama-family projection"),
         )
     };
@@ -521,7 +526,7 @@ fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
     let layer: usize = layer.parse().map_err(|_| unexpected())?;
     let target = Target::parse(module).ok_or_else(|| {
         refuse(
-            "adapter_unknown_target",
+            ErrorCode::AdapterUnknownTarget,
             format!("{name}: {module} is not one of the seven projections"),
         )
     })?;
@@ -538,8 +543,12 @@ fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
 
 /// A safetensors file's header and data, checked for consistency.
 fn read_safetensors(weights: &[u8]) -> Result<SafeTensors<'_>, AdapterError> {
-    SafeTensors::deserialize(weights)
-        .map_err(|e| refuse("adapter_weights_invalid", format!("adapter_model.safetensors: {e}")))
+    SafeTensors::deserialize(weights).map_err(|e| {
+        refuse(
+            ErrorCode::AdapterWeightsInvalid,
+            format!("adapter_model.safetensors: {e}"),
+        )
+    })
 }
 
 /// The precision weights of `dtype` are kept in: their own where it is one of
@@ -556,7 +565,7 @@ fn precision_of(dtype: Dtype) -> Precision {
 fn matrix(tensor: TensorView<'_>, shape: (usize, usize), name: &str) -> Result<Vec<f32>, AdapterError> {
     if tensor.shape() != [shape.0, shape.1] {
         return Err(refuse(
-            "adapter_shape_mismatch",
+            ErrorCode::AdapterShapeMismatch,
             format!(
                 "{name}: shape {:?}, the base model needs {:?}",
                 tensor.shape(),
@@ -580,14 +589,14 @@ fn matrix(tensor: TensorView<'_>, shape: (usize, usize), name: &str) -> Result<V
             .collect(),
         other => {
             return Err(refuse(
-                "adapter_weights_invalid",
+                ErrorCode::AdapterWeightsInvalid,
                 format!("{name}: {other:?} weights; f32, f16 or bf16 are served"),
             ))
         }
     };
     if let Some(at) = values.iter().position(|v| !v.is_finite()) {
         return Err(refuse(
-            "adapter_nonfinite",
+            ErrorCode::AdapterNonfinite,
             format!("{name}: element {at} is {}", values[at]),
         ));
     }

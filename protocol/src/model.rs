@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+use crate::error::ErrorCode;
 use crate::input::{InputError, ValidRequest};
 
 /// The built-in deterministic model used to test and benchmark the pipeline.
@@ -59,7 +60,7 @@ impl ModelSpec {
         let request = ValidRequest::parse(self.task, body)?;
         if request.lora.is_some() && !self.takes_adapters() {
             return Err(InputError::new(
-                "adapters_not_supported",
+                ErrorCode::AdaptersNotSupported,
                 request.lora_param,
                 format!("model {} does not take LoRA adapters", self.name),
             ));
@@ -132,6 +133,9 @@ mod tests {
         let echo = catalog.get(ECHO_MODEL).unwrap();
         assert!(echo.validate(&json!({"prompt": "a"})).is_ok());
         let err = echo.validate(&json!({"prompt": "a", "lora": "mine"})).unwrap_err();
-        assert_eq!((err.code, err.param.as_str()), ("adapters_not_supported", "lora"));
+        assert_eq!(
+            (err.code.as_str(), err.param.as_str()),
+            ("adapters_not_supported", "lora")
+        );
     }
 }

@@ -353,5 +353,6 @@ async fn the_api_role_reads_no_weights_and_writes_no_models() {
         )
         .await;
     assert_eq!(refused.status(), 400);
+    app.stop().await;
     assert!(!data.exists(), "the API role wrote under {}", data.display());
 }
