@@ -23,7 +23,7 @@ use axum::Json;
 use lorry_batcher::ids::{AccountId, AdapterId};
 use lorry_batcher::objects::adapter_key;
 use lorry_batcher::store::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter, NewRequest};
-use lorry_protocol::input::Fields;
+use lorry_protocol::input::{AdapterField, Fields};
 use lorry_protocol::lora::{self, Adapter, AdapterError};
 use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
@@ -573,24 +573,21 @@ pub async fn resolve_requests(
     path: impl Fn(usize) -> String,
 ) -> Result<(), ApiError> {
     let mut resolved: HashMap<String, AdapterId> = HashMap::new();
-    for (i, request) in requests.iter_mut().enumerate() {
-        let Some(body) = request.body.as_object_mut() else {
-            continue;
-        };
-        let named = ["lora", "adapter"]
-            .into_iter()
-            .find_map(|field| Some((field, body.get(field)?.as_str()?.to_string())));
-        let (field, reference, param) = match (named, default) {
-            (Some((field, reference)), _) => {
-                let at = path(i);
+    for (i, NewRequest { request, .. }) in requests.iter_mut().enumerate() {
+        let (reference, param) = match (request.lora.clone(), default) {
+            (Some(reference), _) => {
+                let (at, field) = (path(i), request.adapter_field.as_str());
                 let param = if at.is_empty() {
                     field.to_string()
                 } else {
                     format!("{at}.{field}")
                 };
-                (field, reference, param)
+                (reference, param)
             }
-            (None, Some(reference)) => ("adapter", reference.to_string(), "model".to_string()),
+            (None, Some(reference)) => {
+                request.adapter_field = AdapterField::Adapter;
+                (reference.to_string(), "model".to_string())
+            }
             (None, None) => continue,
         };
         let id = match resolved.get(&reference) {
@@ -601,7 +598,7 @@ pub async fn resolve_requests(
                 id
             }
         };
-        body.insert(field.to_string(), Value::String(id.to_string()));
+        request.lora = Some(id.to_string());
     }
     Ok(())
 }

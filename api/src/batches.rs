@@ -190,7 +190,7 @@ fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
             f.deny_unknown()?;
             Ok(Item {
                 custom_id,
-                body,
+                body: submit::Body::Json(body),
                 custom_id_path: format!("{path}.custom_id"),
                 path: format!("{path}.body"),
             })

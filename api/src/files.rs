@@ -203,7 +203,7 @@ pub async fn batch_items(
         }
         items.push(Item {
             custom_id: Some(line.custom_id),
-            body: line.request.input,
+            body: crate::submit::Body::Valid(line.request.valid),
             custom_id_path: format!("{path}.custom_id"),
             path: format!("{path}.body"),
         });

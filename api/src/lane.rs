@@ -11,10 +11,9 @@ use lorry_batcher::store::NewRequest;
 use lorry_batcher::BatcherError;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, ValidRequest};
-use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::{adapters, submit, ApiError, AppState};
+use crate::{adapters, ApiError, AppState};
 
 /// A request published on the real-time lane.
 pub struct Call {
@@ -25,19 +24,17 @@ pub struct Call {
     timeout: Duration,
 }
 
-/// Validate `input` for `model`, resolve its adapter, and publish it.
-pub async fn start(state: &AppState, account: &AccountId, model: &str, input: Value) -> Result<Call, ApiError> {
-    let spec = submit::model(state, model, "model")?;
-    let valid = spec.validate(&input)?;
+/// Resolve the adapter `valid` names, and publish it for `model`.
+pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: ValidRequest) -> Result<Call, ApiError> {
     let mut requests = [NewRequest {
         custom_id: None,
-        body: input,
+        request: valid.clone(),
     }];
     adapters::resolve_requests(state, account, model, &mut requests, None, |_| String::new()).await?;
-    let [NewRequest { body: input, .. }] = requests;
+    let [NewRequest { request: resolved, .. }] = requests;
     let request = RtRequest {
         model: model.to_string(),
-        body: input,
+        request: resolved,
         account_id: Some(account.clone()),
     };
     let timeout = state.config.realtime_timeout;

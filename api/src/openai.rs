@@ -16,7 +16,7 @@ use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::Task;
-use lorry_protocol::{InputError, Output};
+use lorry_protocol::{InputError, Output, ValidRequest};
 use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
@@ -29,8 +29,8 @@ pub struct Translated {
     pub model: String,
     /// The model as the client named it (`base` or `base:adapter`), echoed in answers.
     pub requested: String,
-    /// The engine's input (`messages`/`prompt`/`text`, sampling, `adapter`).
-    pub input: Value,
+    /// The request, validated for the model (`stream` set by the caller that streams).
+    pub valid: ValidRequest,
     /// Answer with server-sent events.
     pub stream: bool,
     /// Send a last chunk with the usage.
@@ -66,11 +66,11 @@ pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<T
     }
     f.deny_unknown()?;
     let input = Value::Object(draft.input);
-    spec.validate(&input).map_err(|e| rename(e, &draft.renamed))?;
+    let valid = spec.validate(&input).map_err(|e| rename(e, &draft.renamed))?;
     Ok(Translated {
         model: spec.name.clone(),
         requested,
-        input,
+        valid,
         stream: draft.stream,
         include_usage: draft.include_usage,
     })
@@ -379,7 +379,7 @@ pub async fn embeddings(
 ) -> Result<Response, ApiError> {
     let request = translate(&state, Endpoint::Embeddings, &body.value)?;
     let base64 = body.value["encoding_format"] == "base64";
-    let call = lane::start(&state, &account.0.id, &request.model, request.input).await?;
+    let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone()).await?;
     let output = call.output().await?;
     let done = Finished {
         body: &output.body,
@@ -405,12 +405,10 @@ async fn generate(
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
     let mut request = translate(&state, endpoint, &body.value)?;
-    if let Some(map) = request.input.as_object_mut() {
-        map.insert("stream".into(), Value::Bool(request.stream));
-    }
+    request.valid.stream = request.stream;
     let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-    let call = lane::start(&state, &account.0.id, &request.model, request.input.clone())
+    let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone())
         .await
         .map_err(|mut e| {
             // The adapter came from `model: "base:adapter"`.

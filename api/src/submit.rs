@@ -11,7 +11,7 @@ use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
-use lorry_protocol::ModelSpec;
+use lorry_protocol::{ModelSpec, ValidRequest};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -23,12 +23,21 @@ const MAX_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 const MAX_CUSTOM_ID: usize = 512;
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 
+/// A submitted request's input: the client's JSON, or a request a
+/// translator (OpenAI's batch file lines) has already validated.
+pub enum Body {
+    /// To validate against the model.
+    Json(Value),
+    /// Validated.
+    Valid(ValidRequest),
+}
+
 /// One submitted request before validation: where it sits and what it says.
 pub struct Item {
     /// The client's id.
     pub custom_id: Option<String>,
     /// The model input.
-    pub body: Value,
+    pub body: Body,
     /// The JSON path of the input, for errors (`requests[3].body`).
     pub path: String,
     /// The JSON path of the custom id, for errors.
@@ -137,7 +146,10 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
     let mut seen = HashSet::new();
     let mut requests = Vec::with_capacity(items.len());
     for item in items {
-        spec.validate(&item.body).map_err(|e| e.under(&item.path))?;
+        let request = match item.body {
+            Body::Json(body) => spec.validate(&body).map_err(|e| e.under(&item.path))?,
+            Body::Valid(request) => request,
+        };
         if let Some(id) = &item.custom_id {
             if id.is_empty() || id.len() > MAX_CUSTOM_ID {
                 return Err(ApiError::invalid(
@@ -156,7 +168,7 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
         }
         requests.push(NewRequest {
             custom_id: item.custom_id,
-            body: item.body,
+            request,
         });
     }
     Ok(requests)

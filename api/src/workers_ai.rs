@@ -129,7 +129,7 @@ async fn queue(
             };
             Ok(Item {
                 custom_id: reference,
-                body: input,
+                body: submit::Body::Json(input),
                 custom_id_path: format!("{path}.external_reference"),
                 path,
             })
@@ -195,7 +195,8 @@ async fn realtime(
     model: &str,
     input: Value,
 ) -> Result<Response, CloudflareError> {
-    let call = lane::start(state, account, model, input).await?;
+    let valid = submit::model(state, model, "model")?.validate(&input)?;
+    let call = lane::start(state, account, model, valid).await?;
     if call.valid.stream {
         return Ok(stream_replies(call).into_response());
     }

@@ -10,9 +10,8 @@ use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use lorry_engine::{EngineError, ErrorCode, Event, EventStream, Output};
+use lorry_engine::{EngineError, ErrorCode, Event, EventStream, Output, ValidRequest};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -25,8 +24,8 @@ use crate::BatcherError;
 pub struct RtRequest {
     /// The served model.
     pub model: String,
-    /// The validated model input.
-    pub body: Value,
+    /// The request as the API validated it (its adapter resolved to an id).
+    pub request: ValidRequest,
     /// The caller, whose adapters the request may name.
     #[serde(default)]
     pub account_id: Option<AccountId>,

@@ -28,7 +28,7 @@ use crate::finaliser::Finaliser;
 use crate::ids::AccountId;
 use crate::model::{Chunk, RequestError};
 use crate::realtime::{self, Cancels, Reply, RtRequest};
-use crate::store::{AdapterRecord, Claimed, Outcome, Store};
+use crate::store::{AdapterRecord, Claimed, ClaimedInput, Outcome, Store};
 use crate::BatcherError;
 
 /// How long a stopping worker waits for the work it holds.
@@ -130,11 +130,24 @@ impl Worker {
         let mut ready = Vec::new();
         let mut running: FuturesUnordered<Running> = FuturesUnordered::new();
         let mut records = Records::default();
-        for Claimed { index, body, .. } in claimed {
-            let request = match spec.validate(&body) {
-                Ok(request) => request,
-                Err(e) => {
-                    ready.push(outcome(index, Err(e.into())));
+        for Claimed { index, input, .. } in claimed {
+            let request = match input {
+                ClaimedInput::Valid(request) => request,
+                // Rows stored before requests were kept typed.
+                ClaimedInput::Legacy(body) => match spec.validate(&body) {
+                    Ok(request) => request,
+                    Err(e) => {
+                        ready.push(outcome(index, Err(e.into())));
+                        continue;
+                    }
+                },
+                ClaimedInput::Unreadable(why) => {
+                    let error = InputError::new(
+                        ErrorCode::InvalidRequest,
+                        "",
+                        format!("unreadable stored request: {why}"),
+                    );
+                    ready.push(outcome(index, Err(error.into())));
                     continue;
                 }
             };
@@ -200,7 +213,7 @@ impl Worker {
         Ok(records[&reference].clone().ok_or_else(|| {
             EngineError::Input(InputError::new(
                 ErrorCode::AdapterNotFound,
-                request.lora_param,
+                request.adapter_field.as_str(),
                 format!("adapter {reference} no longer exists"),
             ))
         }))
@@ -223,7 +236,7 @@ impl Worker {
         let unsupported = || {
             EngineError::Input(InputError::new(
                 ErrorCode::AdaptersNotSupported,
-                request.lora_param,
+                request.adapter_field.as_str(),
                 format!("model {} does not take LoRA adapters", backend.model()),
             ))
         };
@@ -439,12 +452,9 @@ impl Worker {
         };
         let inner = &self.inner;
         let cancel = inner.cancels.start(correlation.as_str());
-        let started = match (inner.catalog.get(&request.model), inner.backends.get(&request.model)) {
-            (Some(spec), Some(backend)) => spec
-                .validate(&request.body)
-                .map_err(EngineError::from)
-                .map(|valid| (valid, backend)),
-            _ => Err(EngineError::Model(format!(
+        let started = match inner.backends.get(&request.model) {
+            Some(backend) => Ok((request.request, backend)),
+            None => Err(EngineError::Model(format!(
                 "model {} is not served here",
                 request.model
             ))),

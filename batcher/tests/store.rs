@@ -5,9 +5,14 @@ use std::time::Duration;
 
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::store::{Created, NewBatch, NewRequest, Outcome, Store};
+use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, Outcome, Store};
+use lorry_engine::{Task, ValidRequest};
 use serde_json::json;
 use sqlx::PgPool;
+
+fn prompt(i: usize) -> ValidRequest {
+    ValidRequest::parse(Task::Echo, &json!({"prompt": format!("p{i}"), "max_tokens": 3})).unwrap()
+}
 
 async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, BatchId) {
     let store = Store::from_pool(pool);
@@ -28,7 +33,7 @@ async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, B
         requests: (0..n)
             .map(|i| NewRequest {
                 custom_id: None,
-                body: json!({"prompt": format!("p{i}")}),
+                request: prompt(i),
             })
             .collect(),
     };
@@ -82,6 +87,27 @@ async fn a_result_is_committed_once_however_often_it_is_delivered(pool: PgPool) 
     let tally = store.tally(&id).await.unwrap();
     assert_eq!(tally.count(RequestStatus::Succeeded), 4);
     assert_eq!(tally.prompt_tokens, 4);
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_request_is_claimed_as_the_typed_request_it_was_stored_as(pool: PgPool) {
+    let (store, id) = store_with_batch(pool.clone(), 2, Duration::from_secs(3600)).await;
+    // A row written before requests were stored typed holds the client's body only.
+    sqlx::query("UPDATE requests SET request = NULL, body = $2 WHERE batch_id = $1 AND idx = 1")
+        .bind(id.as_str())
+        .bind(json!({"prompt": "legacy"}))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let claimed = store.claim(&chunk(&id, 0, 2)).await.unwrap();
+    match &claimed[0].input {
+        ClaimedInput::Valid(request) => assert_eq!(request, &prompt(0)),
+        other => panic!("stored typed, claimed as {other:?}"),
+    }
+    match &claimed[1].input {
+        ClaimedInput::Legacy(body) => assert_eq!(body, &json!({"prompt": "legacy"})),
+        other => panic!("stored as a body, claimed as {other:?}"),
+    }
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]

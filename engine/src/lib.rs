@@ -106,7 +106,7 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (lane, adapter);
         Err(EngineError::Input(InputError::new(
             ErrorCode::AdaptersNotSupported,
-            request.lora_param,
+            request.adapter_field.as_str(),
             format!("model {} does not take LoRA adapters", self.model()),
         )))
     }

@@ -141,7 +141,7 @@ fn display(path: &str) -> &str {
 }
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
@@ -150,7 +150,7 @@ pub struct Message {
 }
 
 /// What the model is asked to work on.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Prompt {
     /// A completion prompt.
@@ -167,7 +167,8 @@ pub enum Prompt {
 }
 
 /// Sampling and stopping parameters, already range-checked.
-#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Sampling {
     /// Upper bound on generated tokens.
     pub max_tokens: Option<u32>,
@@ -193,8 +194,32 @@ pub struct Sampling {
     pub presence_penalty: Option<f32>,
 }
 
-/// A request that passed validation; made only by [`ValidRequest::parse`].
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+/// The request field that named the adapter (`lora` in Workers AI's shape,
+/// `adapter` in the native one), so that an error found later, on a worker,
+/// names it as the client spelled it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterField {
+    /// `lora`.
+    #[default]
+    Lora,
+    /// `adapter`.
+    Adapter,
+}
+
+impl AdapterField {
+    /// The field's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdapterField::Lora => "lora",
+            AdapterField::Adapter => "adapter",
+        }
+    }
+}
+
+/// A request that passed validation; made by [`ValidRequest::parse`] at the
+/// edge, then stored and queued as it is (serialised), never re-validated.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ValidRequest {
     /// The input.
     pub prompt: Prompt,
@@ -202,15 +227,18 @@ pub struct ValidRequest {
     pub raw: bool,
     /// Stream tokens back (real-time lane only).
     pub stream: bool,
-    /// A LoRA adapter id or name, resolved by the serving layer: `lora`
-    /// (Workers AI) or `adapter` (native).
+    /// A LoRA adapter: the client's name or id, which the API resolves to the
+    /// adapter's id before the request is stored or queued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<String>,
     /// The field that named it, for errors.
-    #[serde(skip)]
-    pub lora_param: &'static str,
+    #[serde(default)]
+    pub adapter_field: AdapterField,
     /// Sampling parameters.
+    #[serde(default)]
     pub sampling: Sampling,
     /// How token vectors become one embedding (embedding models; their default when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pooling: Option<Pooling>,
 }
 
@@ -237,7 +265,7 @@ impl ValidRequest {
         };
         let raw = f.optional("raw", "a boolean")?.unwrap_or(false);
         let stream = f.optional("stream", "a boolean")?.unwrap_or(false);
-        let (lora, lora_param) = parse_adapter(&mut f)?;
+        let (lora, adapter_field) = parse_adapter(&mut f)?;
         let sampling = parse_sampling(&mut f)?;
         f.deny_unknown()?;
         let prompt = match (prompt_text, messages, text) {
@@ -264,7 +292,7 @@ impl ValidRequest {
             raw,
             stream,
             lora,
-            lora_param,
+            adapter_field,
             sampling,
             pooling: None,
         })
@@ -321,17 +349,17 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
         raw: false,
         stream: false,
         lora: None,
-        lora_param: "lora",
+        adapter_field: AdapterField::Lora,
         sampling: Sampling::default(),
         pooling,
     })
 }
 
 /// `lora` (Workers AI) or `adapter` (native), at most one, never empty.
-fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), InputError> {
+fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, AdapterField), InputError> {
     let lora: Option<String> = f.optional("lora", "a string")?;
     let adapter: Option<String> = f.optional("adapter", "a string")?;
-    let (name, param) = match (lora, adapter) {
+    let (name, field) = match (lora, adapter) {
         (Some(_), Some(_)) => {
             return Err(InputError::new(
                 ErrorCode::ConflictingFields,
@@ -339,10 +367,11 @@ fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), I
                 "give lora or adapter, not both",
             ))
         }
-        (Some(name), None) => (Some(name), "lora"),
-        (None, Some(name)) => (Some(name), "adapter"),
-        (None, None) => (None, "lora"),
+        (Some(name), None) => (Some(name), AdapterField::Lora),
+        (None, Some(name)) => (Some(name), AdapterField::Adapter),
+        (None, None) => (None, AdapterField::Lora),
     };
+    let param = field.as_str();
     if name.as_deref().is_some_and(|n| n.is_empty() || n.len() > 128) {
         return Err(InputError::new(
             ErrorCode::InvalidValue,
@@ -350,7 +379,7 @@ fn parse_adapter(f: &mut Fields<'_>) -> Result<(Option<String>, &'static str), I
             format!("{param} must name an adapter in 1 to 128 characters"),
         ));
     }
-    Ok((name, param))
+    Ok((name, field))
 }
 
 fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {
@@ -516,5 +545,23 @@ mod tests {
         assert_eq!(err.code.as_str(), "empty_messages");
         let err = ValidRequest::parse(Task::Echo, &json!([1])).unwrap_err();
         assert_eq!(err.code.as_str(), "invalid_type");
+    }
+
+    #[test]
+    fn a_valid_request_travels_as_json_and_comes_back_the_same() {
+        let bodies = [
+            json!({"messages": [{"role": "user", "content": "hi"}], "adapter": "a1", "max_tokens": 3,
+                   "stop": ["x"], "seed": 7, "temperature": 0.5, "stream": true}),
+            json!({"prompt": "p", "raw": true, "lora": "l", "stop_token_ids": [1, 2], "ignore_eos": true}),
+        ];
+        for body in bodies {
+            let request = ValidRequest::parse(Task::TextGeneration, &body).unwrap();
+            let travelled: ValidRequest = serde_json::from_value(serde_json::to_value(&request).unwrap()).unwrap();
+            assert_eq!(travelled, request);
+        }
+        let embed = ValidRequest::parse(Task::Embeddings, &json!({"text": ["a", "b"], "pooling": "mean"})).unwrap();
+        let travelled: ValidRequest = serde_json::from_value(serde_json::to_value(&embed).unwrap()).unwrap();
+        assert_eq!(travelled, embed);
+        assert_eq!(travelled.adapter_field, AdapterField::Lora);
     }
 }

@@ -61,7 +61,7 @@ impl ModelSpec {
         if request.lora.is_some() && !self.takes_adapters() {
             return Err(InputError::new(
                 ErrorCode::AdaptersNotSupported,
-                request.lora_param,
+                request.adapter_field.as_str(),
                 format!("model {} does not take LoRA adapters", self.name),
             ));
         }

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use lorry_engine::ValidRequest;
 use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
@@ -49,8 +50,8 @@ pub struct NewBatch {
 pub struct NewRequest {
     /// The client's id.
     pub custom_id: Option<String>,
-    /// The model input.
-    pub body: Value,
+    /// The request, as validated (its adapter resolved to an id).
+    pub request: ValidRequest,
 }
 
 /// What [`Store::create_batch`] did.
@@ -314,15 +315,18 @@ async fn insert_requests(tx: &mut Transaction<'_, Postgres>, new: &NewBatch) -> 
         let first = (chunk_no * 5_000) as i32;
         let idx: Vec<i32> = (first..first + chunk.len() as i32).collect();
         let custom_ids: Vec<Option<&str>> = chunk.iter().map(|r| r.custom_id.as_deref()).collect();
-        let bodies: Vec<&Value> = chunk.iter().map(|r| &r.body).collect();
+        let requests: Vec<Value> = chunk
+            .iter()
+            .map(|r| serde_json::to_value(&r.request))
+            .collect::<std::result::Result<_, _>>()?;
         sqlx::query(
-            "INSERT INTO requests (batch_id, idx, custom_id, body)
+            "INSERT INTO requests (batch_id, idx, custom_id, request)
              SELECT $1, * FROM UNNEST($2::int[], $3::text[], $4::jsonb[])",
         )
         .bind(new.id.as_str())
         .bind(&idx)
         .bind(&custom_ids)
-        .bind(&bodies)
+        .bind(&requests)
         .execute(&mut **tx)
         .await?;
     }

@@ -19,7 +19,7 @@ pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
 pub use files::{FileRecord, NewFile};
 pub use outbox::{DueDelivery, OutboxMessage, OUTBOX_CHANNEL};
-pub use work::{Claimed, Ending, Outcome};
+pub use work::{Claimed, ClaimedInput, Ending, Outcome};
 
 use crate::ids::AccountId;
 use crate::BatcherError;

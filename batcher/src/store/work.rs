@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use lorry_engine::ValidRequest;
 use serde_json::Value;
 use sqlx::Row;
 
@@ -18,10 +19,35 @@ use crate::model::{Batch, BatchStatus, Chunk, RequestError, RequestStatus};
 pub struct Claimed {
     /// Position in the batch.
     pub index: i32,
-    /// The model input, as validated at submission.
-    pub body: Value,
+    /// The request as the API validated it.
+    pub input: ClaimedInput,
     /// Deliveries so far, this one included.
     pub attempts: i32,
+}
+
+/// A claimed request's input, as stored.
+#[derive(Debug, Clone)]
+pub enum ClaimedInput {
+    /// The typed request the API validated.
+    Valid(ValidRequest),
+    /// A stored request this version cannot read (why).
+    Unreadable(String),
+    /// The client's body, on a row written before requests were stored typed;
+    /// the worker validates it.
+    Legacy(Value),
+}
+
+impl ClaimedInput {
+    fn read(request: Option<Value>, body: Option<Value>) -> Self {
+        match (request, body) {
+            (Some(request), _) => match serde_json::from_value(request) {
+                Ok(valid) => ClaimedInput::Valid(valid),
+                Err(e) => ClaimedInput::Unreadable(e.to_string()),
+            },
+            (None, Some(body)) => ClaimedInput::Legacy(body),
+            (None, None) => ClaimedInput::Unreadable("the request has no stored input".into()),
+        }
+    }
 }
 
 /// How one request ended.
@@ -92,7 +118,7 @@ impl Store {
         let rows = sqlx::query(
             "UPDATE requests SET status = 'running', attempts = attempts + 1, started_at = coalesce(started_at, now())
              WHERE batch_id = $1 AND idx >= $2 AND idx < $3 AND status IN ('pending', 'running')
-             RETURNING idx, body, attempts",
+             RETURNING idx, request, body, attempts",
         )
         .bind(chunk.batch_id.as_str())
         .bind(chunk.start)
@@ -104,7 +130,7 @@ impl Store {
             .map(|r| {
                 Ok(Claimed {
                     index: r.try_get("idx")?,
-                    body: r.try_get("body")?,
+                    input: ClaimedInput::read(r.try_get("request")?, r.try_get("body")?),
                     attempts: r.try_get("attempts")?,
                 })
             })
