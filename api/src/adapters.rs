@@ -57,15 +57,42 @@ fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
     }
 }
 
-fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
-    if description.len() > MAX_DESCRIPTION {
-        return Err(ApiError::invalid(
-            ErrorCode::InvalidValue,
-            param,
-            format!("description holds at most {MAX_DESCRIPTION} bytes"),
-        ));
+/// Refuse `len` over `max` with `code`, naming `param`.
+fn at_most(len: usize, max: usize, code: ErrorCode, param: &str, what: &str) -> Result<(), ApiError> {
+    if len > max {
+        return Err(ApiError::invalid(code, param, format!("{what} is over {max} bytes")));
     }
     Ok(())
+}
+
+/// A new adapter record, its model, name and description checked.
+fn new_adapter(
+    state: &AppState,
+    account: &AccountId,
+    model: String,
+    name: String,
+    description: String,
+) -> Result<NewAdapter, ApiError> {
+    check_model(state, &model, "model")?;
+    check_name(&name, "name")?;
+    check_description(&description, "description")?;
+    Ok(NewAdapter {
+        id: AdapterId::generate(),
+        account_id: account.clone(),
+        name,
+        model,
+        description,
+    })
+}
+
+fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
+    at_most(
+        description.len(),
+        MAX_DESCRIPTION,
+        ErrorCode::InvalidValue,
+        param,
+        "description",
+    )
 }
 
 /// The base model an adapter names: served, and taking adapters.
@@ -156,14 +183,13 @@ fn text_part(parts: &HashMap<String, Bytes>, name: &str) -> Result<Option<String
 }
 
 fn config_size(config: &Bytes, param: &str) -> Result<(), ApiError> {
-    if config.len() > MAX_CONFIG_BYTES {
-        return Err(ApiError::invalid(
-            ErrorCode::AdapterConfigInvalid,
-            param,
-            format!("{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes"),
-        ));
-    }
-    Ok(())
+    at_most(
+        config.len(),
+        MAX_CONFIG_BYTES,
+        ErrorCode::AdapterConfigInvalid,
+        param,
+        CONFIG_FILE,
+    )
 }
 
 /// Write one checked file under a fresh key.
@@ -238,9 +264,7 @@ pub async fn create(
     let name = text_part(&parts, "name")?
         .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "name", "name is required"))?;
     let description = text_part(&parts, "description")?.unwrap_or_default();
-    check_model(&state, &model, "model")?;
-    check_name(&name, "name")?;
-    check_description(&description, "description")?;
+    let new = new_adapter(&state, &account.id, model, name, description)?;
     let missing = |param: &str, file: &str| {
         ApiError::invalid(
             ErrorCode::AdapterMissingFile,
@@ -257,19 +281,12 @@ pub async fn create(
         .cloned()
         .ok_or_else(|| missing("weights", WEIGHTS_FILE))?;
     config_size(&config, "config")?;
-    if state.store.find_adapter(&account.id, &name).await?.is_some() {
-        return Err(name_taken(&name));
+    if state.store.find_adapter(&account.id, &new.name).await?.is_some() {
+        return Err(name_taken(&new.name));
     }
-    let summary = check_pair(&state, &model, config.clone(), weights.clone())
+    let summary = check_pair(&state, &new.model, config.clone(), weights.clone())
         .await?
         .map_err(|e| refused(e, "config", "weights"))?;
-    let new = NewAdapter {
-        id: AdapterId::generate(),
-        account_id: account.id.clone(),
-        name: name.clone(),
-        model,
-        description,
-    };
     let config = put_asset(&state, &account.id, &new.id, CONFIG_FILE, config).await?;
     let weights = match put_asset(&state, &account.id, &new.id, WEIGHTS_FILE, weights).await {
         Ok(weights) => weights,
@@ -283,7 +300,7 @@ pub async fn create(
         Ok(Some(record)) => Ok((StatusCode::CREATED, Json(record.to_json())).into_response()),
         Ok(None) => {
             forget_objects(&state, keys).await;
-            Err(name_taken(&name))
+            Err(name_taken(&new.name))
         }
         Err(e) => {
             forget_objects(&state, keys).await;
@@ -378,21 +395,12 @@ pub async fn create_finetune(
     let name: String = f.required("name", "a string")?;
     let description: String = f.optional("description", "a string")?.unwrap_or_default();
     f.deny_unknown()?;
-    check_model(&state, &model, "model")?;
-    check_name(&name, "name")?;
-    check_description(&description, "description")?;
-    let new = NewAdapter {
-        id: AdapterId::generate(),
-        account_id: account.id.clone(),
-        name: name.clone(),
-        model,
-        description,
-    };
+    let new = new_adapter(&state, &account.id, model, name, description)?;
     let record = state
         .store
         .insert_adapter(&new, None)
         .await?
-        .ok_or_else(|| name_taken(&name))?;
+        .ok_or_else(|| name_taken(&new.name))?;
     Ok(envelope(finetune_json(&record)))
 }
 

@@ -9,7 +9,6 @@ use axum::Json;
 use lorry_batcher::ids::BatchId;
 use lorry_batcher::model::{Batch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
-use lorry_batcher::store::NewBatch;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
@@ -53,11 +52,21 @@ pub async fn create(
     body: JsonBody,
 ) -> Result<Response, ApiError> {
     let mut f = Fields::new(&body.value, "")?;
-    let new = if f.raw("input_file_id").is_some() {
-        from_file(&state, &account, &headers, &body, f).await?
+    let read = if f.raw("input_file_id").is_some() {
+        from_file(&state, &account, f).await?
     } else {
-        inline(&state, &account, &headers, &body, f).await?
+        inline(&state, f)?
     };
+    let new = submit::prepare(
+        &state,
+        &account.0.id,
+        read.submission,
+        &headers,
+        &body.raw,
+        read.default_adapter.as_deref(),
+        read.path,
+    )
+    .await?;
     let (batch, created) = submit::create(&state, new).await?;
     let tally = if created {
         submit::fresh_tally(batch.total)
@@ -73,14 +82,17 @@ pub async fn create(
     Ok(response)
 }
 
+/// A submission read from either shape of `POST /v1/batches`.
+struct Read<'a> {
+    submission: Submission<'a>,
+    /// The adapter of `model: "base:adapter"`, for requests that name none.
+    default_adapter: Option<String>,
+    /// Where request `i`'s adapter is named, for errors.
+    path: fn(usize) -> String,
+}
+
 /// The native shape: `{"model", "requests": [{"custom_id"?, "body"}], …}`.
-async fn inline(
-    state: &AppState,
-    account: &Authenticated,
-    headers: &HeaderMap,
-    body: &JsonBody,
-    mut f: Fields<'_>,
-) -> Result<NewBatch, ApiError> {
+fn inline<'a>(state: &'a AppState, mut f: Fields<'_>) -> Result<Read<'a>, ApiError> {
     let model_name: String = f.required("model", "a string")?;
     let requests = f
         .raw("requests")
@@ -103,33 +115,21 @@ async fn inline(
             format!("model {base} does not take LoRA adapters"),
         ));
     }
-    let submission = Submission {
-        spec,
-        shape: Shape::Native,
-        items,
-        options,
-    };
-    submit::prepare(
-        state,
-        &account.0.id,
-        submission,
-        headers,
-        &body.raw,
-        default_adapter,
-        |i| format!("requests[{i}].body"),
-    )
-    .await
+    Ok(Read {
+        submission: Submission {
+            spec,
+            shape: Shape::Native,
+            items,
+            options,
+        },
+        default_adapter: default_adapter.map(str::to_string),
+        path: |i| format!("requests[{i}].body"),
+    })
 }
 
 /// OpenAI's shape: `{"input_file_id", "endpoint", "completion_window", "metadata"?}`;
 /// the requests come from the file, each line's body translated as its endpoint reads it.
-async fn from_file(
-    state: &AppState,
-    account: &Authenticated,
-    headers: &HeaderMap,
-    body: &JsonBody,
-    mut f: Fields<'_>,
-) -> Result<NewBatch, ApiError> {
+async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fields<'_>) -> Result<Read<'a>, ApiError> {
     let file_id: String = f.required("input_file_id", "a string")?;
     let endpoint: String = f.required("endpoint", "a string")?;
     let endpoint = Endpoint::from_path(&endpoint).ok_or_else(|| {
@@ -155,16 +155,16 @@ async fn from_file(
         })),
     };
     let spec = submit::model(state, &first.model, "model")?;
-    let submission = Submission {
-        spec,
-        shape: Shape::OpenAi,
-        items,
-        options,
-    };
-    submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
-        format!("input_file_id.line[{}].body.model", i + 1)
+    Ok(Read {
+        submission: Submission {
+            spec,
+            shape: Shape::OpenAi,
+            items,
+            options,
+        },
+        default_adapter: None,
+        path: |i| format!("input_file_id.line[{}].body.model", i + 1),
     })
-    .await
 }
 
 fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {

@@ -167,14 +167,14 @@ pub async fn batch_items(
     endpoint: Endpoint,
 ) -> Result<(Vec<Item>, Translated), ApiError> {
     let file = owned_file(state, account, file_id, "input_file_id").await?;
-    if file.purpose != "batch" {
+    if file.file.purpose != "batch" {
         return Err(ApiError::invalid(
             ErrorCode::InvalidFilePurpose,
             "input_file_id",
             "the input file must have been uploaded with purpose=batch",
         ));
     }
-    let bytes = state.objects.get(&file.object_key).await?;
+    let bytes = state.objects.get(&file.file.object_key).await?;
     let lines = check_lines(state, &bytes)?;
     let first = lines[0].request.clone();
     let mut items = Vec::with_capacity(lines.len());
@@ -331,8 +331,8 @@ pub async fn list(
     Ok(Json(json!({
         "object": "list",
         "data": files.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
-        "first_id": files.first().map(|f| &f.id),
-        "last_id": files.last().map(|f| &f.id),
+        "first_id": files.first().map(|f| &f.file.id),
+        "last_id": files.last().map(|f| &f.file.id),
         "has_more": has_more,
     })))
 }
@@ -353,7 +353,7 @@ pub async fn content(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let file = owned_file(&state, &account.id, &id, "file_id").await?;
-    let bytes = state.objects.get(&file.object_key).await?;
+    let bytes = state.objects.get(&file.file.object_key).await?;
     Ok(([(header::CONTENT_TYPE, "application/jsonl")], bytes).into_response())
 }
 
@@ -366,11 +366,11 @@ pub async fn delete(
     let file = owned_file(&state, &account.id, &id, "file_id").await?;
     let deleted = state
         .store
-        .delete_file(&account.id, &file.id)
+        .delete_file(&account.id, &file.file.id)
         .await?
         .ok_or_else(|| ApiError::not_found(ErrorCode::FileNotFound, "file_id", "file"))?;
-    if let Err(e) = state.objects.delete(&deleted.object_key).await {
-        tracing::warn!(file = %deleted.id, error = %e, "could not delete a file's bytes");
+    if let Err(e) = state.objects.delete(&deleted.file.object_key).await {
+        tracing::warn!(file = %deleted.file.id, error = %e, "could not delete a file's bytes");
     }
-    Ok(Json(json!({"id": deleted.id, "object": "file", "deleted": true})))
+    Ok(Json(json!({"id": deleted.file.id, "object": "file", "deleted": true})))
 }

@@ -208,8 +208,8 @@ pub struct Batch {
     pub times: BatchTimes,
 }
 
-/// A batch's lifecycle timestamps.
-#[derive(Debug, Clone)]
+/// A batch's lifecycle timestamps, read from a row by their column names.
+#[derive(Debug, Clone, sqlx::FromRow)]
 #[allow(missing_docs)]
 pub struct BatchTimes {
     pub created_at: DateTime<Utc>,

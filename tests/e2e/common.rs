@@ -55,6 +55,17 @@ pub async fn isolated_settings() -> Settings {
     settings
 }
 
+/// The entry for `id` in a `GET /v1/models` answer.
+pub fn listed_model(models: &Value, id: &str) -> Value {
+    models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("{id} missing from {models}"))
+}
+
 /// A running Lorry.
 pub struct TestApp {
     pub address: String,

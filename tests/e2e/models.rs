@@ -327,15 +327,7 @@ async fn the_api_role_reads_no_weights_and_writes_no_models() {
     })
     .await;
     let models = app.get_json("/v1/models").await;
-    let listed = |id: &str| {
-        models["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("{id} missing from {models}"))
-    };
+    let listed = |id: &str| crate::common::listed_model(&models, id);
     assert_eq!(listed("@lorry/demo-llama")["adapters"], true);
     assert_eq!(listed("@lorry/demo-bge")["task"], "embeddings");
     // Requests are checked against the manifests and accepted for a worker to serve.

@@ -37,15 +37,7 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
 
     let models = app.get_json("/v1/models").await;
     assert_eq!(models["object"], "list");
-    let find = |id: &str| {
-        models["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("{id} missing from {models}"))
-    };
+    let find = |id: &str| crate::common::listed_model(&models, id);
     assert_eq!(find(LLAMA)["task"], "text-generation");
     assert_eq!(find(LLAMA)["adapters"], true);
     assert_eq!(find(BGE)["task"], "embeddings");

@@ -6,7 +6,7 @@ use std::time::Duration;
 use lorry_engine::ValidRequest;
 use serde_json::Value;
 use sqlx::postgres::PgRow;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{FromRow, Postgres, Row, Transaction};
 
 use super::outbox::{insert_outbox, OutboxMessage};
 use super::{Result, Store};
@@ -103,17 +103,7 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
         webhook_url: row.try_get("webhook_url")?,
         output_key: row.try_get("output_key")?,
         errors_key: row.try_get("errors_key")?,
-        times: BatchTimes {
-            created_at: row.try_get("created_at")?,
-            in_progress_at: row.try_get("in_progress_at")?,
-            expires_at: row.try_get("expires_at")?,
-            finalizing_at: row.try_get("finalizing_at")?,
-            completed_at: row.try_get("completed_at")?,
-            failed_at: row.try_get("failed_at")?,
-            expired_at: row.try_get("expired_at")?,
-            cancelling_at: row.try_get("cancelling_at")?,
-            cancelled_at: row.try_get("cancelled_at")?,
-        },
+        times: BatchTimes::from_row(row)?,
     })
 }
 

@@ -10,23 +10,11 @@ use sqlx::{Postgres, Row, Transaction};
 use super::{Result, Store};
 use crate::ids::{AccountId, FileId};
 
-/// One file as stored.
+/// One file as stored: what was recorded, and when.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FileRecord {
-    /// `file-…`.
-    pub id: FileId,
-    /// The owner.
-    pub account_id: AccountId,
-    /// `batch` (input) or `batch_output`.
-    pub purpose: String,
-    /// The name it was uploaded under, or `output.jsonl` / `errors.jsonl`.
-    pub filename: String,
-    /// Size.
-    pub bytes: i64,
-    /// JSON lines in it.
-    pub lines: i32,
-    /// Where the bytes are.
-    pub object_key: String,
+    /// Its id, owner, purpose, name, size and key.
+    pub file: NewFile,
     /// When it was created.
     pub created_at: DateTime<Utc>,
 }
@@ -34,26 +22,29 @@ pub struct FileRecord {
 impl FileRecord {
     fn from_row(row: &PgRow) -> Self {
         FileRecord {
-            id: FileId::parse(row.get::<&str, _>("id")).expect("file ids are written by Lorry"),
-            account_id: AccountId(row.get("account_id")),
-            purpose: row.get("purpose"),
-            filename: row.get("filename"),
-            bytes: row.get("bytes"),
-            lines: row.get("lines"),
-            object_key: row.get("object_key"),
+            file: NewFile {
+                id: FileId::parse(row.get::<&str, _>("id")).expect("file ids are written by Lorry"),
+                account_id: AccountId(row.get("account_id")),
+                purpose: row.get("purpose"),
+                filename: row.get("filename"),
+                bytes: row.get("bytes"),
+                lines: row.get("lines"),
+                object_key: row.get("object_key"),
+            },
             created_at: row.get("created_at"),
         }
     }
 
     /// OpenAI's file object.
     pub fn to_json(&self) -> Value {
+        let file = &self.file;
         json!({
-            "id": self.id,
+            "id": file.id,
             "object": "file",
-            "bytes": self.bytes,
+            "bytes": file.bytes,
             "created_at": self.created_at.timestamp(),
-            "filename": self.filename,
-            "purpose": self.purpose,
+            "filename": file.filename,
+            "purpose": file.purpose,
             "status": "processed",
             "status_details": null,
         })
@@ -61,7 +52,7 @@ impl FileRecord {
 }
 
 /// A file to record.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NewFile {
     /// Its id.
     pub id: FileId,
