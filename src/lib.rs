@@ -15,16 +15,16 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use candle_core::Device;
-use lorry_api::{ApiConfig, AppState};
+use lorry_api::AppState;
 use lorry_batcher::adapters::AdapterCache;
 use lorry_batcher::broker::Topology;
-use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
-use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
+use lorry_batcher::finaliser::Finaliser;
+use lorry_batcher::objects::ObjectStore;
 use lorry_batcher::realtime::RealtimeClient;
-use lorry_batcher::relay::{self, RelayConfig};
+use lorry_batcher::relay;
 use lorry_batcher::store::Store;
-use lorry_batcher::webhooks::{WebhookConfig, WebhookSender};
-use lorry_batcher::worker::{Worker, WorkerConfig};
+use lorry_batcher::webhooks::WebhookSender;
+use lorry_batcher::worker::Worker;
 use lorry_engine::catalog::ModelSource;
 use lorry_engine::chat::TextModel;
 use lorry_engine::echo::{EchoConfig, EchoEngine};
@@ -79,11 +79,11 @@ pub struct Application {
 /// Connect to Postgres, create the database if asked, and apply migrations.
 pub async fn open_store(settings: &Settings, create: bool) -> anyhow::Result<Store> {
     if create {
-        Store::create_database(&settings.database_url)
+        Store::create_database(&settings.services.database_url)
             .await
             .context("creating the database")?;
     }
-    let store = Store::connect(&settings.database_url, 16)
+    let store = Store::connect(&settings.services.database_url, settings.services.db_pool_size)
         .await
         .context("connecting to Postgres (create the database with `lorry migrate`)")?;
     store.migrate().await.context("applying migrations")?;
@@ -94,18 +94,12 @@ impl Application {
     /// Connect to every backing service and prepare the role's tasks.
     pub async fn build(settings: Settings, role: Role) -> anyhow::Result<Self> {
         let store = open_store(&settings, false).await?;
-        if let Some(token) = &settings.bootstrap_token {
+        if let Some(token) = &settings.api.bootstrap_token {
             store.ensure_account("default", token.expose()).await?;
         }
-        let objects = ObjectStore::new(&ObjectStoreConfig {
-            endpoint: settings.s3_endpoint.clone(),
-            bucket: settings.s3_bucket.clone(),
-            region: settings.s3_region.clone(),
-            access_key: settings.s3_access_key.clone(),
-            secret_key: settings.s3_secret_key.expose().to_string(),
-        });
+        let objects = ObjectStore::new(&settings.object_store());
         objects.ensure_bucket().await.context("reaching the S3 bucket")?;
-        let topology = Topology::new(&settings.queue_prefix, settings.delivery_limit);
+        let topology = settings.topology();
         // Only a worker reads (or writes) model files; the API needs the manifests alone.
         let (sources, catalog) = if role.has_worker() {
             let sources = settings.model_sources()?;
@@ -116,14 +110,7 @@ impl Application {
         };
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let relay = RelayConfig {
-            amqp_url: settings.amqp_url.clone(),
-            topology: topology.clone(),
-            models: catalog.names(),
-            batch_size: 500,
-            poll: Duration::from_millis(500),
-        };
-        tasks.spawn(relay::run(store.clone(), relay, stop.clone()));
+        tasks.spawn(relay::run(store.clone(), settings.relay(catalog.names()), stop.clone()));
         let mut backends = Vec::new();
         if role.has_worker() {
             backends = start_backends(&settings, &sources).await?;
@@ -147,9 +134,9 @@ impl Application {
         };
         if role.has_api() {
             let state = api_state(&settings, store, objects, topology, catalog);
-            let listener = TcpListener::bind(&settings.listen)
+            let listener = TcpListener::bind(&settings.api.listen)
                 .await
-                .with_context(|| format!("binding {}", settings.listen))?;
+                .with_context(|| format!("binding {}", settings.api.listen))?;
             app.port = Some(listener.local_addr()?.port());
             app.listener = Some((listener, lorry_api::router(state)));
         }
@@ -207,23 +194,13 @@ fn api_state(
         store,
         objects,
         realtime: RealtimeClient::new(
-            &settings.amqp_url,
-            topology.clone(),
+            &settings.services.amqp_url,
+            topology,
             catalog.names(),
-            settings.rt_max_depth,
+            settings.api.rt_max_depth,
         ),
         catalog: Arc::new(catalog),
-        config: Arc::new(ApiConfig {
-            topology,
-            chunk_size: settings.chunk_size,
-            max_requests: settings.max_batch_requests,
-            max_body_bytes: settings.max_body_bytes,
-            max_file_bytes: settings.max_file_bytes,
-            allow_private_webhooks: settings.webhook_allow_private,
-            realtime_timeout: settings.rt_timeout(),
-            output_url_ttl: Duration::from_secs(3600),
-            adapter_limits: settings.adapter_limits(),
-        }),
+        config: Arc::new(settings.api_config()),
     }
 }
 
@@ -236,7 +213,7 @@ async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow:
         Err(_) => tracing::debug!("the engine thread pool was already sized in this process"),
     }
     let echo = EchoEngine::start(EchoConfig {
-        delay: Duration::from_millis(settings.echo_delay_ms),
+        delay: Duration::from_millis(settings.worker.echo_delay_ms),
     });
     let mut backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
     for source in sources.iter().cloned() {
@@ -276,41 +253,18 @@ fn spawn_worker(
     stop: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) {
-    let finaliser = Finaliser::new(
-        store.clone(),
-        objects.clone(),
-        topology.clone(),
-        FinaliserConfig {
-            stale_after: Duration::from_secs(60),
-            progress_every: Duration::from_millis(settings.progress_interval_ms),
-        },
-    );
+    let finaliser = Finaliser::new(store.clone(), objects.clone(), topology.clone(), settings.finaliser());
     let worker = Worker::new(
         store.clone(),
         finaliser.clone(),
         catalog.clone(),
         backends,
         Some(AdapterCache::new(objects.clone(), settings.adapter_cache())),
-        WorkerConfig {
-            amqp_url: settings.amqp_url.clone(),
-            topology: topology.clone(),
-            batch_prefetch: settings.batch_prefetch,
-            rt_prefetch: 16,
-            flush_rows: 32,
-            flush_interval: Duration::from_millis(50),
-        },
+        settings.worker_config(),
     );
-    let webhooks = WebhookSender::new(
-        store.clone(),
-        WebhookConfig {
-            min_backoff: Duration::from_millis(settings.webhook_min_backoff_ms),
-            max_backoff: Duration::from_secs(3600),
-            max_attempts: settings.webhook_max_attempts,
-            timeout: Duration::from_secs(10),
-            allow_private: settings.webhook_allow_private,
-        },
-    );
-    let sweep = Duration::from_millis(settings.sweep_interval_ms);
+    let webhooks = WebhookSender::new(store.clone(), settings.webhook_config());
+    let webhook_poll = Duration::from_millis(settings.webhooks.poll_ms);
+    let sweep = Duration::from_millis(settings.worker.sweep_interval_ms);
     tasks.spawn({
         let stop = stop.clone();
         async move { worker.run(stop).await }
@@ -321,7 +275,7 @@ fn spawn_worker(
     });
     tasks.spawn({
         let stop = stop.clone();
-        async move { webhooks.run(Duration::from_millis(200), stop).await }
+        async move { webhooks.run(webhook_poll, stop).await }
     });
 }
 

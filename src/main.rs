@@ -66,10 +66,29 @@ fn forward_to_bench(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
     Err(error).with_context(|| format!("running {}", bench.display()))
 }
 
+/// The command line, with the settings file (`--config FILE`, or
+/// `LORRY_CONFIG`) giving the defaults of the flags it names.
+fn parse_cli() -> anyhow::Result<Cli> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let mut file = std::env::var_os("LORRY_CONFIG").map(std::path::PathBuf::from);
+    for (i, arg) in args.iter().enumerate() {
+        let arg = arg.to_string_lossy();
+        if let Some(path) = arg.strip_prefix("--config=") {
+            file = Some(path.into());
+        } else if arg == "--config" {
+            file = args.get(i + 1).map(std::path::PathBuf::from);
+        }
+    }
+    let command = lorry::settings::with_file_defaults(Cli::command(), file.as_deref())?;
+    let matches = command.get_matches_from(args);
+    Ok(Cli::from_arg_matches(&matches)?)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     lorry::init_logging();
-    let cli = Cli::parse();
+    let cli = parse_cli()?;
     let (settings, role) = match cli.command {
         Command::Serve(s) => (s, Role::Serve),
         Command::Api(s) => (s, Role::Api),

@@ -1,13 +1,21 @@
-//! Typed settings: defaults, overridden by `LORRY_*` environment variables,
-//! overridden by command-line flags.
+//! Typed settings, one group per subsystem: defaults, overridden by a TOML
+//! file (`--config`), by `LORRY_*` environment variables, then by
+//! command-line flags. Every operational number lives here, none in the wiring.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use lorry_api::ApiConfig;
 use lorry_batcher::adapters::AdapterCacheConfig;
+use lorry_batcher::broker::Topology;
+use lorry_batcher::finaliser::FinaliserConfig;
+use lorry_batcher::objects::ObjectStoreConfig;
+use lorry_batcher::relay::RelayConfig;
+use lorry_batcher::webhooks::WebhookConfig;
+use lorry_batcher::worker::WorkerConfig;
 use lorry_engine::catalog::{default_models, default_specs, read_catalog_file, ModelSource};
 use lorry_engine::lora::AdapterLimits;
 use lorry_engine::ModelSpec;
@@ -38,9 +46,42 @@ impl FromStr for Secret {
     }
 }
 
-/// Everything a Lorry process needs to know.
+/// Everything a Lorry process needs to know, one group per subsystem.
+/// Each value is a flag and an environment variable; a TOML file named by
+/// `--config` (`LORRY_CONFIG`) gives defaults of its own, under the flags'
+/// names (`chunk_size = 128`): defaults, then the file, then the
+/// environment, then the command line.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Settings {
+    /// A TOML file of settings, keyed by flag name with underscores.
+    #[arg(long, env = "LORRY_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub services: Services,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub api: ApiSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub worker: WorkerSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub webhooks: WebhookSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub models: ModelSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub adapters: AdapterSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub engine: EngineArgs,
+}
+
+/// Postgres, RabbitMQ and S3.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Services {
     /// Postgres URL.
     #[arg(
         long,
@@ -48,6 +89,9 @@ pub struct Settings {
         default_value = "postgres://postgres@127.0.0.1:5432/lorry"
     )]
     pub database_url: String,
+    /// Postgres connections per process.
+    #[arg(long, env = "LORRY_DB_POOL_SIZE", default_value_t = 16)]
+    pub db_pool_size: u32,
     /// RabbitMQ URL.
     #[arg(
         long,
@@ -55,6 +99,9 @@ pub struct Settings {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+    /// Prefix of every queue and exchange.
+    #[arg(long, env = "LORRY_QUEUE_PREFIX", default_value = "lorry")]
+    pub queue_prefix: String,
     /// S3-compatible endpoint; unset means AWS S3.
     #[arg(long, env = "LORRY_S3_ENDPOINT")]
     pub s3_endpoint: Option<String>,
@@ -76,18 +123,17 @@ pub struct Settings {
         hide_default_value = true
     )]
     pub s3_secret_key: Secret,
+}
+
+/// The HTTP API.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ApiSettings {
     /// Address the HTTP API listens on.
     #[arg(long, env = "LORRY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: String,
-    /// Prefix of every queue and exchange.
-    #[arg(long, env = "LORRY_QUEUE_PREFIX", default_value = "lorry")]
-    pub queue_prefix: String,
     /// Ensure an account `default` whose API token is this.
     #[arg(long, env = "LORRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
     pub bootstrap_token: Option<Secret>,
-    /// Allow webhook targets on loopback and private networks.
-    #[arg(long, env = "LORRY_WEBHOOK_ALLOW_PRIVATE", value_parser = clap::builder::BoolishValueParser::new())]
-    pub webhook_allow_private: bool,
     /// Largest request body in bytes.
     #[arg(long, env = "LORRY_MAX_BODY_BYTES", default_value_t = 10 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -100,66 +146,137 @@ pub struct Settings {
     /// Requests per batch-lane message.
     #[arg(long, env = "LORRY_CHUNK_SIZE", default_value_t = 64)]
     pub chunk_size: usize,
-    /// Deliveries of one message before it is dead-lettered.
-    #[arg(long, env = "LORRY_DELIVERY_LIMIT", default_value_t = 5)]
-    pub delivery_limit: u32,
     /// Real-time requests waiting per model before new ones get 429.
     #[arg(long, env = "LORRY_RT_MAX_DEPTH", default_value_t = 64)]
     pub rt_max_depth: u32,
     /// Seconds a real-time request may wait for its answer.
     #[arg(long, env = "LORRY_RT_TIMEOUT_SECS", default_value_t = 60)]
     pub rt_timeout_secs: u64,
+    /// Seconds a presigned output or error file URL stays valid.
+    #[arg(long, env = "LORRY_OUTPUT_URL_TTL_SECS", default_value_t = 3600)]
+    pub output_url_ttl_secs: u64,
+}
+
+/// The worker: both lanes, the outbox relay, the finaliser and its sweeper.
+#[derive(clap::Args, Clone, Debug)]
+pub struct WorkerSettings {
+    /// Deliveries of one message before it is dead-lettered.
+    #[arg(long, env = "LORRY_DELIVERY_LIMIT", default_value_t = 5)]
+    pub delivery_limit: u32,
     /// Batch-lane messages a worker holds at once per model.
     #[arg(long, env = "LORRY_BATCH_PREFETCH", default_value_t = 4)]
     pub batch_prefetch: u16,
+    /// Real-time requests a worker holds at once per model.
+    #[arg(long, env = "LORRY_RT_PREFETCH", default_value_t = 16)]
+    pub rt_prefetch: u16,
+    /// Results committed per statement, at most.
+    #[arg(long, env = "LORRY_COMMIT_ROWS", default_value_t = 32)]
+    pub commit_rows: usize,
+    /// Milliseconds a finished result waits for others to share its commit.
+    #[arg(long, env = "LORRY_COMMIT_INTERVAL_MS", default_value_t = 50)]
+    pub commit_interval_ms: u64,
     /// Milliseconds between sweeps (expiry, stalled batches).
     #[arg(long, env = "LORRY_SWEEP_INTERVAL_MS", default_value_t = 1000)]
     pub sweep_interval_ms: u64,
     /// Milliseconds between `batch.progress` events (and webhooks) of a running batch.
     #[arg(long, env = "LORRY_PROGRESS_INTERVAL_MS", default_value_t = 5000)]
     pub progress_interval_ms: u64,
-    /// Milliseconds before the first webhook retry; later retries double, with jitter.
-    #[arg(long, env = "LORRY_WEBHOOK_MIN_BACKOFF_MS", default_value_t = 1000)]
-    pub webhook_min_backoff_ms: u64,
-    /// Webhook attempts before a delivery is given up.
-    #[arg(long, env = "LORRY_WEBHOOK_MAX_ATTEMPTS", default_value_t = 10)]
-    pub webhook_max_attempts: u32,
+    /// Seconds a batch may stay `finalizing` before a sweeper takes it over (its finaliser died).
+    #[arg(long, env = "LORRY_FINALIZE_STALE_SECS", default_value_t = 60)]
+    pub finalize_stale_secs: u64,
+    /// Outbox messages the relay publishes per round.
+    #[arg(long, env = "LORRY_RELAY_BATCH", default_value_t = 500)]
+    pub relay_batch: i64,
+    /// Milliseconds between the relay's polls when no notification wakes it.
+    #[arg(long, env = "LORRY_RELAY_POLL_MS", default_value_t = 500)]
+    pub relay_poll_ms: u64,
     /// Milliseconds the echo model spends on each request (tests and benchmarks).
     #[arg(long, env = "LORRY_ECHO_DELAY_MS", default_value_t = 0)]
     pub echo_delay_ms: u64,
-    /// The model catalogue: a JSON file mapping served names to checkpoint
-    /// directories. Unset: `@lorry/echo`, `@lorry/demo-llama` and `@lorry/demo-bge`.
-    #[arg(long, env = "LORRY_MODELS")]
-    pub models: Option<PathBuf>,
-    /// Where Lorry keeps its own files (the demo models); `$XDG_DATA_HOME/lorry`
-    /// or `~/.local/share/lorry` when unset.
-    #[arg(long, env = "LORRY_DATA_DIR")]
-    pub data_dir: Option<PathBuf>,
-    /// Highest LoRA rank an uploaded adapter may have.
-    #[arg(long, env = "LORRY_ADAPTER_MAX_RANK", default_value_t = 32)]
-    pub adapter_max_rank: usize,
-    /// Largest `adapter_model.safetensors` an upload may bring, in bytes.
-    #[arg(long, env = "LORRY_ADAPTER_MAX_BYTES", default_value_t = 300 * 1024 * 1024)]
-    pub adapter_max_bytes: usize,
-    /// Memory a worker gives packed adapters in use, in MiB (the resident tier).
-    #[arg(long, env = "LORRY_ADAPTER_RESIDENT_MIB", default_value_t = 2048)]
-    pub adapter_resident_mib: usize,
-    /// Memory a worker gives raw adapter files, in MiB (the host tier).
-    #[arg(long, env = "LORRY_ADAPTER_HOST_MIB", default_value_t = 1024)]
-    pub adapter_host_mib: usize,
-    /// Disk a worker gives adapter files under the data directory, in MiB.
-    #[arg(long, env = "LORRY_ADAPTER_DISK_MIB", default_value_t = 20480)]
-    pub adapter_disk_mib: u64,
-    /// Milliseconds an adapter waits for room before requests for resident ones are held back for it.
-    #[arg(long, env = "LORRY_ADAPTER_CYCLE_MS", default_value_t = 2000)]
-    pub adapter_cycle_ms: u64,
     /// Threads a worker's engines compute on; 0: one fewer than the CPUs, so
     /// the API, the worker's I/O and the services beside them keep a core.
     #[arg(long, env = "LORRY_ENGINE_THREADS", default_value_t = 0)]
     pub engine_threads: usize,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub engine: EngineArgs,
+}
+
+/// Completion webhooks.
+#[derive(clap::Args, Clone, Debug)]
+pub struct WebhookSettings {
+    /// Allow webhook targets on loopback and private networks.
+    #[arg(long = "webhook-allow-private", env = "LORRY_WEBHOOK_ALLOW_PRIVATE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub allow_private: bool,
+    /// Milliseconds before the first webhook retry; later retries double, with jitter.
+    #[arg(
+        long = "webhook-min-backoff-ms",
+        env = "LORRY_WEBHOOK_MIN_BACKOFF_MS",
+        default_value_t = 1000
+    )]
+    pub min_backoff_ms: u64,
+    /// Seconds the webhook retry backoff grows to, at most.
+    #[arg(
+        long = "webhook-max-backoff-secs",
+        env = "LORRY_WEBHOOK_MAX_BACKOFF_SECS",
+        default_value_t = 3600
+    )]
+    pub max_backoff_secs: u64,
+    /// Webhook attempts before a delivery is given up.
+    #[arg(
+        long = "webhook-max-attempts",
+        env = "LORRY_WEBHOOK_MAX_ATTEMPTS",
+        default_value_t = 10
+    )]
+    pub max_attempts: u32,
+    /// Seconds one webhook attempt may take.
+    #[arg(
+        long = "webhook-timeout-secs",
+        env = "LORRY_WEBHOOK_TIMEOUT_SECS",
+        default_value_t = 10
+    )]
+    pub timeout_secs: u64,
+    /// Milliseconds between looks for due deliveries.
+    #[arg(long = "webhook-poll-ms", env = "LORRY_WEBHOOK_POLL_MS", default_value_t = 200)]
+    pub poll_ms: u64,
+}
+
+/// Which models are served, and where Lorry keeps its files.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelSettings {
+    /// The model catalogue: a JSON file mapping served names to checkpoint
+    /// directories or GGUF files. Unset: the default models (SmolLM2 and
+    /// all-MiniLM where fetched, else the demo models).
+    #[arg(long = "models", env = "LORRY_MODELS")]
+    pub catalogue: Option<PathBuf>,
+    /// Where Lorry keeps its own files (the demo models); `$XDG_DATA_HOME/lorry`
+    /// or `~/.local/share/lorry` when unset.
+    #[arg(long, env = "LORRY_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// LoRA adapters: what an upload may hold, and what a worker keeps of them.
+#[derive(clap::Args, Clone, Debug)]
+pub struct AdapterSettings {
+    /// Highest LoRA rank an uploaded adapter may have.
+    #[arg(long = "adapter-max-rank", env = "LORRY_ADAPTER_MAX_RANK", default_value_t = 32)]
+    pub max_rank: usize,
+    /// Largest `adapter_model.safetensors` an upload may bring, in bytes.
+    #[arg(long = "adapter-max-bytes", env = "LORRY_ADAPTER_MAX_BYTES", default_value_t = 300 * 1024 * 1024)]
+    pub max_bytes: usize,
+    /// Memory a worker gives packed adapters in use, in MiB (the resident tier).
+    #[arg(
+        long = "adapter-resident-mib",
+        env = "LORRY_ADAPTER_RESIDENT_MIB",
+        default_value_t = 2048
+    )]
+    pub resident_mib: usize,
+    /// Memory a worker gives raw adapter files, in MiB (the host tier).
+    #[arg(long = "adapter-host-mib", env = "LORRY_ADAPTER_HOST_MIB", default_value_t = 1024)]
+    pub host_mib: usize,
+    /// Disk a worker gives adapter files under the data directory, in MiB.
+    #[arg(long = "adapter-disk-mib", env = "LORRY_ADAPTER_DISK_MIB", default_value_t = 20480)]
+    pub disk_mib: u64,
+    /// Milliseconds an adapter waits for room before requests for resident ones are held back for it.
+    #[arg(long = "adapter-cycle-ms", env = "LORRY_ADAPTER_CYCLE_MS", default_value_t = 2000)]
+    pub cycle_ms: u64,
 }
 
 #[derive(clap::Parser)]
@@ -169,15 +286,18 @@ struct SettingsOnly {
 }
 
 impl Settings {
-    /// Defaults overridden by the environment (no command line).
-    pub fn from_env() -> Result<Self, clap::Error> {
-        use clap::Parser as _;
-        SettingsOnly::try_parse_from(["lorry"]).map(|s| s.settings)
+    /// Defaults, then the file `LORRY_CONFIG` names, then the environment (no command line).
+    pub fn from_env() -> anyhow::Result<Self> {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let file = std::env::var_os("LORRY_CONFIG").map(PathBuf::from);
+        let command = with_file_defaults(SettingsOnly::command(), file.as_deref())?;
+        let matches = command.try_get_matches_from(["lorry"])?;
+        Ok(SettingsOnly::from_arg_matches(&matches)?.settings)
     }
 
     /// The data directory, resolved.
     pub fn data_dir(&self) -> PathBuf {
-        if let Some(dir) = &self.data_dir {
+        if let Some(dir) = &self.models.data_dir {
             return dir.clone();
         }
         let home = std::env::var_os("HOME")
@@ -192,15 +312,13 @@ impl Settings {
     /// The served models other than the echo model: the catalogue file's, or
     /// the default ones (SmolLM2 and all-MiniLM where fetched, else the demo models).
     pub fn model_sources(&self) -> anyhow::Result<Vec<ModelSource>> {
-        match &self.models {
+        match &self.models.catalogue {
             Some(file) => Ok(read_catalog_file(file)?),
             None => {
                 let dir = self.data_dir();
                 let (sources, why) = default_models(&dir)
                     .with_context(|| format!("reading the default models under {}", dir.display()))?;
-                if let Some(why) = why {
-                    tracing::warn!("{why}");
-                }
+                warn_defaults(why);
                 Ok(sources)
             }
         }
@@ -209,15 +327,13 @@ impl Settings {
     /// The manifests of [`Settings::model_sources`], resolved without reading
     /// any weights or writing the demo models: what the API role needs.
     pub fn model_specs(&self) -> anyhow::Result<Vec<ModelSpec>> {
-        match &self.models {
+        match &self.models.catalogue {
             Some(file) => Ok(read_catalog_file(file)?.iter().map(ModelSource::spec).collect()),
             None => {
                 let dir = self.data_dir();
                 let (specs, why) = default_specs(&dir)
                     .with_context(|| format!("reading the default models under {}", dir.display()))?;
-                if let Some(why) = why {
-                    tracing::warn!("{why}");
-                }
+                warn_defaults(why);
                 Ok(specs)
             }
         }
@@ -226,26 +342,27 @@ impl Settings {
     /// What an uploaded adapter must keep within.
     pub fn adapter_limits(&self) -> AdapterLimits {
         AdapterLimits {
-            max_rank: self.adapter_max_rank,
-            max_bytes: self.adapter_max_bytes,
+            max_rank: self.adapters.max_rank,
+            max_bytes: self.adapters.max_bytes,
         }
     }
 
     /// The worker's adapter cache sizes.
     pub fn adapter_cache(&self) -> AdapterCacheConfig {
+        let a = &self.adapters;
         AdapterCacheConfig {
-            resident_bytes: self.adapter_resident_mib << 20,
-            host_bytes: self.adapter_host_mib << 20,
+            resident_bytes: a.resident_mib << 20,
+            host_bytes: a.host_mib << 20,
             disk_dir: Some(self.data_dir().join("adapters")),
-            disk_bytes: self.adapter_disk_mib << 20,
-            cycle: Duration::from_millis(self.adapter_cycle_ms),
+            disk_bytes: a.disk_mib << 20,
+            cycle: Duration::from_millis(a.cycle_ms),
             limits: self.adapter_limits(),
         }
     }
 
     /// Threads the engines compute on: `engine_threads`, or one fewer than the CPUs.
     pub fn engine_threads(&self) -> usize {
-        match self.engine_threads {
+        match self.worker.engine_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
             n => n,
         }
@@ -253,6 +370,207 @@ impl Settings {
 
     /// The real-time timeout.
     pub fn rt_timeout(&self) -> Duration {
-        Duration::from_secs(self.rt_timeout_secs)
+        Duration::from_secs(self.api.rt_timeout_secs)
+    }
+
+    /// The S3 bucket.
+    pub fn object_store(&self) -> ObjectStoreConfig {
+        let s = &self.services;
+        ObjectStoreConfig {
+            endpoint: s.s3_endpoint.clone(),
+            bucket: s.s3_bucket.clone(),
+            region: s.s3_region.clone(),
+            access_key: s.s3_access_key.clone(),
+            secret_key: s.s3_secret_key.expose().to_string(),
+        }
+    }
+
+    /// The queues and exchanges.
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.services.queue_prefix, self.worker.delivery_limit)
+    }
+
+    /// The outbox relay, publishing for `models`.
+    pub fn relay(&self, models: Vec<String>) -> RelayConfig {
+        RelayConfig {
+            amqp_url: self.services.amqp_url.clone(),
+            topology: self.topology(),
+            models,
+            batch_size: self.worker.relay_batch,
+            poll: Duration::from_millis(self.worker.relay_poll_ms),
+        }
+    }
+
+    /// The API's limits.
+    pub fn api_config(&self) -> ApiConfig {
+        let a = &self.api;
+        ApiConfig {
+            topology: self.topology(),
+            chunk_size: a.chunk_size,
+            max_requests: a.max_batch_requests,
+            max_body_bytes: a.max_body_bytes,
+            max_file_bytes: a.max_file_bytes,
+            allow_private_webhooks: self.webhooks.allow_private,
+            realtime_timeout: self.rt_timeout(),
+            output_url_ttl: Duration::from_secs(a.output_url_ttl_secs),
+            adapter_limits: self.adapter_limits(),
+        }
+    }
+
+    /// How batches are ended and reported.
+    pub fn finaliser(&self) -> FinaliserConfig {
+        FinaliserConfig {
+            stale_after: Duration::from_secs(self.worker.finalize_stale_secs),
+            progress_every: Duration::from_millis(self.worker.progress_interval_ms),
+        }
+    }
+
+    /// The worker's consumers and commits.
+    pub fn worker_config(&self) -> WorkerConfig {
+        let w = &self.worker;
+        WorkerConfig {
+            amqp_url: self.services.amqp_url.clone(),
+            topology: self.topology(),
+            batch_prefetch: w.batch_prefetch,
+            rt_prefetch: w.rt_prefetch,
+            flush_rows: w.commit_rows,
+            flush_interval: Duration::from_millis(w.commit_interval_ms),
+        }
+    }
+
+    /// Webhook delivery.
+    pub fn webhook_config(&self) -> WebhookConfig {
+        let w = &self.webhooks;
+        WebhookConfig {
+            min_backoff: Duration::from_millis(w.min_backoff_ms),
+            max_backoff: Duration::from_secs(w.max_backoff_secs),
+            max_attempts: w.max_attempts,
+            timeout: Duration::from_secs(w.timeout_secs),
+            allow_private: w.allow_private,
+        }
+    }
+}
+
+fn warn_defaults(why: Option<String>) {
+    if let Some(why) = why {
+        tracing::warn!("{why}");
+    }
+}
+
+/// `command` with the settings `file` gives as the defaults of its flags,
+/// in every subcommand that takes them: keys are flag names with
+/// underscores; an unknown key, or a value of a type no flag takes, is an
+/// error naming it.
+pub fn with_file_defaults(command: clap::Command, file: Option<&Path>) -> anyhow::Result<clap::Command> {
+    let Some(file) = file else {
+        return Ok(command);
+    };
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let table: toml::Table = text.parse().with_context(|| format!("{}: not TOML", file.display()))?;
+    let mut defaults = Vec::new();
+    for (key, value) in table {
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(n) => n.to_string(),
+            toml::Value::Float(x) => x.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            _ => anyhow::bail!("{}: {key} must be a string, a number or a boolean", file.display()),
+        };
+        defaults.push((key.replace('_', "-"), text));
+    }
+    let mut command = command;
+    let mut known = std::collections::HashSet::new();
+    for (long, value) in &defaults {
+        command = apply_default(command, long, value, &mut known);
+    }
+    if let Some((long, _)) = defaults.iter().find(|(long, _)| !known.contains(long)) {
+        anyhow::bail!("{}: {} is not a setting", file.display(), long.replace('-', "_"));
+    }
+    Ok(command)
+}
+
+/// Set the default of the flag `--long` in `command` and its subcommands.
+fn apply_default(
+    mut command: clap::Command,
+    long: &str,
+    value: &str,
+    known: &mut std::collections::HashSet<String>,
+) -> clap::Command {
+    let id = command
+        .get_arguments()
+        .find(|a| a.get_long() == Some(long) && a.get_env().is_some())
+        .map(|a| a.get_id().clone());
+    if let Some(id) = id {
+        known.insert(long.to_string());
+        command = command.mut_arg(id, |a| a.default_value(value.to_string()));
+    }
+    let names: Vec<String> = command.get_subcommands().map(|c| c.get_name().to_string()).collect();
+    for name in names {
+        command = command.mut_subcommand(name, |sub| apply_default(sub, long, value, known));
+    }
+    command
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+
+    use super::*;
+
+    fn parse(file: &Path, args: &[&str]) -> anyhow::Result<Settings> {
+        let command = with_file_defaults(SettingsOnly::command(), Some(file))?;
+        let matches = command.try_get_matches_from(args)?;
+        Ok(SettingsOnly::from_arg_matches(&matches)?.settings)
+    }
+
+    fn file(name: &str, text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("lorry-settings-{}-{name}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_settings_file_gives_defaults_that_flags_override() {
+        let path = file(
+            "layers",
+            "chunk_size = 128\nwebhook_timeout_secs = 3\ns3_bucket = \"from-file\"\nwebhook_allow_private = true\n",
+        );
+        let from_file = parse(&path, &["lorry"]).unwrap();
+        assert_eq!(from_file.api.chunk_size, 128);
+        assert_eq!(from_file.webhook_config().timeout, Duration::from_secs(3));
+        assert_eq!(from_file.services.s3_bucket, "from-file");
+        assert!(from_file.webhooks.allow_private);
+        // Untouched settings keep their defaults.
+        assert_eq!(from_file.worker.relay_batch, 500);
+        let flagged = parse(&path, &["lorry", "--chunk-size", "7"]).unwrap();
+        assert_eq!(flagged.api.chunk_size, 7);
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_settings_file_applies_inside_subcommands() {
+        let path = file("sub", "rt_prefetch = 3\n");
+        let command = clap::Command::new("lorry").subcommand(SettingsOnly::command().name("worker"));
+        let matches = with_file_defaults(command, Some(&path))
+            .unwrap()
+            .try_get_matches_from(["lorry", "worker"])
+            .unwrap();
+        let (_, sub) = matches.subcommand().unwrap();
+        let settings = SettingsOnly::from_arg_matches(sub).unwrap().settings;
+        assert_eq!(settings.worker_config().rt_prefetch, 3);
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn an_unknown_or_mistyped_setting_is_refused_by_name() {
+        let path = file("unknown", "chunk_sise = 1\n");
+        let error = parse(&path, &["lorry"]).unwrap_err().to_string();
+        assert!(error.contains("chunk_sise is not a setting"), "{error}");
+        let path = file("mistyped", "chunk_size = \"many\"\n");
+        let error = format!("{:#}", parse(&path, &["lorry"]).unwrap_err());
+        assert!(error.contains("chunk-size"), "{error}");
+        let path = file("table", "[worker]\nrt_prefetch = 1\n");
+        assert!(parse(&path, &["lorry"]).is_err());
+        let _ = std::fs::remove_file(path);
     }
 }

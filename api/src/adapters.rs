@@ -97,14 +97,7 @@ fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
 
 /// The base model an adapter names: served, and taking adapters.
 fn check_model(state: &AppState, model: &str, param: &str) -> Result<(), ApiError> {
-    crate::submit::model(state, model, param)?;
-    if state.catalog.adapter_base(model).is_none() {
-        return Err(ApiError::invalid(
-            ErrorCode::AdaptersNotSupported,
-            param,
-            format!("model {model} does not take LoRA adapters"),
-        ));
-    }
+    crate::submit::model(state, model, param)?.adapter_shape(param)?;
     Ok(())
 }
 
@@ -121,13 +114,8 @@ async fn check_pair(
     config: Bytes,
     weights: Bytes,
 ) -> Result<Result<AdapterSummary, AdapterError>, ApiError> {
-    let base = state.catalog.adapter_base(model).cloned().ok_or_else(|| {
-        ApiError::invalid(
-            ErrorCode::AdaptersNotSupported,
-            "model",
-            format!("model {model} does not take LoRA adapters"),
-        )
-    })?;
+    let base = (state.catalog.adapter_base(model).copied())
+        .ok_or_else(|| lorry_protocol::model::no_adapters(model, "model"))?;
     let limits = state.config.adapter_limits;
     let checked = tokio::task::spawn_blocking(move || {
         Adapter::parse(&config, &weights, &base, limits).map(|adapter| AdapterSummary {

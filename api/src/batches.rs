@@ -108,12 +108,8 @@ fn inline<'a>(state: &'a AppState, mut f: Fields<'_>) -> Result<Read<'a>, ApiErr
     f.deny_unknown()?;
     let (base, default_adapter) = submit::split_model(state, &model_name);
     let spec = submit::model(state, base, "model")?;
-    if default_adapter.is_some() && !spec.takes_adapters() {
-        return Err(ApiError::invalid(
-            ErrorCode::AdaptersNotSupported,
-            "model",
-            format!("model {base} does not take LoRA adapters"),
-        ));
+    if default_adapter.is_some() {
+        spec.adapter_shape("model")?;
     }
     Ok(Read {
         submission: Submission {

@@ -112,6 +112,7 @@ impl Drop for Pending {
         }
         let client = self.client.clone();
         let correlation = std::mem::take(&mut self.correlation);
+        tracing::debug!(%correlation, "a real-time call ended before its last reply; cancelling it");
         client.forget(&correlation);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {

@@ -96,12 +96,8 @@ fn check_endpoint(spec: &lorry_protocol::ModelSpec, endpoint: Endpoint, adapter:
         };
         return Err(ApiError::invalid(ErrorCode::ModelTaskMismatch, "model", message));
     }
-    if adapter && !spec.takes_adapters() {
-        return Err(ApiError::invalid(
-            ErrorCode::AdaptersNotSupported,
-            "model",
-            format!("model {base} does not take LoRA adapters"),
-        ));
+    if adapter {
+        spec.adapter_shape("model")?;
     }
     Ok(())
 }
@@ -498,10 +494,9 @@ fn stream_chunks(
                     Some(finish_reason(&output)),
                 ))];
                 if request.include_usage {
-                    let (p, c) = (output.usage.prompt_tokens, output.usage.completion_tokens);
                     let mut last = chunk(endpoint, &id, created, &request, None, None);
                     last["choices"] = json!([]);
-                    last["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                    last["usage"] = output.usage.to_json();
                     events.push(data(last));
                 }
                 events.push(Event::default().data("[DONE]"));

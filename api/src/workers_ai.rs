@@ -20,7 +20,7 @@ use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
-use lorry_protocol::Output;
+use lorry_protocol::{Output, Usage};
 use serde_json::{json, Value};
 
 use crate::batches::owned_batch;
@@ -180,11 +180,7 @@ async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result
             line
         })
         .collect();
-    let usage = json!({
-        "prompt_tokens": tally.prompt_tokens,
-        "completion_tokens": tally.completion_tokens,
-        "total_tokens": tally.prompt_tokens + tally.completion_tokens,
-    });
+    let usage = Usage::json(tally.prompt_tokens, tally.completion_tokens);
     let result = json!({"status": batch.status, "request_id": batch.id, "responses": responses, "usage": usage});
     Ok(envelope(result).into_response())
 }
@@ -210,12 +206,7 @@ async fn realtime(
 }
 
 fn usage_json(output: &Output) -> Value {
-    let u = output.usage;
-    json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    })
+    output.usage.to_json()
 }
 
 /// Workers AI's stream: `data: {"response": "<piece>"}` events, then `data: [DONE]`.

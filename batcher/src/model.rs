@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use lorry_engine::ErrorCode;
+use lorry_engine::{ErrorCode, Usage};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -166,11 +166,7 @@ impl Tally {
     }
 
     fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
+        Usage::json(self.prompt_tokens, self.completion_tokens)
     }
 }
 
@@ -311,11 +307,7 @@ impl FinishedRequest {
             "status": self.status,
             "response": self.response.as_ref().map(|body| json!({"status_code": 200, "body": body})),
             "error": self.error,
-            "usage": {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-            },
+            "usage": Usage::json(self.prompt_tokens.into(), self.completion_tokens.into()),
         })
     }
 }

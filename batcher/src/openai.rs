@@ -61,11 +61,7 @@ pub struct Finished<'a> {
 
 /// The OpenAI answer body of a finished request.
 pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Finished<'_>, base64: bool) -> Value {
-    let usage = json!({
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    });
+    let usage = lorry_engine::Usage::json(done.prompt_tokens, done.completion_tokens);
     let text = done.body["response"].as_str().unwrap_or_default();
     let finish_reason = done.finish_reason.unwrap_or("stop");
     match endpoint {

@@ -208,8 +208,15 @@ impl Cancels {
     pub fn cancel(&self, correlation: &str) {
         let mut state = self.inner.lock().expect("cancels lock");
         match state.running.get(correlation) {
-            Some(token) => token.cancel(),
+            Some(token) => {
+                tracing::debug!(correlation, "cancelling a real-time request");
+                token.cancel()
+            }
             None => {
+                tracing::debug!(
+                    correlation,
+                    "remembering the cancellation of a request not running here"
+                );
                 if state.early.len() == REMEMBERED_CANCELS {
                     state.early.pop_front();
                 }

@@ -234,10 +234,9 @@ impl Worker {
         Fut: std::future::Future<Output = T>,
     {
         let unsupported = || {
-            EngineError::Input(InputError::new(
-                ErrorCode::AdaptersNotSupported,
+            EngineError::Input(lorry_engine::catalog::no_adapters(
+                backend.model(),
                 request.adapter_field.as_str(),
-                format!("model {} does not take LoRA adapters", backend.model()),
             ))
         };
         let (Some(cache), Some(base)) = (&self.inner.adapters, backend.adapter_base()) else {
@@ -286,6 +285,12 @@ impl Worker {
         topology.declare(&setup, models.iter().map(String::as_str)).await?;
         let replies = Publisher::open(&connection).await?;
         let mut consumers = JoinSet::new();
+        // Bound before any real-time request is taken, so that no cancellation
+        // of a request this session serves can be published where nobody hears it.
+        consumers.spawn(
+            self.clone()
+                .follow_cancels(cancel_consumer(&connection, topology).await?, stop.clone()),
+        );
         for model in &models {
             let rt = consumer(&connection, &topology.rt_queue(model), inner.config.rt_prefetch, 10).await?;
             consumers.spawn(self.clone().consume(rt, Kind::RealTime(replies.clone()), stop.clone()));
@@ -298,10 +303,6 @@ impl Worker {
             .await?;
             consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
         }
-        consumers.spawn(
-            self.clone()
-                .follow_cancels(cancel_consumer(&connection, topology).await?, stop.clone()),
-        );
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
         // Consumers end on `stop` after their work in hand is settled, or when the connection drops.

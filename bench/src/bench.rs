@@ -917,11 +917,8 @@ async fn cold_loads(
 
     let settings = lorry::Settings::from_env()?;
     let objects = ObjectStore::new(&ObjectStoreConfig {
-        endpoint: settings.s3_endpoint.clone(),
         bucket: format!("lorry-bench-{}", std::process::id()),
-        region: settings.s3_region.clone(),
-        access_key: settings.s3_access_key.clone(),
-        secret_key: settings.s3_secret_key.expose().to_string(),
+        ..settings.object_store()
     });
     objects.ensure_bucket().await.context("reaching S3")?;
     let (config_file, weights) = peft_files(adapter, &scratch.join("adapter"))?;

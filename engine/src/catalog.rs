@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::fixtures::{self, Fixture};
 use crate::models::llama::{Config, Llama};
 use crate::models::ModelError;
-pub use lorry_protocol::model::{Catalog, ModelSpec, Task, ECHO_MODEL};
+pub use lorry_protocol::model::{no_adapters, Catalog, ModelSpec, Task, ECHO_MODEL};
 /// A tiny random-weight Llama served when no catalogue is configured.
 pub const DEMO_LLAMA: &str = "@lorry/demo-llama";
 /// A tiny random-weight BERT embedder served when no catalogue is configured.

@@ -104,10 +104,9 @@ pub trait Backend: Send + Sync + 'static {
         adapter: std::sync::Arc<lora::PackedAdapter>,
     ) -> Result<EventStream, EngineError> {
         let _ = (lane, adapter);
-        Err(EngineError::Input(InputError::new(
-            ErrorCode::AdaptersNotSupported,
+        Err(EngineError::Input(lorry_protocol::model::no_adapters(
+            self.model(),
             request.adapter_field.as_str(),
-            format!("model {} does not take LoRA adapters", self.model()),
         )))
     }
 }

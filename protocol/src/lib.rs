@@ -37,6 +37,23 @@ pub struct Usage {
     pub completion_tokens: u32,
 }
 
+impl Usage {
+    /// `{"prompt_tokens", "completion_tokens", "total_tokens"}`: the usage
+    /// object of every API shape, for one request or a batch's totals.
+    pub fn json(prompt_tokens: i64, completion_tokens: i64) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        })
+    }
+
+    /// [`Usage::json`] of this request.
+    pub fn to_json(self) -> serde_json::Value {
+        Usage::json(self.prompt_tokens.into(), self.completion_tokens.into())
+    }
+}
+
 /// The finished result of one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Output {

@@ -55,18 +55,28 @@ impl ModelSpec {
         self.adapters.is_some()
     }
 
+    /// The adapter shape, or the refusal of an adapter named by `param`.
+    pub fn adapter_shape(&self, param: &str) -> Result<AdapterShape, InputError> {
+        self.adapters.ok_or_else(|| no_adapters(&self.name, param))
+    }
+
     /// Validate one request body for this model.
     pub fn validate(&self, body: &Value) -> Result<ValidRequest, InputError> {
         let request = ValidRequest::parse(self.task, body)?;
-        if request.lora.is_some() && !self.takes_adapters() {
-            return Err(InputError::new(
-                ErrorCode::AdaptersNotSupported,
-                request.adapter_field.as_str(),
-                format!("model {} does not take LoRA adapters", self.name),
-            ));
+        if request.lora.is_some() {
+            self.adapter_shape(request.adapter_field.as_str())?;
         }
         Ok(request)
     }
+}
+
+/// The refusal of an adapter, named by `param`, for `model`, which takes none.
+pub fn no_adapters(model: &str, param: &str) -> InputError {
+    InputError::new(
+        ErrorCode::AdaptersNotSupported,
+        param,
+        format!("model {model} does not take LoRA adapters"),
+    )
 }
 
 /// The served models by name.

@@ -101,11 +101,11 @@ async fn bucket_keys(app: &TestApp) -> Vec<String> {
     let settings = &app.settings;
     let config = aws_sdk_s3::Config::builder()
         .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
-        .endpoint_url(settings.s3_endpoint.clone().unwrap())
-        .region(aws_sdk_s3::config::Region::new(settings.s3_region.clone()))
+        .endpoint_url(settings.services.s3_endpoint.clone().unwrap())
+        .region(aws_sdk_s3::config::Region::new(settings.services.s3_region.clone()))
         .credentials_provider(aws_sdk_s3::config::Credentials::new(
-            settings.s3_access_key.clone(),
-            settings.s3_secret_key.expose().to_string(),
+            settings.services.s3_access_key.clone(),
+            settings.services.s3_secret_key.expose().to_string(),
             None,
             None,
             "test",
@@ -115,7 +115,7 @@ async fn bucket_keys(app: &TestApp) -> Vec<String> {
     let client = aws_sdk_s3::Client::from_conf(config);
     let listed = client
         .list_objects_v2()
-        .bucket(&settings.s3_bucket)
+        .bucket(&settings.services.s3_bucket)
         .send()
         .await
         .unwrap();
@@ -340,7 +340,7 @@ fn safetensors(tensors: &[(&str, Tensor)]) -> Vec<u8> {
 
 #[tokio::test]
 async fn every_bad_upload_is_refused_by_code_and_leaves_nothing() {
-    let app = spawn_app_with(lorry::Role::Serve, |s| s.adapter_max_bytes = 60_000).await;
+    let app = spawn_app_with(lorry::Role::Serve, |s| s.adapters.max_bytes = 60_000).await;
     let config = file("adapter-b", "adapter_config.json");
     let weights = file("adapter-b", "adapter_model.safetensors");
     let hidden = 64;

@@ -45,7 +45,7 @@ async fn a_native_batch_runs_to_completion_with_output_in_s3() {
 
 #[tokio::test]
 async fn results_are_readable_while_the_batch_runs() {
-    let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 5).await;
+    let app = spawn_app_with(Role::Serve, |s| s.worker.echo_delay_ms = 5).await;
     let batch = app.submit_echo(400, json!({})).await;
     let id = batch["id"].as_str().unwrap();
     let partial = app
@@ -120,7 +120,7 @@ async fn an_idempotency_key_returns_the_same_batch_and_refuses_a_different_body(
 
 #[tokio::test]
 async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
-    let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 10).await;
+    let app = spawn_app_with(Role::Serve, |s| s.worker.echo_delay_ms = 10).await;
     let batch = app.submit_echo(500, json!({})).await;
     let id = batch["id"].as_str().unwrap();
     app.wait_for(id, Duration::from_secs(30), |b| {
@@ -160,7 +160,7 @@ async fn cancel_ends_unstarted_requests_and_lets_running_ones_finish() {
 
 #[tokio::test]
 async fn a_batch_past_its_window_expires_its_unstarted_requests() {
-    let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 20).await;
+    let app = spawn_app_with(Role::Serve, |s| s.worker.echo_delay_ms = 20).await;
     let batch = app.submit_echo(300, json!({"completion_window": "1s"})).await;
     let id = batch["id"].as_str().unwrap();
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;

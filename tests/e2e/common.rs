@@ -17,9 +17,15 @@ static TRACING: Once = Once::new();
 
 fn init_tracing() {
     TRACING.call_once(|| {
-        if std::env::var_os("TEST_LOG").is_some() {
+        if let Ok(filter) = std::env::var("TEST_LOG") {
+            // `TEST_LOG=1`, or a filter of its own (`TEST_LOG=lorry_batcher=debug`).
+            let filter = if filter == "1" {
+                "info,lorry=debug".to_string()
+            } else {
+                filter
+            };
             tracing_subscriber::fmt()
-                .with_env_filter("info,lorry=debug")
+                .with_env_filter(filter.as_str())
                 .with_test_writer()
                 .init();
         }
@@ -32,26 +38,26 @@ pub async fn isolated_settings() -> Settings {
     let unique = uuid::Uuid::new_v4().simple().to_string();
     let base =
         std::env::var("LORRY_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
-    settings.database_url = format!("{base}/lorry_test_{unique}");
-    Store::create_database(&settings.database_url)
+    settings.services.database_url = format!("{base}/lorry_test_{unique}");
+    Store::create_database(&settings.services.database_url)
         .await
         .expect("creating the test database");
-    settings.queue_prefix = format!("lorry-test-{unique}");
-    settings.s3_bucket = format!("lorry-test-{}", &unique[..20]);
-    if settings.s3_endpoint.is_none() {
-        settings.s3_endpoint = Some("http://127.0.0.1:9310".into());
+    settings.services.queue_prefix = format!("lorry-test-{unique}");
+    settings.services.s3_bucket = format!("lorry-test-{}", &unique[..20]);
+    if settings.services.s3_endpoint.is_none() {
+        settings.services.s3_endpoint = Some("http://127.0.0.1:9310".into());
     }
-    if settings.s3_access_key.is_empty() {
-        settings.s3_access_key = "lorry".into();
-        settings.s3_secret_key = "lorry-secret-key".parse().unwrap();
+    if settings.services.s3_access_key.is_empty() {
+        settings.services.s3_access_key = "lorry".into();
+        settings.services.s3_secret_key = "lorry-secret-key".parse().unwrap();
     }
-    settings.listen = "127.0.0.1:0".into();
-    settings.bootstrap_token = Some(TOKEN.parse().unwrap());
-    settings.webhook_allow_private = true;
-    settings.sweep_interval_ms = 200;
-    settings.webhook_min_backoff_ms = 50;
+    settings.api.listen = "127.0.0.1:0".into();
+    settings.api.bootstrap_token = Some(TOKEN.parse().unwrap());
+    settings.webhooks.allow_private = true;
+    settings.worker.sweep_interval_ms = 200;
+    settings.webhooks.min_backoff_ms = 50;
     // The demo models are written once and shared by every test deployment.
-    settings.data_dir = Some(std::env::temp_dir().join("lorry-test-data"));
+    settings.models.data_dir = Some(std::env::temp_dir().join("lorry-test-data"));
     settings
 }
 
@@ -84,7 +90,7 @@ pub struct TestApp {
 pub async fn spawn_app_with(role: Role, tweak: impl FnOnce(&mut Settings)) -> TestApp {
     init_tracing();
     let mut settings = isolated_settings().await;
-    let broker_url = settings.amqp_url.clone();
+    let broker_url = settings.services.amqp_url.clone();
     tweak(&mut settings);
     let mut app = start(settings, role).await;
     app.broker_url = broker_url;
@@ -104,10 +110,10 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
     let stop = app.stopper();
     let backends = app.backends().to_vec();
     let handle = tokio::spawn(app.run_until_stopped());
-    let store = Store::connect(&settings.database_url, 4).await.unwrap();
+    let store = Store::connect(&settings.services.database_url, 4).await.unwrap();
     TestApp {
         address: format!("http://127.0.0.1:{port}"),
-        broker_url: settings.amqp_url.clone(),
+        broker_url: settings.services.amqp_url.clone(),
         settings,
         store,
         http: reqwest::Client::new(),
@@ -203,15 +209,21 @@ impl TestApp {
     pub fn child_env(&self) -> Vec<(String, String)> {
         let s = &self.settings;
         vec![
-            ("LORRY_DATABASE_URL".into(), s.database_url.clone()),
-            ("LORRY_AMQP_URL".into(), s.amqp_url.clone()),
-            ("LORRY_S3_ENDPOINT".into(), s.s3_endpoint.clone().unwrap_or_default()),
-            ("LORRY_S3_BUCKET".into(), s.s3_bucket.clone()),
-            ("LORRY_S3_REGION".into(), s.s3_region.clone()),
-            ("AWS_ACCESS_KEY_ID".into(), s.s3_access_key.clone()),
-            ("AWS_SECRET_ACCESS_KEY".into(), s.s3_secret_key.expose().to_string()),
-            ("LORRY_QUEUE_PREFIX".into(), s.queue_prefix.clone()),
-            ("LORRY_SWEEP_INTERVAL_MS".into(), s.sweep_interval_ms.to_string()),
+            ("LORRY_DATABASE_URL".into(), s.services.database_url.clone()),
+            ("LORRY_AMQP_URL".into(), s.services.amqp_url.clone()),
+            (
+                "LORRY_S3_ENDPOINT".into(),
+                s.services.s3_endpoint.clone().unwrap_or_default(),
+            ),
+            ("LORRY_S3_BUCKET".into(), s.services.s3_bucket.clone()),
+            ("LORRY_S3_REGION".into(), s.services.s3_region.clone()),
+            ("AWS_ACCESS_KEY_ID".into(), s.services.s3_access_key.clone()),
+            (
+                "AWS_SECRET_ACCESS_KEY".into(),
+                s.services.s3_secret_key.expose().to_string(),
+            ),
+            ("LORRY_QUEUE_PREFIX".into(), s.services.queue_prefix.clone()),
+            ("LORRY_SWEEP_INTERVAL_MS".into(), s.worker.sweep_interval_ms.to_string()),
             ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
             ("LORRY_DATA_DIR".into(), s.data_dir().display().to_string()),
         ]
@@ -243,7 +255,7 @@ impl Drop for TestApp {
     fn drop(&mut self) {
         self.stop.cancel();
         // Quorum queues outlive their test unless deleted.
-        let prefix = self.settings.queue_prefix.clone();
+        let prefix = self.settings.services.queue_prefix.clone();
         let url = self.broker_url.clone();
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()

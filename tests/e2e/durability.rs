@@ -142,8 +142,8 @@ impl Proxy {
 async fn a_dropped_broker_connection_loses_no_request_and_duplicates_none() {
     let proxy = Proxy::start("127.0.0.1:5672".into()).await;
     let app = spawn_app_with(Role::Serve, |s| {
-        s.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
-        s.echo_delay_ms = 2;
+        s.services.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+        s.worker.echo_delay_ms = 2;
     })
     .await;
     let batch = app.submit_echo(2000, json!({})).await;
@@ -170,14 +170,14 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
 
     // No worker yet: the relay publishes the chunk, and the test plays a worker
     // that fails it on every delivery.
-    let app = spawn_app_with(Role::Api, |s| s.delivery_limit = 2).await;
+    let app = spawn_app_with(Role::Api, |s| s.worker.delivery_limit = 2).await;
     let batch = app.submit_echo(3, json!({})).await;
     let id = batch["id"].as_str().unwrap();
-    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-failing-worker")
+    let connection = lorry_batcher::broker::connect(&app.settings.services.amqp_url, "test-failing-worker")
         .await
         .unwrap();
     let mut channel = connection.create_channel().await.unwrap();
-    let queue = format!("{}.batch.@lorry/echo", app.settings.queue_prefix);
+    let queue = format!("{}.batch.@lorry/echo", app.settings.services.queue_prefix);
     let started = std::time::Instant::now();
     let mut failed = 0;
     while started.elapsed() < Duration::from_secs(20) {

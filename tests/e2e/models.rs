@@ -138,7 +138,7 @@ async fn a_worker_speculates_with_the_draft_its_catalogue_names_and_answers_as_p
     let dir = scratch("catalogue-draft");
     let file = catalogue_with_draft(&dir, Fixture::TinyLlamaDraft);
     let app = spawn_app_with(Role::Serve, |s| {
-        s.models = Some(file);
+        s.models.catalogue = Some(file);
         s.engine.speculate = Speculate::Draft(None);
     })
     .await;
@@ -174,7 +174,7 @@ async fn a_catalogued_draft_with_another_vocabulary_stops_the_worker_from_starti
     let dir = scratch("catalogue-bad-draft");
     let file = catalogue_with_draft(&dir, Fixture::BenchDraft);
     let mut settings = isolated_settings().await;
-    settings.models = Some(file);
+    settings.models.catalogue = Some(file);
     settings.engine.speculate = Speculate::Draft(None);
     let error = match Application::build(settings, Role::Worker).await {
         Ok(_) => panic!("a worker started with a draft of another vocabulary"),
@@ -214,7 +214,7 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
     let gguf = smollm2_gguf();
     std::fs::write(&file, json!({"@cf/lorry/smollm2": gguf}).to_string()).unwrap();
     // Speculation as the worker's default (prompt lookup).
-    let app = spawn_app_with(Role::Serve, |s| s.models = Some(file)).await;
+    let app = spawn_app_with(Role::Serve, |s| s.models.catalogue = Some(file)).await;
     let model = TextModel::open(&gguf, &Device::Cpu).unwrap();
     let lora_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/data/gguf/lora-smollm2");
     let adapter = PackedAdapter::new(
@@ -322,8 +322,8 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
 async fn the_api_role_reads_no_weights_and_writes_no_models() {
     let data = std::env::temp_dir().join(format!("lorry-api-only-{}", uuid::Uuid::new_v4().simple()));
     let app = spawn_app_with(Role::Api, |s| {
-        s.models = None;
-        s.data_dir = Some(data.clone());
+        s.models.catalogue = None;
+        s.models.data_dir = Some(data.clone());
     })
     .await;
     let models = app.get_json("/v1/models").await;

@@ -238,7 +238,7 @@ const MAX_TOKENS_LIMIT: u64 = lorry_engine::input::MAX_TOKENS_LIMIT as u64;
 #[tokio::test]
 async fn a_streaming_client_that_goes_away_frees_its_sequence() {
     let catalogue = long_context_catalogue();
-    let app = spawn_app_with(Role::Serve, |s| s.models = Some(catalogue)).await;
+    let app = spawn_app_with(Role::Serve, |s| s.models.catalogue = Some(catalogue)).await;
     let engine = app
         .backends
         .iter()

@@ -42,8 +42,8 @@ async fn a_real_time_request_is_answered_and_can_stream() {
 async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
     // No worker: real-time requests wait in the lane until it is full.
     let app = spawn_app_with(Role::Api, |s| {
-        s.rt_max_depth = 2;
-        s.rt_timeout_secs = 5;
+        s.api.rt_max_depth = 2;
+        s.api.rt_timeout_secs = 5;
     })
     .await;
     let waiting: Vec<_> = (0..2)
@@ -59,10 +59,10 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
         })
         .collect();
     // Wait until both are queued, then one more is refused at once.
-    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-depth")
+    let connection = lorry_batcher::broker::connect(&app.settings.services.amqp_url, "test-depth")
         .await
         .unwrap();
-    let queue = format!("{}.rt.@lorry/echo", app.settings.queue_prefix);
+    let queue = format!("{}.rt.@lorry/echo", app.settings.services.queue_prefix);
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()

@@ -54,15 +54,15 @@ async fn start_receiver(failures: u32) -> (String, Receiver) {
 
 #[tokio::test]
 async fn a_webhook_is_retried_after_failures_with_the_same_id_and_a_valid_signature() {
-    let app = spawn_app_with(Role::Serve, |s| s.webhook_min_backoff_ms = 50).await;
+    let app = spawn_app_with(Role::Serve, |s| s.webhooks.min_backoff_ms = 50).await;
     let (url, receiver) = start_receiver(3).await;
 
     // Subscribe to the events exchange before anything happens.
-    let connection = lorry_batcher::broker::connect(&app.settings.amqp_url, "test-events")
+    let connection = lorry_batcher::broker::connect(&app.settings.services.amqp_url, "test-events")
         .await
         .unwrap();
     let channel = connection.create_channel().await.unwrap();
-    let exchange = format!("{}.events", app.settings.queue_prefix);
+    let exchange = format!("{}.events", app.settings.services.queue_prefix);
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..Default::default()
@@ -184,8 +184,8 @@ async fn a_rotated_secret_signs_later_deliveries() {
 #[tokio::test]
 async fn a_long_batch_reports_progress_before_it_completes() {
     let app = spawn_app_with(Role::Serve, |s| {
-        s.echo_delay_ms = 5;
-        s.progress_interval_ms = 300;
+        s.worker.echo_delay_ms = 5;
+        s.worker.progress_interval_ms = 300;
     })
     .await;
     let (url, receiver) = start_receiver(0).await;

@@ -11,7 +11,7 @@ const RUN: &str = "/client/v4/accounts/default/ai/run/@lorry/echo";
 
 #[tokio::test]
 async fn a_workers_ai_batch_is_queued_and_polled_to_completion() {
-    let app = spawn_app_with(Role::Serve, |s| s.echo_delay_ms = 2).await;
+    let app = spawn_app_with(Role::Serve, |s| s.worker.echo_delay_ms = 2).await;
     let requests: Vec<Value> = (0..100)
         .map(|i| match i % 3 {
             0 => json!({"prompt": format!("p{i}"), "external_reference": format!("ref-{i}")}),

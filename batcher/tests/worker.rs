@@ -1,0 +1,272 @@
+//! The worker's batch lane driven step by step: `Worker::process_chunk` and
+//! `Worker::process_dead_letter` on a fresh database each, against a scripted
+//! engine whose every answer is decided by its prompt, so redelivery,
+//! deferral, failures, deleted adapters and dead-lettering are each
+//! reproduced exactly, with no timing involved.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lorry_batcher::broker::Topology;
+use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
+use lorry_batcher::ids::{AccountId, BatchId};
+use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
+use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
+use lorry_batcher::store::{Created, NewBatch, NewRequest, Store};
+use lorry_batcher::worker::{Worker, WorkerConfig};
+use lorry_engine::input::Prompt;
+use lorry_engine::{
+    Backend, Catalog, EngineError, ErrorCode, Event, EventStream, InputError, Lane, ModelSpec, Output, Task, Usage,
+    ValidRequest,
+};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+
+const MODEL: &str = "@test/scripted";
+
+/// An engine that answers by script: `ok:TEXT` finishes with TEXT, `fail`
+/// fails in the model, `long` is refused as too long for the context,
+/// `busy:N` is refused (the engine has stopped) the first N times it is
+/// submitted, then finishes.
+#[derive(Default)]
+struct Scripted {
+    submitted: Mutex<HashMap<String, usize>>,
+}
+
+impl Backend for Scripted {
+    fn model(&self) -> &str {
+        MODEL
+    }
+
+    fn submit(&self, request: ValidRequest, _lane: Lane) -> Result<EventStream, EngineError> {
+        let Prompt::Text(prompt) = &request.prompt else {
+            panic!("the script reads text prompts");
+        };
+        let times = {
+            let mut submitted = self.submitted.lock().unwrap();
+            let n = submitted.entry(prompt.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        let event = match prompt.split_once(':') {
+            Some(("ok", text)) => finished(text),
+            Some(("busy", n)) if times <= n.parse().unwrap() => return Err(EngineError::Stopped),
+            Some(("busy", _)) => finished("after a wait"),
+            _ if prompt == "fail" => Event::Failed(EngineError::Model("the script fails".into())),
+            _ if prompt == "long" => Event::Failed(EngineError::Input(InputError::new(
+                ErrorCode::ContextLengthExceeded,
+                "prompt",
+                "too long",
+            ))),
+            _ => panic!("no script for {prompt:?}"),
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(event).unwrap();
+        Ok(rx)
+    }
+}
+
+fn finished(text: &str) -> Event {
+    Event::Finished(Output {
+        body: json!({"response": text}),
+        usage: Usage {
+            prompt_tokens: 1,
+            completion_tokens: 1,
+        },
+        completion: None,
+    })
+}
+
+fn env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+struct Setup {
+    store: Store,
+    worker: Worker,
+    engine: Arc<Scripted>,
+    batch: BatchId,
+    total: i32,
+}
+
+/// A batch of `prompts` (each may name an adapter after a `@`), and a worker to run it.
+async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
+    let store = Store::from_pool(pool);
+    store.ensure_account("acct", "token").await.unwrap();
+    let objects = ObjectStore::new(&ObjectStoreConfig {
+        endpoint: Some(env("LORRY_S3_ENDPOINT", "http://127.0.0.1:9310")),
+        bucket: format!("lorry-worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..16]),
+        region: "us-east-1".into(),
+        access_key: env("AWS_ACCESS_KEY_ID", "lorry"),
+        secret_key: env("AWS_SECRET_ACCESS_KEY", "lorry-secret-key"),
+    });
+    objects.ensure_bucket().await.unwrap();
+    let topology = Topology::new("lorry-test-worker", 5);
+    let finaliser = Finaliser::new(
+        store.clone(),
+        objects,
+        topology.clone(),
+        FinaliserConfig {
+            stale_after: Duration::from_secs(60),
+            progress_every: Duration::from_secs(3600),
+        },
+    );
+    let engine = Arc::new(Scripted::default());
+    let catalog = Catalog::with_models([ModelSpec {
+        name: MODEL.into(),
+        task: Task::Echo,
+        adapters: None,
+    }]);
+    let worker = Worker::new(
+        store.clone(),
+        finaliser,
+        catalog,
+        vec![engine.clone() as Arc<dyn Backend>],
+        None,
+        WorkerConfig {
+            amqp_url: "amqp://unused".into(),
+            topology,
+            batch_prefetch: 1,
+            rt_prefetch: 1,
+            flush_rows: 2,
+            flush_interval: Duration::from_secs(3600),
+        },
+    );
+    let batch = BatchId::generate();
+    let requests = prompts
+        .iter()
+        .map(|p| {
+            let body = match p.split_once('@') {
+                Some((prompt, adapter)) => json!({"prompt": prompt, "adapter": adapter}),
+                None => json!({"prompt": p}),
+            };
+            NewRequest {
+                custom_id: None,
+                request: ValidRequest::parse(Task::Echo, &body).unwrap(),
+            }
+        })
+        .collect();
+    let new = NewBatch {
+        id: batch.clone(),
+        account_id: AccountId("acct".into()),
+        model: MODEL.into(),
+        shape: Shape::Native,
+        openai: None,
+        completion_window: "1h".into(),
+        window: Duration::from_secs(3600),
+        metadata: None,
+        webhook_url: None,
+        idempotency_key: None,
+        request_hash: "h".into(),
+        requests,
+    };
+    assert!(matches!(
+        store.create_batch(new, vec![]).await.unwrap(),
+        Created::New(_)
+    ));
+    Setup {
+        store,
+        worker,
+        engine,
+        batch,
+        total: prompts.len() as i32,
+    }
+}
+
+impl Setup {
+    fn chunk(&self) -> Chunk {
+        Chunk {
+            batch_id: self.batch.clone(),
+            account_id: AccountId("acct".into()),
+            model: MODEL.into(),
+            start: 0,
+            end: self.total,
+        }
+    }
+
+    async fn status(&self) -> BatchStatus {
+        let account = AccountId("acct".into());
+        self.store.batch(&account, &self.batch).await.unwrap().unwrap().status
+    }
+
+    async fn error_codes(&self) -> Vec<Option<String>> {
+        let finished = self.store.finished_requests(&self.batch).await.unwrap();
+        finished
+            .iter()
+            .map(|r| r.error.as_ref().map(|e| e.code.clone()))
+            .collect()
+    }
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_chunk_ends_every_request_once_and_then_its_batch(pool: PgPool) {
+    let lane = batch_of(pool, &["ok:a", "fail", "long", "ok:b"]).await;
+    let report = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((report.claimed, report.committed, report.deferred), (4, 4, 0));
+    let tally = lane.store.tally(&lane.batch).await.unwrap();
+    assert_eq!(tally.count(RequestStatus::Succeeded), 2);
+    assert_eq!(tally.count(RequestStatus::Errored), 2);
+    assert_eq!(
+        lane.error_codes().await,
+        vec![
+            None,
+            Some("model_error".into()),
+            Some("context_length_exceeded".into()),
+            None
+        ]
+    );
+    assert_eq!(lane.status().await, BatchStatus::Completed);
+    // Delivered again after the commit: nothing left to claim, nothing written twice.
+    let again = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((again.claimed, again.committed), (0, 0));
+    assert_eq!(lane.engine.submitted.lock().unwrap().values().sum::<usize>(), 4);
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_refusing_engine_defers_its_requests_to_the_next_delivery(pool: PgPool) {
+    let lane = batch_of(pool, &["ok:a", "busy:1", "ok:b"]).await;
+    let first = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((first.claimed, first.committed, first.deferred), (3, 2, 1));
+    assert_eq!(
+        lane.status().await,
+        BatchStatus::InProgress,
+        "a deferred request keeps the batch open"
+    );
+    // The redelivery takes back only the request left running.
+    let second = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((second.claimed, second.committed, second.deferred), (1, 1, 0));
+    assert_eq!(lane.status().await, BatchStatus::Completed);
+    let submitted = lane.engine.submitted.lock().unwrap().clone();
+    assert_eq!((submitted["ok:a"], submitted["busy:1"], submitted["ok:b"]), (1, 2, 1));
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn an_adapter_deleted_after_acceptance_ends_its_request_and_no_other(pool: PgPool) {
+    let lane = batch_of(pool, &["ok:a@adapter_gone", "ok:b"]).await;
+    let report = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((report.committed, report.deferred), (2, 0));
+    assert_eq!(lane.error_codes().await, vec![Some("adapter_not_found".into()), None]);
+    assert!(!lane.engine.submitted.lock().unwrap().contains_key("ok:a"));
+    assert_eq!(lane.status().await, BatchStatus::Completed);
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_dead_lettered_chunk_ends_what_is_unfinished_once(pool: PgPool) {
+    let lane = batch_of(pool, &["ok:a", "busy:9", "busy:9"]).await;
+    let first = lane.worker.process_chunk(&lane.chunk()).await.unwrap();
+    assert_eq!((first.committed, first.deferred), (1, 2));
+    // Delivered the most times allowed: the dead-letter consumer ends the rest.
+    assert_eq!(lane.worker.process_dead_letter(&lane.chunk()).await.unwrap(), 2);
+    assert_eq!(lane.worker.process_dead_letter(&lane.chunk()).await.unwrap(), 0);
+    assert_eq!(
+        lane.error_codes().await,
+        vec![
+            None,
+            Some("delivery_limit_exceeded".into()),
+            Some("delivery_limit_exceeded".into())
+        ]
+    );
+    assert_eq!(lane.status().await, BatchStatus::Completed);
+}
