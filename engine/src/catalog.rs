@@ -11,17 +11,17 @@ use crate::models::llama::{Config, Llama};
 use crate::models::ModelError;
 pub use lorry_protocol::model::{no_adapters, Catalog, ModelSpec, Task, ECHO_MODEL};
 /// A tiny random-weight Llama served when no catalogue is configured.
-pub const DEMO_LLAMA: &str = "@lorry/demo-llama";
+pub(crate) const DEMO_LLAMA: &str = "@lorry/demo-llama";
 /// A tiny random-weight BERT embedder served when no catalogue is configured.
-pub const DEMO_BGE: &str = "@lorry/demo-bge";
+pub(crate) const DEMO_BGE: &str = "@lorry/demo-bge";
 /// SmolLM2-135M-Instruct (Q4_1 GGUF), served by default once fetched.
-pub const SMOLLM2: &str = "@lorry/smollm2-135m-instruct";
+pub(crate) const SMOLLM2: &str = "@lorry/smollm2-135m-instruct";
 /// all-MiniLM-L6-v2, served by default once fetched.
-pub const MINILM: &str = "@lorry/all-minilm-l6-v2";
+pub(crate) const MINILM: &str = "@lorry/all-minilm-l6-v2";
 /// Where `scripts/serve` puts SmolLM2's GGUF file, under the data directory.
-pub const SMOLLM2_FILE: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub(crate) const SMOLLM2_FILE: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Where `scripts/serve` puts all-MiniLM-L6-v2's directory, under the data directory.
-pub const MINILM_DIR: &str = "models/all-minilm-l6-v2";
+pub(crate) const MINILM_DIR: &str = "models/all-minilm-l6-v2";
 
 /// A served name and the checkpoint directory behind it.
 #[derive(Debug, Clone, PartialEq)]
@@ -196,7 +196,7 @@ pub fn default_specs(data_dir: &Path) -> Result<(Vec<ModelSpec>, Option<String>)
 }
 
 /// The demo models, written under `data_dir/models` the first time they are needed.
-pub fn demo_models(data_dir: &Path) -> Result<Vec<ModelSource>, ModelError> {
+pub(crate) fn demo_models(data_dir: &Path) -> Result<Vec<ModelSource>, ModelError> {
     [
         (DEMO_LLAMA, Fixture::TinyLlama, "demo-llama"),
         (DEMO_BGE, Fixture::TinyBert, "demo-bge"),

@@ -194,7 +194,7 @@ impl TextModel {
     }
 
     /// Whether `prompt` goes through the chat template (else it is raw text).
-    pub fn templated(&self, prompt: &Prompt, raw: bool) -> bool {
+    pub(crate) fn templated(&self, prompt: &Prompt, raw: bool) -> bool {
         matches!(prompt, Prompt::Messages(_) | Prompt::Text(_)) && !raw && self.template.is_some()
     }
 
@@ -291,7 +291,7 @@ fn compile(source: String) -> Result<Environment<'static>, ModelError> {
 }
 
 /// `max_tokens` when a request gives none.
-pub const DEFAULT_MAX_TOKENS: u32 = 256;
+pub(crate) const DEFAULT_MAX_TOKENS: u32 = 256;
 
 /// One request's decoding state: its tokens, its sampler and its stop rules.
 /// The same state machine serves a request run alone and one in a batch.
@@ -405,11 +405,6 @@ impl TextModel {
 }
 
 impl Decoding {
-    /// Tokens in the prompt.
-    pub fn prompt_len(&self) -> usize {
-        self.prompt_len
-    }
-
     /// The generated tokens.
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
@@ -432,19 +427,19 @@ impl Decoding {
     }
 
     /// Tokens that may still be generated.
-    pub fn remaining(&self) -> usize {
+    pub(crate) fn remaining(&self) -> usize {
         self.max_new.saturating_sub(self.tokens.len() - self.prompt_len)
     }
 
     /// Whether this request samples greedily.
-    pub fn is_greedy(&self) -> bool {
+    pub(crate) fn is_greedy(&self) -> bool {
         self.sampler.is_greedy()
     }
 
     /// A draft model's pick after `logits`: its argmax for a greedy request,
     /// else a draw from the request's own filtered distribution over the
     /// draft's logits, returned too for verification.
-    pub fn draft_pick(&mut self, logits: &[f32]) -> (u32, Option<Vec<(u32, f64)>>) {
+    pub(crate) fn draft_pick(&mut self, logits: &[f32]) -> (u32, Option<Vec<(u32, f64)>>) {
         if self.sampler.is_greedy() {
             return (crate::sampling::argmax(logits), None);
         }
@@ -458,7 +453,7 @@ impl Decoding {
     }
 
     /// Append a token chosen elsewhere (a verified draft) and apply the stop rules.
-    pub fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
+    pub(crate) fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(next);
         let generated = self.tokens.len() - self.prompt_len;
         if !self.ignore_eos && self.stop_ids.contains(&next) {
@@ -480,7 +475,7 @@ impl Decoding {
 
     /// Text generated since the last call that can no longer change: nothing
     /// that could still grow into a stop string, no half a character.
-    pub fn stream_delta(&mut self, model: &TextModel) -> Result<Option<String>, EngineError> {
+    pub(crate) fn stream_delta(&mut self, model: &TextModel) -> Result<Option<String>, EngineError> {
         if self.finished.is_none() || self.stop.is_empty() {
             self.text = self.current_text(model)?;
         }
@@ -519,7 +514,7 @@ impl Decoding {
     }
 
     /// The finished generation.
-    pub fn into_generation(self, model: &TextModel) -> Generation {
+    pub(crate) fn into_generation(self, model: &TextModel) -> Generation {
         let text = if self.finished == Some(FinishReason::Stop)
             && !self.stop.is_empty()
             && !self.stop_ids.contains(&self.last())

@@ -42,7 +42,7 @@ impl Embedder {
     }
 
     /// The pooling used when a request names none.
-    pub fn default_pooling(&self) -> Pooling {
+    pub(crate) fn default_pooling(&self) -> Pooling {
         self.default_pooling
     }
 

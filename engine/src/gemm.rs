@@ -27,16 +27,16 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Output columns per panel: two 8-lane registers of f32.
-pub const NR: usize = 16;
+pub(crate) const NR: usize = 16;
 
 /// Token rows per microkernel call with the 16 AVX registers: 6 rows × 2
 /// registers of accumulators, plus 2 weight registers and a broadcast.
-pub const MR: usize = 6;
+pub(crate) const MR: usize = 6;
 
 /// Token rows per call where AVX-512VL gives 32 of them: 12 rows × 2
 /// accumulators + 3. Fewer passes over each panel per step, and fewer loads
 /// per multiply-add.
-pub const MR_WIDE: usize = 12;
+pub(crate) const MR_WIDE: usize = 12;
 
 /// Token rows per pass over the weights: large pre-fill chunks are cut into
 /// blocks whose rows stay in the core's L2 cache while the panels stream by.
@@ -234,12 +234,12 @@ impl PackedMatrix {
     }
 
     /// Pack an f16 `n × k` row-major matrix.
-    pub fn from_f16(w: &[f16], n: usize, k: usize) -> Self {
+    pub(crate) fn from_f16(w: &[f16], n: usize, k: usize) -> Self {
         Self::new(n, k, Panels::F16(pack(w, n, k)))
     }
 
     /// Pack a bf16 `n × k` row-major matrix.
-    pub fn from_bf16(w: &[bf16], n: usize, k: usize) -> Self {
+    pub(crate) fn from_bf16(w: &[bf16], n: usize, k: usize) -> Self {
         Self::new(n, k, Panels::Bf16(pack(w, n, k)))
     }
 
@@ -295,7 +295,7 @@ impl PackedMatrix {
 
     /// [`PackedMatrix::matmul`] on the calling thread alone: for the many
     /// small products (an adapter's few rows) that callers run side by side.
-    pub fn matmul_here(&self, x: &[f32], m: usize) -> Vec<f32> {
+    pub(crate) fn matmul_here(&self, x: &[f32], m: usize) -> Vec<f32> {
         let mut out = vec![0f32; m * self.n];
         self.product(x, m, &mut out, Kernel::Auto, false);
         out
@@ -306,7 +306,7 @@ impl PackedMatrix {
     /// small to be worth tiles. Each output is the same sum as
     /// [`PackedMatrix::matmul`] gives, bit for bit. `false` (and nothing done)
     /// on a CPU without AVX2, FMA and F16C.
-    pub fn row_add(&self, x: &[f32], out: &mut [f32], scale: f32) -> bool {
+    pub(crate) fn row_add(&self, x: &[f32], out: &mut [f32], scale: f32) -> bool {
         assert_eq!(x.len(), self.k, "input shape");
         assert_eq!(out.len(), self.n, "output shape");
         #[cfg(target_arch = "x86_64")]
@@ -343,7 +343,7 @@ impl PackedMatrix {
     ///
     /// # Panics
     /// On a misplaced part, or on a CPU without [`PackedMatrix::rows_direct`].
-    pub fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
+    pub(crate) fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
         assert!(expand.is_empty() || expand.len() == m, "one expand list per row");
         assert!(
             expand.is_empty() || Self::rows_direct(),
@@ -508,7 +508,7 @@ impl PackedMatrix {
 /// ([`PackedMatrix::matmul_expand`]): `out[first_column..][..b.outputs()] +=
 /// scale · shrunk·Bᵀ`.
 #[derive(Debug, Clone, Copy)]
-pub struct Expand<'a> {
+pub(crate) struct Expand<'a> {
     /// The adapter's `lora_B`, `(outputs, rank)`.
     pub b: &'a PackedMatrix,
     /// The row's shrunk input, `rank` values.
@@ -574,7 +574,7 @@ impl Fused<'_, '_> {
 }
 
 /// Rows whose products run side by side, each on one panel of its own.
-pub const EXPAND_ROWS: usize = 4;
+pub(crate) const EXPAND_ROWS: usize = 4;
 
 /// A matrix, one of its panels, the input row and where the outputs go, and
 /// the scale: one entry of a [`PanelBatch`].
@@ -649,7 +649,7 @@ impl<'w> PanelBatch<'w> {
 }
 
 /// One row times one matrix, for [`PackedMatrix::row_products`].
-pub struct RowProduct<'a> {
+pub(crate) struct RowProduct<'a> {
     /// The matrix, `(n, k)`.
     pub w: &'a PackedMatrix,
     /// The row, `k` values.
@@ -665,7 +665,7 @@ impl PackedMatrix {
     /// a rank's worth of outputs each. Each output is the sum
     /// [`PackedMatrix::row_add`] gives, bit for bit. `false` (and nothing
     /// done) on a CPU without [`PackedMatrix::rows_direct`].
-    pub fn row_products(products: &mut [RowProduct<'_>]) -> bool {
+    pub(crate) fn row_products(products: &mut [RowProduct<'_>]) -> bool {
         if !Self::rows_direct() {
             return false;
         }
@@ -864,7 +864,7 @@ mod x86 {
 
     /// Independent chains of multiply-adds in [`fma_chains`]: enough to cover
     /// the latency on two FMA pipes.
-    pub const FMA_CHAINS: usize = 12;
+    pub(crate) const FMA_CHAINS: usize = 12;
 
     /// `iterations` rounds of `FMA_CHAINS` 8-lane multiply-adds, registers only.
     #[target_feature(enable = "avx2,fma,f16c")]

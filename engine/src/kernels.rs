@@ -17,7 +17,7 @@ fn has_avx2_fma() -> bool {
 /// Vectors of `d` floats at `data[offset + shift..]` for each of `offsets`:
 /// the keys or values of one head at every visible position of a sequence.
 #[derive(Clone, Copy)]
-pub struct Gathered<'a> {
+pub(crate) struct Gathered<'a> {
     /// The layer's keys or values.
     pub data: &'a [f32],
     /// Where each position's vector starts, less `shift`.
@@ -43,7 +43,7 @@ impl Gathered<'_> {
 /// `scores[i·g + j] = queries[j] · vectors[i]` for the `g` queries of `d`
 /// floats laid end to end in `queries` (the query heads that share one
 /// key-value head): each key is read once for all of them.
-pub fn scores(queries: &[f32], keys: Gathered<'_>, scores: &mut [f32]) {
+pub(crate) fn scores(queries: &[f32], keys: Gathered<'_>, scores: &mut [f32]) {
     let (d, n) = (keys.d, keys.offsets.len());
     let g = queries.len() / d.max(1);
     assert!(queries.len() == g * d && scores.len() == n * g, "score shapes");
@@ -64,7 +64,7 @@ pub fn scores(queries: &[f32], keys: Gathered<'_>, scores: &mut [f32]) {
 
 /// `out[j·d..(j+1)·d] += Σᵢ weights[i·g + j] · values[i]` for the `g = out.len() / d`
 /// outputs laid end to end in `out`: each value is read once for all of them.
-pub fn weighted_sum(weights: &[f32], values: Gathered<'_>, out: &mut [f32]) {
+pub(crate) fn weighted_sum(weights: &[f32], values: Gathered<'_>, out: &mut [f32]) {
     let (d, n) = (values.d, values.offsets.len());
     let g = out.len() / d.max(1);
     assert!(out.len() == g * d && weights.len() == n * g, "weighted-sum shapes");

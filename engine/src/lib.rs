@@ -21,7 +21,7 @@ pub mod models;
 pub mod rng;
 pub mod sampling;
 pub mod scheduler;
-pub mod serial;
+pub(crate) mod serial;
 pub mod speculative;
 pub mod text_engine;
 pub mod vocab;

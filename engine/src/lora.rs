@@ -118,7 +118,7 @@ pub struct Segment<'a> {
 /// `y[rows, offset..] += scale · (x[rows]·Aᵀ)·Bᵀ` (shrink, then expand),
 /// without merging weights or copying them per token. Rows in no segment are
 /// left as they are. Implemented per device: [`CpuSgmv`] here.
-pub trait Sgmv {
+pub(crate) trait Sgmv {
     /// Apply every segment to `y`, the base projection's output for `x`.
     fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor>;
 }
@@ -226,7 +226,7 @@ impl CpuSgmv {
     /// (every projection starts on a panel boundary of the product) and is
     /// the better way to: some adapter has few rows. Where every adapter has
     /// many, the tiles after the product read each `B` once for all its rows.
-    pub fn fusable(segments: &[Segment<'_>]) -> bool {
+    pub(crate) fn fusable(segments: &[Segment<'_>]) -> bool {
         PackedMatrix::rows_direct()
             && segments.iter().all(|s| s.offset % crate::gemm::NR == 0)
             && segments.iter().any(|s| s.rows.len() < FEW_ROWS)

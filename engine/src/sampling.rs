@@ -37,7 +37,7 @@ pub struct Sampler {
 }
 
 /// The index of the largest value; the first one on ties, as `torch.argmax`.
-pub fn argmax(logits: &[f32]) -> u32 {
+pub(crate) fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in logits.iter().enumerate() {
         if x > logits[best] {
@@ -57,7 +57,7 @@ impl Sampler {
     }
 
     /// Whether this sampler always takes the most likely token.
-    pub fn is_greedy(&self) -> bool {
+    pub(crate) fn is_greedy(&self) -> bool {
         self.params.temperature <= 0.0 || self.params.top_k == Some(1)
     }
 
@@ -104,7 +104,7 @@ impl Sampler {
     }
 
     /// Draw the next token.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    pub(crate) fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.is_greedy() {
             return argmax(logits);
         }
@@ -113,7 +113,7 @@ impl Sampler {
     }
 
     /// Draw from a distribution given as (token, probability).
-    pub fn draw(&mut self, distribution: &[(u32, f64)]) -> u32 {
+    pub(crate) fn draw(&mut self, distribution: &[(u32, f64)]) -> u32 {
         let mut u = self.rng.uniform() * distribution.iter().map(|e| e.1).sum::<f64>();
         for &(token, p) in distribution {
             if u < p {

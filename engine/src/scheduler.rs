@@ -41,7 +41,7 @@ use crate::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
-pub type SeqId = u64;
+pub(crate) type SeqId = u64;
 
 /// How sequences are admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub enum Policy {
 
 /// Limits of the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SchedulerConfig {
+pub(crate) struct SchedulerConfig {
     /// Sequences running at once.
     pub max_seqs: usize,
     /// Tokens computed per step, decoding and pre-fill together.
@@ -87,7 +87,7 @@ pub struct Chunk {
 
 /// A step's plan.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// What runs, real time first.
     pub chunks: Vec<Chunk>,
     /// Sequences that lost their KV blocks this step and wait to be recomputed.
@@ -117,7 +117,7 @@ struct Seq {
 
 /// The scheduler's state.
 #[derive(Debug)]
-pub struct Scheduler {
+pub(crate) struct Scheduler {
     config: SchedulerConfig,
     pool: BlockPool,
     seqs: HashMap<SeqId, Seq>,
@@ -152,7 +152,7 @@ impl Scheduler {
     }
 
     /// The most tokens one sequence can ever hold.
-    pub fn capacity_tokens(&self) -> usize {
+    pub(crate) fn capacity_tokens(&self) -> usize {
         self.pool.total_blocks() * self.pool.block_size()
     }
 
@@ -180,12 +180,13 @@ impl Scheduler {
     }
 
     /// A token was sampled for `id`: it has one more token to compute.
-    pub fn append_token(&mut self, id: SeqId) {
+    #[cfg(test)]
+    pub(crate) fn append_token(&mut self, id: SeqId) {
         self.append_tokens(id, 1, &[]);
     }
 
     /// `n` tokens were sampled (or accepted) for `id`, completing the blocks `hashes` names.
-    pub fn append_tokens(&mut self, id: SeqId, n: usize, hashes: &[BlockHash]) {
+    pub(crate) fn append_tokens(&mut self, id: SeqId, n: usize, hashes: &[BlockHash]) {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.tokens += n;
             seq.generated += n;
@@ -194,7 +195,7 @@ impl Scheduler {
     }
 
     /// Compute `draft` proposed tokens with `id`'s next decoding step.
-    pub fn propose(&mut self, id: SeqId, draft: usize) {
+    pub(crate) fn propose(&mut self, id: SeqId, draft: usize) {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.draft = draft;
         }
@@ -213,7 +214,7 @@ impl Scheduler {
     }
 
     /// The step planned as `plan` ran: the blocks it filled with final tokens can be shared.
-    pub fn step_done(&mut self, plan: &Plan) {
+    pub(crate) fn step_done(&mut self, plan: &Plan) {
         for chunk in &plan.chunks {
             if let Some(seq) = self.seqs.get_mut(&chunk.id) {
                 cache_blocks(seq, &mut self.pool);
@@ -231,7 +232,7 @@ impl Scheduler {
     }
 
     /// `id` failed: forget it and free its blocks, caching none of what its last step wrote.
-    pub fn discard(&mut self, id: SeqId) {
+    pub(crate) fn discard(&mut self, id: SeqId) {
         if let Some(mut seq) = self.seqs.remove(&id) {
             seq.table.release(&mut self.pool);
             self.running.retain(|&r| r != id);
@@ -241,7 +242,7 @@ impl Scheduler {
     }
 
     /// The prefix cache's counters.
-    pub fn prefix_stats(&self) -> PrefixStats {
+    pub(crate) fn prefix_stats(&self) -> PrefixStats {
         self.pool.stats()
     }
 
@@ -263,22 +264,25 @@ impl Scheduler {
     }
 
     /// Whether nothing is queued or running.
-    pub fn is_idle(&self) -> bool {
+    pub(crate) fn is_idle(&self) -> bool {
         self.seqs.is_empty()
     }
 
     /// Sequences running and waiting.
-    pub fn counts(&self) -> (usize, usize) {
+    #[cfg(test)]
+    pub(crate) fn counts(&self) -> (usize, usize) {
         (self.running.len(), self.waiting_rt.len() + self.waiting_batch.len())
     }
 
     /// Preemptions so far.
-    pub fn preemptions(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn preemptions(&self) -> u64 {
         self.preemptions
     }
 
     /// Free KV blocks.
-    pub fn free_blocks(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn free_blocks(&self) -> usize {
         self.pool.free_blocks()
     }
 

@@ -29,7 +29,7 @@ struct Shared {
 
 /// A handle to the queue's thread; the thread stops when the last handle drops.
 #[derive(Clone)]
-pub struct SerialQueue {
+pub(crate) struct SerialQueue {
     shared: Arc<Shared>,
     _owner: Arc<StopOnDrop>,
 }

@@ -82,9 +82,9 @@ impl Default for SpecConfig {
 
 /// Prompt lookup's default [`SpecConfig::batch_limit`]: the largest batch
 /// measured (`lorry bench speculative`), where it still paid.
-pub const NGRAM_BATCH_LIMIT: usize = 32;
+pub(crate) const NGRAM_BATCH_LIMIT: usize = 32;
 /// A draft model's: beyond it, its passes cost more than they save.
-pub const DRAFT_BATCH_LIMIT: usize = 2;
+pub(crate) const DRAFT_BATCH_LIMIT: usize = 2;
 
 impl SpecConfig {
     /// The most sequences decoding in a step that speculates.
@@ -98,14 +98,14 @@ impl SpecConfig {
 }
 
 /// The longest n-gram prompt lookup matches.
-pub const NGRAM_MAX: usize = 4;
+pub(crate) const NGRAM_MAX: usize = 4;
 /// The shortest.
-pub const NGRAM_MIN: usize = 2;
+pub(crate) const NGRAM_MIN: usize = 2;
 
 /// Prompt lookup (Saxena, 2023): find the latest earlier occurrence of the
 /// last `n` tokens (longest `n` first, from [`NGRAM_MAX`] down to
 /// [`NGRAM_MIN`]) and propose up to `k` tokens that followed it.
-pub fn ngram_proposal(tokens: &[u32], k: usize) -> Vec<u32> {
+pub(crate) fn ngram_proposal(tokens: &[u32], k: usize) -> Vec<u32> {
     if k == 0 {
         return Vec::new();
     }
@@ -126,7 +126,7 @@ pub fn ngram_proposal(tokens: &[u32], k: usize) -> Vec<u32> {
 
 /// One sequence's speculation: its draft length and recent acceptance.
 #[derive(Debug, Clone)]
-pub struct SpecState {
+pub(crate) struct SpecState {
     k: usize,
     max: usize,
     /// Moving average of the share of guesses accepted.
@@ -151,7 +151,7 @@ impl SpecState {
     }
 
     /// How many tokens to guess this step (0: not now). Call once per step.
-    pub fn next_k(&mut self) -> usize {
+    pub(crate) fn next_k(&mut self) -> usize {
         if self.paused > 0 {
             self.paused -= 1;
             return 0;
@@ -160,7 +160,7 @@ impl SpecState {
     }
 
     /// The last guesses: `accepted` of `proposed`.
-    pub fn observe(&mut self, proposed: usize, accepted: usize) {
+    pub(crate) fn observe(&mut self, proposed: usize, accepted: usize) {
         if proposed == 0 {
             return;
         }
@@ -187,7 +187,7 @@ impl SpecState {
 
 /// What a proposer guessed for one sequence.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Guess {
+pub(crate) struct Guess {
     /// The guessed tokens.
     pub tokens: Vec<u32>,
     /// The draft's distribution for each (sampled requests of a draft model).
@@ -206,7 +206,7 @@ struct DraftSeq {
 /// A draft model with its own paged cache, run batched over the speculating
 /// sequences.
 #[derive(Debug)]
-pub struct DraftModel {
+pub(crate) struct DraftModel {
     model: Llama,
     kv: KvCache,
     pool: BlockPool,
@@ -250,7 +250,7 @@ impl DraftModel {
     /// Guess up to `k` tokens for each `(sequence, its decoding, k)`: catch the
     /// draft's cache up with each sequence's tokens, then run `k` batched
     /// single-token passes (fewer for sequences that want fewer).
-    pub fn propose(&mut self, wants: &mut [(SeqId, &mut Decoding, usize)]) -> Result<Vec<Guess>, String> {
+    pub(crate) fn propose(&mut self, wants: &mut [(SeqId, &mut Decoding, usize)]) -> Result<Vec<Guess>, String> {
         let limit = self.model.config().max_position_embeddings;
         let mut guesses: Vec<Guess> = wants
             .iter()

@@ -72,7 +72,7 @@ impl BlockPool {
     }
 
     /// Add `n` fresh blocks (their ids follow the existing ones).
-    pub fn grow(&mut self, n: usize) {
+    pub(crate) fn grow(&mut self, n: usize) {
         let old = self.refcounts.len() as u32;
         self.refcounts.resize(old as usize + n, 0);
         self.hash_of.resize(old as usize + n, None);
@@ -84,22 +84,23 @@ impl BlockPool {
     }
 
     /// Token slots per block.
-    pub fn block_size(&self) -> usize {
+    pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }
 
     /// Blocks nobody holds: never used, or cached and idle.
-    pub fn free_blocks(&self) -> usize {
+    pub(crate) fn free_blocks(&self) -> usize {
         self.free.len() + self.idle.len()
     }
 
     /// All blocks.
-    pub fn total_blocks(&self) -> usize {
+    pub(crate) fn total_blocks(&self) -> usize {
         self.refcounts.len()
     }
 
     /// How many holders a block has.
-    pub fn refcount(&self, block: BlockId) -> u32 {
+    #[cfg(test)]
+    pub(crate) fn refcount(&self, block: BlockId) -> u32 {
         self.refcounts[block.0 as usize]
     }
 
@@ -110,7 +111,7 @@ impl BlockPool {
 
     /// Take `n` blocks, or none if fewer are free: never-used blocks first,
     /// then the cached blocks that have been idle longest, forgotten.
-    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, OutOfBlocks> {
+    pub(crate) fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, OutOfBlocks> {
         if n > self.free_blocks() {
             return Err(OutOfBlocks {
                 needed: n,
@@ -222,7 +223,7 @@ impl BlockTable {
     }
 
     /// Blocks that appending `extra` tokens would take from the pool.
-    pub fn blocks_needed(&self, pool: &BlockPool, extra: usize) -> usize {
+    pub(crate) fn blocks_needed(&self, pool: &BlockPool, extra: usize) -> usize {
         (self.tokens + extra)
             .div_ceil(pool.block_size())
             .saturating_sub(self.blocks.len())

@@ -83,7 +83,7 @@ impl KvCache {
     }
 
     /// Make room for `blocks` blocks in all (existing contents are kept).
-    pub fn grow(&mut self, blocks: usize) {
+    pub(crate) fn grow(&mut self, blocks: usize) {
         if blocks <= self.blocks {
             return;
         }
@@ -120,7 +120,7 @@ impl KvCache {
     /// Causal scaled-dot-product attention of `queries` (`(tokens, heads * head_dim)`
     /// row-major, grouped by sequence as in `seqs`) over each sequence's cached
     /// keys and values, which must already include the new tokens.
-    pub fn attend(&self, layer: usize, seqs: &[AttentionSeq<'_>], heads: usize, queries: &[f32]) -> Vec<f32> {
+    pub(crate) fn attend(&self, layer: usize, seqs: &[AttentionSeq<'_>], heads: usize, queries: &[f32]) -> Vec<f32> {
         let d = self.layout.head_dim;
         let groups = heads / self.layout.kv_heads;
         let scale = 1.0 / (d as f32).sqrt();

@@ -70,7 +70,8 @@ impl BlockHasher {
     }
 
     /// Every hash so far.
-    pub fn hashes(&self) -> &[BlockHash] {
+    #[cfg(test)]
+    pub(crate) fn hashes(&self) -> &[BlockHash] {
         &self.hashes
     }
 }

@@ -31,7 +31,7 @@ pub fn is_gguf(path: &Path) -> bool {
 
 /// The architectures served, as `general.architecture` names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
+pub(crate) enum Arch {
     /// Llama, Mistral, SmolLM and everything llama.cpp writes as `llama`.
     Llama,
     /// Qwen2 (q/k/v biases).
@@ -205,7 +205,7 @@ impl GgufFile {
     }
 
     /// An unsigned integer value of any width.
-    pub fn uint(&self, key: &str) -> Result<Option<u64>> {
+    pub(crate) fn uint(&self, key: &str) -> Result<Option<u64>> {
         let Some(value) = self.get(key) else { return Ok(None) };
         let n = match value {
             Value::U8(v) => *v as u64,
@@ -402,7 +402,7 @@ impl GgufFile {
     /// The model's tensors as a `VarBuilder` that reads each one when the
     /// model asks for it: besides what is already packed, only the tensor at
     /// hand is held dequantized.
-    pub fn var_builder<'a>(&'a self, config: &Config, device: &Device) -> Result<VarBuilder<'a>> {
+    pub(crate) fn var_builder<'a>(&'a self, config: &Config, device: &Device) -> Result<VarBuilder<'a>> {
         let backend = Lazy {
             file: self,
             config: config.clone(),
@@ -439,7 +439,7 @@ impl GgufFile {
 
     /// The precision projections are kept in: the file's where every
     /// projection is f16 (or every one bf16), else f32.
-    pub fn projection_dtype(&self) -> DType {
+    pub(crate) fn projection_dtype(&self) -> DType {
         let mut types = self
             .content
             .tensor_infos

@@ -56,7 +56,7 @@ pub fn read_config<T: DeserializeOwned>(dir: &Path) -> Result<T, ModelError> {
 /// `model.safetensors` where there is one, else every `*.safetensors` in name
 /// order. Other files beside them (a `consolidated.safetensors`, an
 /// `adapter_model.safetensors`) are not weights of the model and are ignored.
-pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         #[derive(serde::Deserialize)]
@@ -110,7 +110,7 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
 
 /// Every tensor of a checkpoint directory, its shards merged, read through
 /// memory maps (the files are never copied whole into memory).
-pub fn load_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>, ModelError> {
+pub(crate) fn load_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>, ModelError> {
     let files = safetensors_files(dir)?;
     // SAFETY: the maps are read-only and dropped before this returns; every
     // tensor is copied (and converted) out of them. A checkpoint rewritten while
