@@ -170,7 +170,7 @@ impl Worker {
             }
             match backend.submit(request, Lane::Batch) {
                 Ok(events) => running.push(Box::pin(async move { (index, collect(events).await) })),
-                Err(EngineError::Stopped) => report.deferred += 1,
+                Err(e) if e.retryable() => report.deferred += 1,
                 Err(e) => ready.push(outcome(index, Err(e))),
             }
         }
@@ -179,7 +179,7 @@ impl Worker {
         while !running.is_empty() {
             tokio::select! {
                 Some((index, result)) = running.next() => match result {
-                    Err(EngineError::Stopped) => report.deferred += 1,
+                    Err(e) if e.retryable() => report.deferred += 1,
                     result => ready.push(outcome(index, result)),
                 },
                 _ = tokio::time::sleep_until(last_flush + interval) => {}
@@ -246,7 +246,7 @@ impl Worker {
             Ok(lease) => lease,
             Err(LoadError::Fetch(id, e)) => {
                 tracing::warn!(adapter = %id, error = %e, "could not fetch an adapter; the request will be delivered again");
-                return Err(EngineError::Stopped);
+                return Err(EngineError::Unavailable(format!("adapter {id}: {e}")));
             }
             Err(LoadError::Invalid(id, e)) => {
                 return Err(EngineError::Model(format!("adapter {id} could not be served: {e}")))

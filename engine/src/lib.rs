@@ -57,12 +57,16 @@ pub enum EngineError {
     /// The model failed while serving the request.
     #[error("model failure: {0}")]
     Model(String),
+    /// Something the request needs (its adapter's files) could not be had
+    /// just now; the request was not run, and may be delivered again.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl EngineError {
     /// Whether running the same request again could succeed.
     pub fn retryable(&self) -> bool {
-        matches!(self, EngineError::Stopped)
+        matches!(self, EngineError::Stopped | EngineError::Unavailable(_))
     }
 
     /// A stable machine-readable code.
@@ -71,6 +75,7 @@ impl EngineError {
             EngineError::Stopped => ErrorCode::EngineStopped,
             EngineError::Input(e) => e.code,
             EngineError::Model(_) => ErrorCode::ModelError,
+            EngineError::Unavailable(_) => ErrorCode::ServiceUnavailable,
         }
     }
 }
