@@ -237,35 +237,7 @@ pub async fn create(
     Authenticated(account): Authenticated,
     mut multipart: Multipart,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let mut purpose: Option<String> = None;
-    let mut file: Option<(String, Bytes)> = None;
-    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
-        let name = field.name().unwrap_or_default().to_string();
-        match name.as_str() {
-            "purpose" if purpose.is_none() => {
-                let bytes = field.bytes().await.map_err(multipart_error)?;
-                purpose = Some(String::from_utf8_lossy(&bytes).into_owned());
-            }
-            "file" if file.is_none() => {
-                let filename = field.file_name().unwrap_or("upload.jsonl").to_string();
-                file = Some((filename, field.bytes().await.map_err(multipart_error)?));
-            }
-            "purpose" | "file" => {
-                return Err(ApiError::invalid(
-                    ErrorCode::DuplicateField,
-                    name.clone(),
-                    format!("{name} is given more than once"),
-                ))
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    ErrorCode::UnknownField,
-                    name.clone(),
-                    format!("unknown field {name:?}; the fields are purpose and file"),
-                ))
-            }
-        }
-    }
+    let (purpose, file) = upload_parts(&mut multipart).await?;
     match purpose.as_deref() {
         Some("batch") => {}
         None => {
@@ -314,6 +286,40 @@ pub async fn create(
             Err(e.into())
         }
     }
+}
+
+/// The `purpose` and `file` parts of an upload, each at most once, nothing else.
+async fn upload_parts(multipart: &mut Multipart) -> Result<(Option<String>, Option<(String, Bytes)>), ApiError> {
+    let mut purpose: Option<String> = None;
+    let mut file: Option<(String, Bytes)> = None;
+    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or_default().to_string();
+        match name.as_str() {
+            "purpose" if purpose.is_none() => {
+                let bytes = field.bytes().await.map_err(multipart_error)?;
+                purpose = Some(String::from_utf8_lossy(&bytes).into_owned());
+            }
+            "file" if file.is_none() => {
+                let filename = field.file_name().unwrap_or("upload.jsonl").to_string();
+                file = Some((filename, field.bytes().await.map_err(multipart_error)?));
+            }
+            "purpose" | "file" => {
+                return Err(ApiError::invalid(
+                    ErrorCode::DuplicateField,
+                    name.clone(),
+                    format!("{name} is given more than once"),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    ErrorCode::UnknownField,
+                    name.clone(),
+                    format!("unknown field {name:?}; the fields are purpose and file"),
+                ))
+            }
+        }
+    }
+    Ok((purpose, file))
 }
 
 /// `GET /v1/files?purpose&limit&after`: newest first.

@@ -16,7 +16,18 @@ use serde::{Deserialize, Serialize};
 
 pub use error::ErrorCode;
 pub use input::{InputError, ValidRequest};
-pub use model::{AdapterShape, Catalog, ModelSpec, Task, ECHO_MODEL};
+pub use model::{AdapterShape, Catalog, ModelSpec, ECHO_MODEL};
+
+/// What a model does, which decides the input it accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// Returns its input's text: the pipeline's test and benchmark model.
+    Echo,
+    /// Text generation from a prompt or chat messages.
+    TextGeneration,
+    /// One normalised vector per input text.
+    Embeddings,
+}
 
 /// Which lane a request arrived on; the real-time lane is always served first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

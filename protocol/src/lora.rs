@@ -271,53 +271,65 @@ impl Adapter {
                 "adapter_model.safetensors holds no LoRA weights",
             ));
         }
-        let mut modules = BTreeMap::new();
-        for ((layer, target), pair) in halves {
-            let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
-            let (a, b) = match pair {
-                (Some(a), Some(b)) => (a, b),
-                (a, _) => {
-                    let missing = if a.is_none() { "lora_A" } else { "lora_B" };
-                    return Err(refuse(
-                        ErrorCode::AdapterMissingTensor,
-                        format!("base_model.model.{module}.{missing}.weight is missing"),
-                    ));
-                }
-            };
-            let (rank, alpha) = settings.rank_and_alpha(&module);
-            if rank > limits.max_rank {
-                return Err(refuse(
-                    ErrorCode::AdapterRankTooLarge,
-                    format!("{module}: rank {rank}; the limit is {}", limits.max_rank),
-                ));
-            }
-            let (out, inputs) = target.shape(base);
-            // Both halves in one precision: theirs when they agree, f32 otherwise.
-            let precision = if a.dtype() == b.dtype() {
-                precision_of(a.dtype())
-            } else {
-                Precision::F32
-            };
-            let a = matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
-            let b = matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
-            let scale = if settings.rslora {
-                alpha / (rank as f64).sqrt()
-            } else {
-                alpha / rank as f64
-            };
-            modules.insert(
-                (layer, target),
-                LoraWeights {
-                    rank,
-                    scale: scale as f32,
-                    a,
-                    b,
-                    precision,
-                },
-            );
-        }
+        let modules = halves
+            .into_iter()
+            .map(|((layer, target), pair)| {
+                let weights = module_weights(&settings, base, limits, layer, target, pair)?;
+                Ok(((layer, target), weights))
+            })
+            .collect::<Result<_, AdapterError>>()?;
         Ok(Adapter { modules })
     }
+}
+
+/// One adapted projection's two halves, checked and scaled as PEFT does.
+fn module_weights(
+    settings: &Settings,
+    base: &AdapterShape,
+    limits: AdapterLimits,
+    layer: usize,
+    target: Target,
+    pair: (Option<TensorView<'_>>, Option<TensorView<'_>>),
+) -> Result<LoraWeights, AdapterError> {
+    let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
+    let (a, b) = match pair {
+        (Some(a), Some(b)) => (a, b),
+        (a, _) => {
+            let missing = if a.is_none() { "lora_A" } else { "lora_B" };
+            return Err(refuse(
+                ErrorCode::AdapterMissingTensor,
+                format!("base_model.model.{module}.{missing}.weight is missing"),
+            ));
+        }
+    };
+    let (rank, alpha) = settings.rank_and_alpha(&module);
+    if rank > limits.max_rank {
+        return Err(refuse(
+            ErrorCode::AdapterRankTooLarge,
+            format!("{module}: rank {rank}; the limit is {}", limits.max_rank),
+        ));
+    }
+    let (out, inputs) = target.shape(base);
+    // Both halves in one precision: theirs when they agree, f32 otherwise.
+    let precision = if a.dtype() == b.dtype() {
+        precision_of(a.dtype())
+    } else {
+        Precision::F32
+    };
+    let a = matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
+    let b = matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
+    let scale = if settings.rslora {
+        alpha / (rank as f64).sqrt()
+    } else {
+        alpha / rank as f64
+    };
+    Ok(LoraWeights {
+        rank,
+        scale: scale as f32,
+        a,
+        b,
+        precision,
+    })
 }
 
 /// Check `adapter_config.json` alone (rank, alpha, targets, patterns), for

@@ -6,20 +6,10 @@ use serde_json::Value;
 
 use crate::error::ErrorCode;
 use crate::input::{InputError, ValidRequest};
+pub use crate::Task;
 
 /// The built-in deterministic model used to test and benchmark the pipeline.
 pub const ECHO_MODEL: &str = "@lorry/echo";
-
-/// What a model does, which decides the input it accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Task {
-    /// Returns its input's text: the pipeline's test and benchmark model.
-    Echo,
-    /// Text generation from a prompt or chat messages.
-    TextGeneration,
-    /// One normalised vector per input text.
-    Embeddings,
-}
 
 /// The projection sizes of a decoder, which a LoRA adapter for it must fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
