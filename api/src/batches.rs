@@ -7,7 +7,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lorry_batcher::ids::BatchId;
-use lorry_batcher::model::{Batch, Shape, Tally};
+use lorry_batcher::model::{Batch, OpenAiBatch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
@@ -144,11 +144,13 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
         completion_window,
         metadata,
         webhook_url,
-        openai: Some(json!({
-            "endpoint": endpoint.path(),
-            "input_file_id": file_id,
-            "model": first.requested,
-        })),
+        openai: Some(OpenAiBatch {
+            endpoint: endpoint.path().to_string(),
+            input_file_id: file_id,
+            model: first.requested.clone(),
+            output_file_id: None,
+            error_file_id: None,
+        }),
     };
     let spec = submit::model(state, &first.model, "model")?;
     Ok(Read {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use lorry_batcher::ids::{AccountId, BatchId};
-use lorry_batcher::model::{Batch, Chunk, RequestStatus, Shape, Tally};
+use lorry_batcher::model::{Batch, Chunk, OpenAiBatch, RequestStatus, Shape, Tally};
 use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
 use lorry_protocol::input::Fields;
@@ -54,7 +54,7 @@ pub struct Options {
     /// Webhook target.
     pub webhook_url: Option<String>,
     /// OpenAI's fields, for a batch made from a file.
-    pub openai: Option<Value>,
+    pub openai: Option<OpenAiBatch>,
 }
 
 /// Look a model up, or refuse with 404 naming `param`.

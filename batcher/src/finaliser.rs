@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::Topology;
 use crate::ids::{BatchId, FileId};
-use crate::model::{Batch, BatchStatus, RequestStatus};
+use crate::model::{Batch, BatchStatus, OpenAiBatch, RequestStatus};
 use crate::objects::{batch_key, ObjectStore};
 use crate::openai::{output_line, Endpoint};
 use crate::store::{Ending, NewFile, OutboxMessage, Store};
@@ -204,10 +204,10 @@ impl Rendered {
     /// in the error file; other batches write every line to the output and
     /// repeat the failures in the error file.
     fn of(batch: &Batch, finished: &[crate::model::FinishedRequest]) -> Result<Self, BatcherError> {
-        let openai = batch.openai.as_ref().and_then(|o| {
-            let endpoint = Endpoint::from_path(o["endpoint"].as_str()?)?;
-            Some((endpoint, o["model"].as_str().unwrap_or(&batch.model).to_string()))
-        });
+        let openai = batch
+            .openai
+            .as_ref()
+            .and_then(|o| Some((Endpoint::from_path(&o.endpoint)?, o.model.clone())));
         let created = batch.times.created_at.timestamp();
         let mut rendered = Rendered {
             output: Vec::new(),
@@ -243,7 +243,7 @@ fn openai_files(
     batch: &Batch,
     output: (&str, usize, i32),
     errors: Option<(&str, usize, i32)>,
-) -> (Vec<NewFile>, Option<Value>) {
+) -> (Vec<NewFile>, Option<OpenAiBatch>) {
     let Some(fields) = &batch.openai else {
         return (Vec::new(), None);
     };
@@ -264,16 +264,16 @@ fn openai_files(
         id
     };
     if output.2 > 0 {
-        fields["output_file_id"] = json!(record("output.jsonl", output));
+        fields.output_file_id = Some(record("output.jsonl", output));
     }
     if let Some(errors) = errors {
-        fields["error_file_id"] = json!(record("errors.jsonl", errors));
+        fields.error_file_id = Some(record("errors.jsonl", errors));
     }
     (files, Some(fields))
 }
 
 /// The batch as it will read once ended with `status` at `at`.
-fn ended(batch: &Batch, status: BatchStatus, at: chrono::DateTime<Utc>, openai: Option<Value>) -> Batch {
+fn ended(batch: &Batch, status: BatchStatus, at: chrono::DateTime<Utc>, openai: Option<OpenAiBatch>) -> Batch {
     let mut ended = batch.clone();
     ended.status = status;
     ended.openai = openai.or(ended.openai);

@@ -181,9 +181,8 @@ pub struct Batch {
     pub model: String,
     /// The API shape that created it.
     pub shape: Shape,
-    /// For a batch made from a file: `{"endpoint", "input_file_id", "model"}`,
-    /// and its output files once it has ended.
-    pub openai: Option<Value>,
+    /// For a batch made from a file: OpenAI's fields.
+    pub openai: Option<OpenAiBatch>,
     /// Lifecycle status.
     pub status: BatchStatus,
     /// `cancelled` or `expired` once either was asked.
@@ -202,6 +201,23 @@ pub struct Batch {
     pub errors_key: Option<String>,
     /// Lifecycle timestamps.
     pub times: BatchTimes,
+}
+
+/// OpenAI's fields of a batch made from a batch file, stored with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenAiBatch {
+    /// The route every line targets (`/v1/chat/completions`, …).
+    pub endpoint: String,
+    /// The uploaded file the requests came from.
+    pub input_file_id: String,
+    /// The model as the lines named it (`base` or `base:adapter`).
+    pub model: String,
+    /// The output file, once the batch has ended with any success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_file_id: Option<String>,
+    /// The error file, once the batch has ended with any failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_file_id: Option<String>,
 }
 
 /// A batch's lifecycle timestamps, read from a row by their column names.
@@ -250,12 +266,11 @@ impl Batch {
         });
         // OpenAI's fields for a batch made from a file.
         if let (Some(openai), Some(map)) = (&self.openai, value.as_object_mut()) {
-            for key in ["endpoint", "input_file_id", "model"] {
-                map.insert(key.into(), openai[key].clone());
-            }
-            for key in ["output_file_id", "error_file_id"] {
-                map.insert(key.into(), openai.get(key).cloned().unwrap_or(Value::Null));
-            }
+            map.insert("endpoint".into(), json!(openai.endpoint));
+            map.insert("input_file_id".into(), json!(openai.input_file_id));
+            map.insert("model".into(), json!(openai.model));
+            map.insert("output_file_id".into(), json!(openai.output_file_id));
+            map.insert("error_file_id".into(), json!(openai.error_file_id));
             map.insert("errors".into(), Value::Null);
         }
         value

@@ -12,7 +12,8 @@ use super::outbox::{insert_outbox, OutboxMessage};
 use super::{Result, Store};
 use crate::ids::{AccountId, BatchId};
 use crate::model::{
-    unstarted_error, Batch, BatchStatus, BatchTimes, FinishedRequest, RequestError, RequestStatus, Shape, Tally,
+    unstarted_error, Batch, BatchStatus, BatchTimes, FinishedRequest, OpenAiBatch, RequestError, RequestStatus, Shape,
+    Tally,
 };
 use crate::BatcherError;
 
@@ -28,7 +29,7 @@ pub struct NewBatch {
     /// The API shape it came in.
     pub shape: Shape,
     /// OpenAI's fields, for a batch made from a file.
-    pub openai: Option<Value>,
+    pub openai: Option<OpenAiBatch>,
     /// The window as given, e.g. `24h`.
     pub completion_window: String,
     /// The window as a duration.
@@ -94,7 +95,9 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
             "openai" => Shape::OpenAi,
             _ => Shape::Native,
         },
-        openai: row.try_get("openai")?,
+        openai: row
+            .try_get::<Option<sqlx::types::Json<OpenAiBatch>>, _>("openai")?
+            .map(|json| json.0),
         status: BatchStatus::parse(&status).ok_or_else(|| corrupt("batch status", &status))?,
         end_reason: row.try_get("end_reason")?,
         total: row.try_get("total")?,
@@ -150,7 +153,7 @@ impl Store {
         .bind(&new.idempotency_key)
         .bind(&new.request_hash)
         .bind(window_secs)
-        .bind(&new.openai)
+        .bind(new.openai.as_ref().map(sqlx::types::Json))
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = inserted else {

@@ -12,7 +12,7 @@ use super::batches::{batch_from_row, end_unstarted};
 use super::outbox::{insert_delivery, insert_outbox, NewDelivery, OutboxMessage};
 use super::{Result, Store};
 use crate::ids::BatchId;
-use crate::model::{Batch, BatchStatus, Chunk, RequestError, RequestStatus};
+use crate::model::{Batch, BatchStatus, Chunk, OpenAiBatch, RequestError, RequestStatus};
 
 /// A request a worker now holds.
 #[derive(Debug, Clone)]
@@ -88,7 +88,7 @@ pub struct Ending {
     /// `openai` fields naming them.
     pub files: Vec<super::NewFile>,
     /// The batch's `openai` fields after the end.
-    pub openai: Option<Value>,
+    pub openai: Option<OpenAiBatch>,
 }
 
 async fn announce(
@@ -260,7 +260,7 @@ impl Store {
         .bind(&ending.output_key)
         .bind(&ending.errors_key)
         .bind(ending.at)
-        .bind(&ending.openai)
+        .bind(ending.openai.as_ref().map(sqlx::types::Json))
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
