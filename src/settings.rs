@@ -244,7 +244,7 @@ pub struct ModelSettings {
     /// The model catalogue: a JSON file mapping served names to checkpoint
     /// directories or GGUF files. Unset: the default models (SmolLM2 and
     /// all-MiniLM where fetched, else the demo models).
-    #[arg(long = "models", env = "LORRY_MODELS")]
+    #[arg(long = "models", env = "LORRY_MODELS", value_name = "MODELS")]
     pub catalogue: Option<PathBuf>,
     /// Where Lorry keeps its own files (the demo models); `$XDG_DATA_HOME/lorry`
     /// or `~/.local/share/lorry` when unset.
