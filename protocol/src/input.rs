@@ -171,26 +171,37 @@ pub enum Prompt {
 #[serde(default)]
 pub struct Sampling {
     /// Upper bound on generated tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
     /// 0 means greedy.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
     /// Nucleus sampling mass, in (0, 1].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
     /// Keep only the k most likely tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<u32>,
     /// Per-request seed; the same seed gives the same output whatever shares the batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Stop strings, at most four.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stop: Vec<String>,
     /// Token ids that end generation besides the model's own (at most 32).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the end-of-sequence token.
+    #[serde(skip_serializing_if = "is_false")]
     pub ignore_eos: bool,
     /// Penalties are accepted for Workers AI compatibility.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub repetition_penalty: Option<f32>,
     /// See `repetition_penalty`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub frequency_penalty: Option<f32>,
     /// See `repetition_penalty`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,
 }
 
@@ -208,6 +219,10 @@ pub enum AdapterField {
 }
 
 impl AdapterField {
+    fn is_lora(&self) -> bool {
+        *self == AdapterField::Lora
+    }
+
     /// The field's name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -224,22 +239,35 @@ pub struct ValidRequest {
     /// The input.
     pub prompt: Prompt,
     /// Skip the chat template.
+    #[serde(default, skip_serializing_if = "is_false")]
     pub raw: bool,
     /// Stream tokens back (real-time lane only).
+    #[serde(default, skip_serializing_if = "is_false")]
     pub stream: bool,
     /// A LoRA adapter: the client's name or id, which the API resolves to the
     /// adapter's id before the request is stored or queued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<String>,
     /// The field that named it, for errors.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "AdapterField::is_lora")]
     pub adapter_field: AdapterField,
     /// Sampling parameters.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Sampling::is_default")]
     pub sampling: Sampling,
     /// How token vectors become one embedding (embedding models; their default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pooling: Option<Pooling>,
+}
+
+impl Sampling {
+    fn is_default(&self) -> bool {
+        *self == Sampling::default()
+    }
+}
+
+/// Serialised requests leave out what is off (they are stored by the thousand).
+fn is_false(value: &bool) -> bool {
+    !value
 }
 
 /// The largest `max_tokens` a request may ask for.
