@@ -17,8 +17,8 @@ use crate::{adapters, ApiError, AppState};
 
 /// A request published on the real-time lane.
 pub struct Call {
-    /// The request as validated.
-    pub valid: ValidRequest,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
     replies: mpsc::UnboundedReceiver<Reply>,
     guard: Pending,
     timeout: Duration,
@@ -26,9 +26,10 @@ pub struct Call {
 
 /// Resolve the adapter `valid` names, and publish it for `model`.
 pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: ValidRequest) -> Result<Call, ApiError> {
+    let stream = valid.stream;
     let mut requests = [NewRequest {
         custom_id: None,
-        request: valid.clone(),
+        request: valid,
     }];
     adapters::resolve_requests(state, account, model, &mut requests, None, |_| String::new()).await?;
     let [NewRequest { request: resolved, .. }] = requests;
@@ -40,7 +41,7 @@ pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: Va
     let timeout = state.config.realtime_timeout;
     let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
     Ok(Call {
-        valid,
+        stream,
         replies,
         guard: Pending {
             client: state.realtime.clone(),

@@ -193,7 +193,7 @@ async fn realtime(
 ) -> Result<Response, CloudflareError> {
     let valid = submit::model(state, model, "model")?.validate(&input)?;
     let call = lane::start(state, account, model, valid).await?;
-    if call.valid.stream {
+    if call.stream {
         return Ok(stream_replies(call).into_response());
     }
     let output = call.output().await?;

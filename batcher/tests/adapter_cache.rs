@@ -2,6 +2,8 @@
 //! what it holds, the resident budget is kept in bytes, loads wait for room,
 //! and the cycle keeps a busy adapter from starving the others.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::Duration;
 use chrono::Utc;
 use lorry_batcher::adapters::{AdapterCache, AdapterCacheConfig, AdapterStats};
 use lorry_batcher::ids::{AccountId, AdapterId};
-use lorry_batcher::objects::{adapter_key, ObjectStore, ObjectStoreConfig};
+use lorry_batcher::objects::{adapter_key, ObjectStore};
 use lorry_batcher::store::AdapterRecord;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
@@ -41,16 +43,7 @@ fn base() -> AdapterShape {
 }
 
 async fn objects() -> ObjectStore {
-    let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_string());
-    let objects = ObjectStore::new(&ObjectStoreConfig {
-        endpoint: Some(env("LORRY_S3_ENDPOINT", "http://127.0.0.1:9310")),
-        bucket: format!("lorry-cache-{}", &uuid::Uuid::new_v4().simple().to_string()[..16]),
-        region: "us-east-1".into(),
-        access_key: env("AWS_ACCESS_KEY_ID", "lorry"),
-        secret_key: env("AWS_SECRET_ACCESS_KEY", "lorry-secret-key"),
-    });
-    objects.ensure_bucket().await.unwrap();
-    objects
+    support::fresh_bucket("lorry-cache").await
 }
 
 /// Put a reference adapter's files in S3 under a fresh id; its record.
@@ -203,8 +196,8 @@ fn overlapping(
     tokio::spawn(async move {
         let mut held = cache.acquire(&record, &base).await.unwrap();
         while !stop.load(Ordering::Relaxed) {
-            // Pacing only: the overlap, not the timing, keeps the adapter in use.
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // The overlap, not any timing, keeps the adapter in use.
+            tokio::task::yield_now().await;
             let next = cache.acquire(&record, &base).await.unwrap();
             drop(std::mem::replace(&mut held, next));
         }

@@ -4,6 +4,8 @@
 //! deferral, failures, deleted adapters and dead-lettering are each
 //! reproduced exactly, with no timing involved.
 
+mod support;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +14,6 @@ use lorry_batcher::broker::Topology;
 use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::objects::{ObjectStore, ObjectStoreConfig};
 use lorry_batcher::store::{Created, NewBatch, NewRequest, Store};
 use lorry_batcher::worker::{Worker, WorkerConfig};
 use lorry_engine::input::Prompt;
@@ -79,10 +80,6 @@ fn finished(text: &str) -> Event {
     })
 }
 
-fn env(name: &str, default: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| default.to_string())
-}
-
 struct Setup {
     store: Store,
     worker: Worker,
@@ -95,14 +92,7 @@ struct Setup {
 async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
     let store = Store::from_pool(pool);
     store.ensure_account("acct", "token").await.unwrap();
-    let objects = ObjectStore::new(&ObjectStoreConfig {
-        endpoint: Some(env("LORRY_S3_ENDPOINT", "http://127.0.0.1:9310")),
-        bucket: format!("lorry-worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..16]),
-        region: "us-east-1".into(),
-        access_key: env("AWS_ACCESS_KEY_ID", "lorry"),
-        secret_key: env("AWS_SECRET_ACCESS_KEY", "lorry-secret-key"),
-    });
-    objects.ensure_bucket().await.unwrap();
+    let objects = support::fresh_bucket("lorry-worker").await;
     let topology = Topology::new("lorry-test-worker", 5);
     let finaliser = Finaliser::new(
         store.clone(),

@@ -1,7 +1,7 @@
 //! The real-time lane: answered by a worker over RabbitMQ, streamed, and
 //! refused with 429 when saturated while batches are still accepted.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -67,7 +67,8 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
         passive: true,
         ..Default::default()
     };
-    let started = Instant::now();
+    // Waits for the condition alone; a lane that never fills is the harness's
+    // timeout to report (nextest's `terminate-after`).
     loop {
         // A failed passive declare closes its channel: use a fresh one each time.
         let channel = connection.create_channel().await.unwrap();
@@ -76,10 +77,6 @@ async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
                 break;
             }
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the two requests never reached the lane"
-        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let response = app.post(RUN, &json!({"prompt": "one more"})).await;
