@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use candle_core::Device;
 use lorry_api::AppState;
-use lorry_batcher::adapters::AdapterCache;
+use lorry_batcher::adapters::AdapterTiers;
 use lorry_batcher::broker::Topology;
 use lorry_batcher::finaliser::Finaliser;
 use lorry_batcher::objects::ObjectStore;
@@ -25,6 +25,7 @@ use lorry_batcher::relay;
 use lorry_batcher::store::Store;
 use lorry_batcher::webhooks::WebhookSender;
 use lorry_batcher::worker::Worker;
+use lorry_engine::adapters::Adapters;
 use lorry_engine::catalog::ModelSource;
 use lorry_engine::chat::TextModel;
 use lorry_engine::echo::{EchoConfig, EchoEngine};
@@ -74,6 +75,7 @@ pub struct Application {
     tasks: JoinSet<()>,
     stop: CancellationToken,
     backends: Vec<Arc<dyn Backend>>,
+    text_engines: Vec<TextEngine>,
 }
 
 /// Connect to Postgres, create the database if asked, and apply migrations.
@@ -111,9 +113,13 @@ impl Application {
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
         tasks.spawn(relay::run(store.clone(), settings.relay(catalog.names()), stop.clone()));
-        let mut backends = Vec::new();
+        let (mut backends, mut text_engines) = (Vec::new(), Vec::new());
         if role.has_worker() {
-            backends = start_backends(&settings, &sources).await?;
+            let adapters = Adapters::new(
+                Arc::new(AdapterTiers::new(objects.clone(), settings.adapter_tiers())),
+                settings.adapter_residency(),
+            );
+            (backends, text_engines) = start_backends(&settings, &sources, &adapters).await?;
             spawn_worker(
                 &settings,
                 &store,
@@ -131,6 +137,7 @@ impl Application {
             tasks,
             stop,
             backends,
+            text_engines,
         };
         if role.has_api() {
             let state = api_state(&settings, store, objects, topology, catalog);
@@ -146,6 +153,11 @@ impl Application {
     /// The engines this process's worker runs (none without a worker role).
     pub fn backends(&self) -> &[Arc<dyn Backend>] {
         &self.backends
+    }
+
+    /// The text-generation engines among them, whose counters say what they did.
+    pub fn text_engines(&self) -> &[TextEngine] {
+        &self.text_engines
     }
 
     /// The port the API listens on, if this process serves it.
@@ -205,7 +217,11 @@ fn api_state(
 }
 
 /// Load every model of the catalogue and start its engine (off the async runtime: loading reads the weights).
-async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow::Result<Vec<Arc<dyn Backend>>> {
+async fn start_backends(
+    settings: &Settings,
+    sources: &[ModelSource],
+    adapters: &Adapters,
+) -> anyhow::Result<(Vec<Arc<dyn Backend>>, Vec<TextEngine>)> {
     // The engines' products run on rayon's global pool, sized once per process.
     let threads = settings.engine_threads();
     match rayon::ThreadPoolBuilder::new().num_threads(threads).build_global() {
@@ -216,30 +232,35 @@ async fn start_backends(settings: &Settings, sources: &[ModelSource]) -> anyhow:
         delay: Duration::from_millis(settings.worker.echo_delay_ms),
     });
     let mut backends: Vec<Arc<dyn Backend>> = vec![Arc::new(echo)];
+    let mut text_engines = Vec::new();
     for source in sources.iter().cloned() {
         let config = settings.engine.config();
         let engine_args = settings.engine.clone();
-        let started = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Backend>> {
+        let adapters = adapters.clone();
+        let started = tokio::task::spawn_blocking(move || -> anyhow::Result<(Arc<dyn Backend>, Option<TextEngine>)> {
             let context = || format!("loading {} from {}", source.name, source.dir.display());
             Ok(match source.task {
                 Task::Embeddings => {
                     let embedder = Embedder::from_dir(&source.dir, &Device::Cpu).with_context(context)?;
-                    Arc::new(EmbeddingEngine::start(&source.name, embedder))
+                    (Arc::new(EmbeddingEngine::start(&source.name, embedder)), None)
                 }
                 _ => {
                     let model = TextModel::open(&source.dir, &Device::Cpu).with_context(context)?;
                     let draft = engine_args
                         .draft_for(&model, source.draft.as_deref())
                         .with_context(context)?;
-                    Arc::new(TextEngine::start_with_draft(&source.name, model, draft, config))
+                    let engine =
+                        TextEngine::start_with_draft(&source.name, model, draft, config).with_adapters(adapters);
+                    (Arc::new(engine.clone()), Some(engine))
                 }
             })
         });
-        let backend = started.await??;
+        let (backend, text_engine) = started.await??;
         tracing::info!(model = backend.model(), "serving");
         backends.push(backend);
+        text_engines.extend(text_engine);
     }
-    Ok(backends)
+    Ok((backends, text_engines))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -259,7 +280,6 @@ fn spawn_worker(
         finaliser.clone(),
         catalog.clone(),
         backends,
-        Some(AdapterCache::new(objects.clone(), settings.adapter_cache())),
         settings.worker_config(),
     );
     let webhooks = WebhookSender::new(store.clone(), settings.webhook_config());

@@ -9,14 +9,15 @@ use anyhow::{bail, Context as _};
 use candle_core::Device;
 use futures::stream::{FuturesOrdered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
+use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::chat::TextModel;
 use lorry_engine::embedding::Embedder;
-use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
+use lorry_engine::lora::{Adapter, AdapterLimits};
 use lorry_engine::models::bert::Pooling;
 use lorry_engine::models::llama::Llama;
 use lorry_engine::speculative::{Proposer, SpecConfig};
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
-use lorry_engine::{collect, Lane, Task, ValidRequest};
+use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::atomic::Ordering;
@@ -60,21 +61,24 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let requests = generate_requests(&args.input, &adapter_dirs)?;
     let model =
         TextModel::open(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
-    let mut adapters: HashMap<String, Arc<PackedAdapter>> = HashMap::new();
+    // Each adapter is checked here, so that a bad one is named before any work.
+    let mut adapters: HashMap<String, AdapterRef> = HashMap::new();
     for (name, dir) in &adapter_dirs {
-        let adapter = Adapter::from_dir(dir, &model.model.config().adapter_shape(), AdapterLimits::default())
+        Adapter::from_dir(dir, &model.model.config().adapter_shape(), AdapterLimits::default())
             .map_err(|e| anyhow::anyhow!("--adapter {name}: {e}"))?;
-        adapters.insert(name.clone(), Arc::new(PackedAdapter::new(&adapter)));
+        let reference = AdapterRef::local(dir).with_context(|| format!("--adapter {name}"))?;
+        adapters.insert(name.clone(), reference);
     }
     let draft = args.engine.draft_for(&model, None)?;
-    let engine = TextEngine::start_with_draft("offline", model, draft, args.engine.config());
+    let engine = TextEngine::start_with_draft("offline", model, draft, args.engine.config())
+        .with_adapters(Adapters::new(Arc::new(LocalFiles), AdaptersConfig::default()));
     let out = std::fs::File::create(&args.output).with_context(|| format!("creating {}", args.output.display()))?;
     let mut out = BufWriter::new(out);
     let bar = progress(requests.len(), "generate");
     let mut pending = FuturesOrdered::new();
     for (id, request, adapter) in requests {
-        let adapter = adapter.map(|name| Arc::clone(&adapters[&name]));
-        let events = engine.submit_adapted(request, Lane::Batch, adapter)?;
+        let adapter = adapter.map(|name| adapters[&name].clone());
+        let events = engine.submit(Request::new(request, Lane::Batch).with_adapter(adapter))?;
         let bar = bar.clone();
         pending.push_back(async move {
             let result = collect(events).await;
@@ -89,7 +93,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         let line = json!({
             "id": id,
             "token_ids": completion.token_ids,
-            "text": output.body["response"],
+            "text": output.content.text(),
             "finish_reason": completion.finish_reason,
             "usage": {"prompt_tokens": output.usage.prompt_tokens, "completion_tokens": output.usage.completion_tokens},
         });

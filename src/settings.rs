@@ -9,13 +9,14 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lorry_api::ApiConfig;
-use lorry_batcher::adapters::AdapterCacheConfig;
+use lorry_batcher::adapters::TiersConfig;
 use lorry_batcher::broker::Topology;
 use lorry_batcher::finaliser::FinaliserConfig;
 use lorry_batcher::objects::ObjectStoreConfig;
 use lorry_batcher::relay::RelayConfig;
 use lorry_batcher::webhooks::WebhookConfig;
 use lorry_batcher::worker::WorkerConfig;
+use lorry_engine::adapters::AdaptersConfig;
 use lorry_engine::catalog::{default_models, default_specs, read_catalog_file, ModelSource};
 use lorry_engine::lora::AdapterLimits;
 use lorry_engine::ModelSpec;
@@ -347,16 +348,23 @@ impl Settings {
         }
     }
 
-    /// The worker's adapter cache sizes.
-    pub fn adapter_cache(&self) -> AdapterCacheConfig {
+    /// How much the engines keep resident of adapters, and the cycle.
+    pub fn adapter_residency(&self) -> AdaptersConfig {
         let a = &self.adapters;
-        AdapterCacheConfig {
+        AdaptersConfig {
             resident_bytes: a.resident_mib << 20,
+            cycle: Duration::from_millis(a.cycle_ms),
+            limits: self.adapter_limits(),
+        }
+    }
+
+    /// The worker's tiers of adapter files.
+    pub fn adapter_tiers(&self) -> TiersConfig {
+        let a = &self.adapters;
+        TiersConfig {
             host_bytes: a.host_mib << 20,
             disk_dir: Some(self.data_dir().join("adapters")),
             disk_bytes: a.disk_mib << 20,
-            cycle: Duration::from_millis(a.cycle_ms),
-            limits: self.adapter_limits(),
         }
     }
 

@@ -378,7 +378,7 @@ pub async fn embeddings(
     let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone()).await?;
     let output = call.output().await?;
     let done = Finished {
-        body: &output.body,
+        content: &output.content,
         finish_reason: None,
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: 0,
@@ -418,7 +418,7 @@ async fn generate(
     }
     let output = call.output().await?;
     let done = Finished {
-        body: &output.body,
+        content: &output.content,
         finish_reason: Some(finish_reason(&output)),
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: output.usage.completion_tokens as i64,

@@ -198,7 +198,7 @@ async fn realtime(
     }
     let output = call.output().await?;
     let usage = usage_json(&output);
-    let mut result = output.body;
+    let mut result = output.content.result_body();
     if let Some(map) = result.as_object_mut() {
         map.insert("usage".into(), usage);
     }

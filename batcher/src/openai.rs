@@ -4,6 +4,7 @@
 
 use base64::Engine as _;
 use lorry_engine::catalog::Task;
+use lorry_engine::Content;
 use serde_json::{json, Value};
 
 use crate::ids::BatchId;
@@ -49,8 +50,8 @@ impl Endpoint {
 
 /// What a finished request needs to become an OpenAI answer body.
 pub struct Finished<'a> {
-    /// The engine's output body.
-    pub body: &'a Value,
+    /// What the model produced.
+    pub content: &'a Content,
     /// `stop` or `length`, for text.
     pub finish_reason: Option<&'a str>,
     /// Tokens read.
@@ -62,7 +63,7 @@ pub struct Finished<'a> {
 /// The OpenAI answer body of a finished request.
 pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Finished<'_>, base64: bool) -> Value {
     let usage = lorry_engine::Usage::json(done.prompt_tokens, done.completion_tokens);
-    let text = done.body["response"].as_str().unwrap_or_default();
+    let text = done.content.text();
     let finish_reason = done.finish_reason.unwrap_or("stop");
     match endpoint {
         Endpoint::Chat => json!({
@@ -87,21 +88,19 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
             "usage": usage,
         }),
         Endpoint::Embeddings => {
-            let rows = done.body["data"].as_array().cloned().unwrap_or_default();
+            let rows = match done.content {
+                Content::Embeddings { vectors, .. } => vectors.as_slice(),
+                Content::Text(_) => &[],
+            };
             let data: Vec<Value> = rows
-                .into_iter()
+                .iter()
                 .enumerate()
                 .map(|(index, row)| {
                     let embedding = if base64 {
-                        let bytes: Vec<u8> = row
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            .flat_map(|x| (x.as_f64().unwrap_or_default() as f32).to_le_bytes())
-                            .collect();
+                        let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
                         Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
                     } else {
-                        row
+                        json!(row)
                     };
                     json!({"object": "embedding", "index": index, "embedding": embedding})
                 })
@@ -127,8 +126,9 @@ pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i6
     );
     match (&request.response, request.status) {
         (Some(body), RequestStatus::Succeeded) => {
+            let content = Content::from_result_body(body);
             let done = Finished {
-                body,
+                content: &content,
                 finish_reason: request.finish_reason.as_deref(),
                 prompt_tokens: request.prompt_tokens.into(),
                 completion_tokens: request.completion_tokens.into(),

@@ -17,12 +17,12 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use lorry_engine::{collect, Backend, Catalog, EngineError, ErrorCode, EventStream, InputError, Lane, ValidRequest};
+use lorry_engine::{collect, Backend, Catalog, EngineError, ErrorCode, InputError, Lane, Request, ValidRequest};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::adapters::{AdapterCache, LoadError};
+use crate::adapters;
 use crate::broker::{self, Publisher, Topology};
 use crate::finaliser::Finaliser;
 use crate::ids::AccountId;
@@ -80,20 +80,17 @@ struct Inner {
     finaliser: Finaliser,
     catalog: Catalog,
     backends: HashMap<String, Arc<dyn Backend>>,
-    adapters: Option<AdapterCache>,
     config: WorkerConfig,
     cancels: Cancels,
 }
 
 impl Worker {
-    /// A worker serving `backends`, whose inputs the `catalog` validates;
-    /// requests naming LoRA adapters get them through `adapters`.
+    /// A worker serving `backends`, whose inputs the `catalog` validates.
     pub fn new(
         store: Store,
         finaliser: Finaliser,
         catalog: Catalog,
         backends: Vec<Arc<dyn Backend>>,
-        adapters: Option<AdapterCache>,
         config: WorkerConfig,
     ) -> Self {
         let backends = backends.into_iter().map(|b| (b.model().to_string(), b)).collect();
@@ -103,7 +100,6 @@ impl Worker {
                 finaliser,
                 catalog,
                 backends,
-                adapters,
                 config,
                 cancels: Cancels::default(),
             }),
@@ -151,24 +147,19 @@ impl Worker {
                     continue;
                 }
             };
-            if request.lora.is_some() {
-                // Waits for its adapter off the engine; the rest of the batch runs meanwhile.
-                let found = self.adapter_record(&chunk.account_id, &request, &mut records).await?;
-                let worker = self.clone();
-                let backend = Arc::clone(backend);
-                running.push(Box::pin(async move {
-                    let result = match found {
-                        Ok(record) => worker
-                            .run_adapted(&*backend, request, Lane::Batch, &record, collect)
-                            .await
-                            .and_then(|result| result),
-                        Err(e) => Err(e),
-                    };
-                    (index, result)
-                }));
-                continue;
-            }
-            match backend.submit(request, Lane::Batch) {
+            let request = match self
+                .engine_request(&chunk.account_id, request, Lane::Batch, &mut records)
+                .await?
+            {
+                Ok(request) => request,
+                Err(e) => {
+                    ready.push(outcome(index, Err(e)));
+                    continue;
+                }
+            };
+            // A request whose adapter must load waits for it off the engine
+            // thread; the rest of the batch runs meanwhile.
+            match backend.submit(request) {
                 Ok(events) => running.push(Box::pin(async move { (index, collect(events).await) })),
                 Err(e) if e.retryable() => report.deferred += 1,
                 Err(e) => ready.push(outcome(index, Err(e))),
@@ -219,43 +210,23 @@ impl Worker {
         }))
     }
 
-    /// Make the adapter resident, run the request with it, and hand its events
-    /// to `consume`; the adapter stays leased until `consume` is done.
-    async fn run_adapted<T, F, Fut>(
+    /// What the engine is asked to run for `request`: with the adapter it
+    /// names resolved to the files of the version stored now.
+    async fn engine_request(
         &self,
-        backend: &dyn Backend,
+        account: &AccountId,
         request: ValidRequest,
         lane: Lane,
-        record: &AdapterRecord,
-        consume: F,
-    ) -> Result<T, EngineError>
-    where
-        F: FnOnce(EventStream) -> Fut,
-        Fut: std::future::Future<Output = T>,
-    {
-        let unsupported = || {
-            EngineError::Input(lorry_engine::catalog::no_adapters(
-                backend.model(),
-                request.adapter_field.as_str(),
-            ))
-        };
-        let (Some(cache), Some(base)) = (&self.inner.adapters, backend.adapter_base()) else {
-            return Err(unsupported());
-        };
-        let lease = match cache.acquire(record, &base).await {
-            Ok(lease) => lease,
-            Err(LoadError::Fetch(id, e)) => {
-                tracing::warn!(adapter = %id, error = %e, "could not fetch an adapter; the request will be delivered again");
-                return Err(EngineError::Unavailable(format!("adapter {id}: {e}")));
-            }
-            Err(LoadError::Invalid(id, e)) => {
-                return Err(EngineError::Model(format!("adapter {id} could not be served: {e}")))
-            }
-        };
-        let events = backend.submit_with_adapter(request, lane, lease.adapter())?;
-        let result = consume(events).await;
-        drop(lease);
-        Ok(result)
+        records: &mut Records,
+    ) -> Result<Result<Request, EngineError>, BatcherError> {
+        if request.lora.is_none() {
+            return Ok(Ok(Request::new(request, lane)));
+        }
+        let adapter = self
+            .adapter_record(account, &request, records)
+            .await?
+            .and_then(|record| adapters::reference(&record));
+        Ok(adapter.map(|adapter| Request::new(request, lane).with_adapter(Some(adapter))))
     }
 
     /// End a dead-lettered chunk's unfinished requests with a non-retryable error.
@@ -461,30 +432,20 @@ impl Worker {
             ))),
         };
         let sent = match started {
-            Ok((valid, backend)) if valid.lora.is_some() => {
+            Ok((valid, backend)) => {
                 let account = request.account_id.clone().unwrap_or_else(|| AccountId(String::new()));
-                let found = match self.adapter_record(&account, &valid, &mut Records::default()).await {
-                    Ok(found) => found,
+                let submitted = match self
+                    .engine_request(&account, valid, Lane::RealTime, &mut Records::default())
+                    .await
+                {
+                    Ok(request) => request.and_then(|request| backend.submit(request)),
                     Err(e) => Err(EngineError::Model(e.to_string())),
                 };
-                let forwarded = match found {
-                    Ok(record) => {
-                        self.run_adapted(&**backend, valid, Lane::RealTime, &record, |events| {
-                            realtime::forward(events, &reply, &cancel)
-                        })
-                        .await
-                    }
-                    Err(e) => Err(e),
-                };
-                match forwarded {
-                    Ok(sent) => sent,
+                match submitted {
+                    Ok(events) => realtime::forward(events, &reply, &cancel).await,
                     Err(e) => reply.send(&Reply::engine_error(&e)).await,
                 }
             }
-            Ok((valid, backend)) => match backend.submit(valid, Lane::RealTime) {
-                Ok(events) => realtime::forward(events, &reply, &cancel).await,
-                Err(e) => reply.send(&Reply::engine_error(&e)).await,
-            },
             Err(e) => reply.send(&Reply::engine_error(&e)).await,
         };
         inner.cancels.finish(correlation.as_str());
@@ -511,7 +472,7 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
     match result {
         Ok(output) => Outcome {
             index,
-            result: Ok(output.body),
+            result: Ok(output.content.result_body()),
             prompt_tokens: output.usage.prompt_tokens as i32,
             completion_tokens: output.usage.completion_tokens as i32,
             finish_reason: output.completion.as_ref().map(|c| c.finish_reason.as_str()),

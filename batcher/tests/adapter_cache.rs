@@ -1,6 +1,7 @@
-//! The worker's adapter cache against the real S3 server: each tier serves
-//! what it holds, the resident budget is kept in bytes, loads wait for room,
-//! and the cycle keeps a busy adapter from starving the others.
+//! The engine's adapter manager over the worker's tiers, against the real S3
+//! server: each tier serves what it holds, the resident budget is kept in
+//! bytes, loads wait for room, and the cycle keeps a busy adapter from
+//! starving the others.
 
 mod support;
 
@@ -10,10 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use lorry_batcher::adapters::{AdapterCache, AdapterCacheConfig, AdapterStats};
+use lorry_batcher::adapters::{self, AdapterTiers, TiersConfig};
 use lorry_batcher::ids::{AccountId, AdapterId};
 use lorry_batcher::objects::{adapter_key, ObjectStore};
 use lorry_batcher::store::AdapterRecord;
+use lorry_engine::adapters::{AdapterStats, Adapters, AdaptersConfig, Lease};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::llama::LlamaConfigFile;
@@ -83,6 +85,29 @@ fn packed_bytes(name: &str, base: &AdapterShape) -> usize {
     PackedAdapter::new(&Adapter::from_dir(&reference(name), base, AdapterLimits::default()).unwrap()).bytes()
 }
 
+/// The worker's tiers over `objects`, and an adapter manager asking them.
+#[derive(Clone)]
+struct Cache {
+    tiers: AdapterTiers,
+    adapters: Adapters,
+}
+
+impl Cache {
+    fn new(objects: &ObjectStore, tiers: TiersConfig, residency: AdaptersConfig) -> Self {
+        let tiers = AdapterTiers::new(objects.clone(), tiers);
+        let adapters = Adapters::new(Arc::new(tiers.clone()), residency);
+        Cache { tiers, adapters }
+    }
+
+    async fn acquire(&self, record: &AdapterRecord, base: &AdapterShape) -> Result<Lease, lorry_engine::EngineError> {
+        self.adapters.acquire(&adapters::reference(record)?, base).await
+    }
+
+    fn stats(&self) -> AdapterStats {
+        self.adapters.stats()
+    }
+}
+
 #[tokio::test]
 async fn each_tier_serves_what_it_holds() {
     let base = base();
@@ -91,46 +116,48 @@ async fn each_tier_serves_what_it_holds() {
     let disk = scratch("disk");
     // Room for adapter a's load (twice its file) and no more.
     let budget = 2 * a.weights_bytes.unwrap() as usize;
-    let config = AdapterCacheConfig {
-        resident_bytes: budget,
+    let tiers = TiersConfig {
         disk_dir: Some(disk.clone()),
-        ..AdapterCacheConfig::default()
+        ..TiersConfig::default()
     };
-    let cache = AdapterCache::new(objects.clone(), config.clone());
+    let residency = AdaptersConfig {
+        resident_bytes: budget,
+        ..AdaptersConfig::default()
+    };
+    let cache = Cache::new(&objects, tiers.clone(), residency.clone());
 
     let lease = cache.acquire(&b, &base).await.unwrap();
-    assert_eq!(lease.adapter().bytes(), packed_bytes("adapter-b", &base));
+    assert_eq!(lease.bytes(), packed_bytes("adapter-b", &base));
     drop(lease);
     drop(cache.acquire(&b, &base).await.unwrap());
     let stats = cache.stats();
-    assert_eq!((stats.s3_loads, stats.hits, stats.evictions), (1, 1, 0), "{stats:?}");
+    assert_eq!(
+        (cache.tiers.stats().s3, stats.hits, stats.evictions),
+        (1, 1, 0),
+        "{stats:?}"
+    );
 
     // a needs the whole budget: b, unused, is evicted.
     let lease = cache.acquire(&a, &base).await.unwrap();
-    assert_eq!(lease.adapter().bytes(), packed_bytes("adapter-a", &base));
+    assert_eq!(lease.bytes(), packed_bytes("adapter-a", &base));
     let stats = cache.stats();
-    assert_eq!((stats.s3_loads, stats.evictions), (2, 1), "{stats:?}");
+    assert_eq!((cache.tiers.stats().s3, stats.evictions), (2, 1), "{stats:?}");
     assert_eq!(stats.resident_bytes, packed_bytes("adapter-a", &base));
     assert!(stats.resident_bytes <= budget);
     drop(lease);
 
     // b again: its files are still in memory.
     drop(cache.acquire(&b, &base).await.unwrap());
-    assert_eq!(cache.stats().host_loads, 1);
+    assert_eq!(cache.tiers.stats().host, 1);
 
     // A fresh worker with no host tier finds them on disk.
-    let cold = AdapterCache::new(
-        objects.clone(),
-        AdapterCacheConfig {
-            host_bytes: 0,
-            ..config
-        },
-    );
+    let cold = Cache::new(&objects, TiersConfig { host_bytes: 0, ..tiers }, residency);
     drop(cold.acquire(&a, &base).await.unwrap());
     drop(cold.acquire(&b, &base).await.unwrap());
-    let stats = cold.stats();
-    assert_eq!((stats.disk_loads, stats.s3_loads), (2, 0), "{stats:?}");
-    assert_eq!(stats.load_seconds.len(), 2);
+    let tier_stats = cold.tiers.stats();
+    assert_eq!((tier_stats.disk, tier_stats.s3), (2, 0), "{tier_stats:?}");
+    assert_eq!(cold.stats().loads, 2);
+    assert_eq!(cold.stats().load_seconds.len(), 2);
     let _ = std::fs::remove_dir_all(&disk);
 }
 
@@ -139,31 +166,41 @@ async fn an_adapter_that_cannot_fit_is_refused_and_a_missing_file_fails_the_load
     let base = base();
     let objects = objects().await;
     let a = stored(&objects, "adapter-a").await;
-    let tiny = AdapterCache::new(
-        objects.clone(),
-        AdapterCacheConfig {
+    let tiny = Cache::new(
+        &objects,
+        TiersConfig::default(),
+        AdaptersConfig {
             resident_bytes: 1000,
-            ..AdapterCacheConfig::default()
+            ..AdaptersConfig::default()
         },
     );
     let refused = tiny.acquire(&a, &base).await.err().unwrap();
     assert!(refused.to_string().contains("1000"), "{refused}");
+    assert!(!refused.retryable(), "{refused:?}");
 
-    let cache = AdapterCache::new(objects.clone(), AdapterCacheConfig::default());
+    let cache = Cache::new(&objects, TiersConfig::default(), AdaptersConfig::default());
     let mut gone = a.clone();
     gone.weights_key = Some("accounts/acct/adapters/none/adapter_model.safetensors".into());
-    assert!(cache.acquire(&gone, &base).await.is_err());
+    let failed = cache.acquire(&gone, &base).await.err().unwrap();
+    assert!(
+        failed.retryable(),
+        "an object the store cannot give is fetched again later: {failed:?}"
+    );
     assert_eq!(cache.stats().failed_loads, 1);
     // A failed load leaves no reservation behind.
     drop(cache.acquire(&a, &base).await.unwrap());
-    assert_eq!(cache.stats().s3_loads, 1);
+    assert_eq!(cache.tiers.stats().s3, 1);
+    // A record without its files cannot be served, and is not fetched again.
+    let mut partial = a.clone();
+    partial.config_key = None;
+    assert!(!cache.acquire(&partial, &base).await.err().unwrap().retryable());
 }
 
 /// Requests for `record` arriving every 10 ms, each holding its lease for
 /// 300 ms, until `stop`: a busy adapter that nearly always has some in use,
 /// each request finishing on its own, as real ones do.
 fn traffic(
-    cache: AdapterCache,
+    cache: Cache,
     record: AdapterRecord,
     base: AdapterShape,
     stop: Arc<AtomicBool>,
@@ -188,7 +225,7 @@ fn traffic(
 /// schedules this task (no cycle may hold these requests back: each waits for
 /// the next lease while holding one).
 fn overlapping(
-    cache: AdapterCache,
+    cache: Cache,
     record: AdapterRecord,
     base: AdapterShape,
     stop: Arc<AtomicBool>,
@@ -218,12 +255,13 @@ async fn contended(cycle: Duration, watch: Duration, kind: Load) -> (bool, Adapt
     let objects = objects().await;
     // The same files under two ids: each needs the whole budget.
     let (busy, waiting) = (stored(&objects, "adapter-a").await, stored(&objects, "adapter-a").await);
-    let cache = AdapterCache::new(
-        objects,
-        AdapterCacheConfig {
+    let cache = Cache::new(
+        &objects,
+        TiersConfig::default(),
+        AdaptersConfig {
             resident_bytes: 2 * busy.weights_bytes.unwrap() as usize,
             cycle,
-            ..AdapterCacheConfig::default()
+            ..AdaptersConfig::default()
         },
     );
     drop(cache.acquire(&busy, &base).await.unwrap());

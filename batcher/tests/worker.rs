@@ -18,8 +18,8 @@ use lorry_batcher::store::{Created, NewBatch, NewRequest, Store};
 use lorry_batcher::worker::{Worker, WorkerConfig};
 use lorry_engine::input::Prompt;
 use lorry_engine::{
-    Backend, Catalog, EngineError, ErrorCode, Event, EventStream, InputError, Lane, ModelSpec, Output, Task, Usage,
-    ValidRequest,
+    Backend, Catalog, Content, EngineError, ErrorCode, Event, EventStream, InputError, ModelSpec, Output, Request,
+    Task, Usage, ValidRequest,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -41,8 +41,8 @@ impl Backend for Scripted {
         MODEL
     }
 
-    fn submit(&self, request: ValidRequest, _lane: Lane) -> Result<EventStream, EngineError> {
-        let Prompt::Text(prompt) = &request.prompt else {
+    fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        let Prompt::Text(prompt) = &request.input.prompt else {
             panic!("the script reads text prompts");
         };
         let times = {
@@ -71,7 +71,7 @@ impl Backend for Scripted {
 
 fn finished(text: &str) -> Event {
     Event::Finished(Output {
-        body: json!({"response": text}),
+        content: Content::Text(text.into()),
         usage: Usage {
             prompt_tokens: 1,
             completion_tokens: 1,
@@ -114,7 +114,6 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
         finaliser,
         catalog,
         vec![engine.clone() as Arc<dyn Backend>],
-        None,
         WorkerConfig {
             amqp_url: "amqp://unused".into(),
             topology,

@@ -11,8 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::gemm::{self, Kernel, PackedMatrix, Precision};
-use lorry_engine::lora::{Adapter, LoraWeights, PackedAdapter, Target};
+use lorry_engine::lora::{Adapter, AdapterLimits, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::Config;
 
 use anyhow::{bail, Context as _};
@@ -20,7 +21,7 @@ use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::scheduler::Policy;
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
-use lorry_engine::{collect, Backend, Lane, Task, ValidRequest};
+use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 
 /// What to submit and where.
@@ -345,7 +346,7 @@ async fn timed(engine: &TextEngine, requests: &[ValidRequest]) -> anyhow::Result
     let start = Instant::now();
     let streams: Vec<_> = requests
         .iter()
-        .map(|r| engine.submit(r.clone(), Lane::Batch))
+        .map(|r| engine.submit(Request::new(r.clone(), Lane::Batch)))
         .collect::<Result<_, _>>()?;
     for stream in streams {
         collect(stream).await?;
@@ -620,7 +621,7 @@ async fn decode_rate(
     engine: &TextEngine,
     args: &LoraBenchArgs,
     first: usize,
-    adapters: &[Option<Arc<PackedAdapter>>],
+    adapters: &[Option<AdapterRef>],
 ) -> anyhow::Result<(f64, Vec<Vec<u32>>)> {
     let run = |new_tokens: usize| {
         let mut requests = bench_requests(first + adapters.len(), args.prompt_tokens, &|_| new_tokens);
@@ -630,7 +631,7 @@ async fn decode_rate(
             let streams: Vec<_> = requests
                 .into_iter()
                 .zip(adapters)
-                .map(|(r, a)| engine.submit_adapted(r, Lane::Batch, a.clone()))
+                .map(|(r, a)| engine.submit(Request::new(r, Lane::Batch).with_adapter(a.clone())))
                 .collect::<Result<_, _>>()?;
             let mut tokens = Vec::new();
             for stream in streams {
@@ -755,16 +756,12 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
         .map(gemm::precision_of)
         .with_context(|| format!("unknown --adapter-dtype {}", args.adapter_dtype))?;
     eprintln!("making {} random rank-{} adapters", args.batch, args.rank);
-    let adapters: Vec<Arc<PackedAdapter>> = (0..args.batch)
-        .map(|i| {
-            Arc::new(PackedAdapter::new(&random_adapter(
-                &config,
-                args.rank,
-                precision,
-                1000 + i as u64,
-            )))
-        })
+    let random: Vec<Adapter> = (0..args.batch)
+        .map(|i| random_adapter(&config, args.rank, precision, 1000 + i as u64))
         .collect();
+    let adapters: Vec<Arc<PackedAdapter>> = random.iter().map(|a| Arc::new(PackedAdapter::new(a))).collect();
+    // The engine loads them as a worker does, from their PEFT files.
+    let files = adapter_files(&random, &scratch.join("adapters"))?;
     let llama = model.model.clone();
     // Speculation off: every step decodes one token a sequence, so the runs
     // differ only in their adapters (prompt lookup would accept more or
@@ -776,10 +773,12 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
         },
         ..bench_engine_config(args.batch, Policy::Continuous)
     };
-    let engine = TextEngine::start("bench", model, engine_config);
+    let engine = TextEngine::start("bench", model, engine_config).with_adapters(local_adapters());
     decode_rate(&engine, args, 0, &[None]).await?; // warm up
     let n = args.batch;
-    let mixed_adapters: Vec<_> = adapters.iter().cloned().map(Some).collect();
+    let mixed_adapters: Vec<_> = files.iter().cloned().map(Some).collect();
+    // Every adapter resident before the timed runs.
+    decode_rate(&engine, args, 0, &mixed_adapters).await?;
     // Rounds of the three runs, interleaved, keeping each one's best: a
     // machine whose speed drifts moves all three alike.
     let (mut none, mut shared, mut mixed) = (0f64, 0f64, 0f64);
@@ -788,11 +787,7 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
         eprintln!("round {}/{}", round + 1, args.rounds.max(1));
         let (rate, tokens) = decode_rate(&engine, args, 0, &vec![None; n]).await?;
         (none, base_tokens) = (none.max(rate), tokens);
-        shared = shared.max(
-            decode_rate(&engine, args, 0, &vec![Some(Arc::clone(&adapters[0])); n])
-                .await?
-                .0,
-        );
+        shared = shared.max(decode_rate(&engine, args, 0, &vec![Some(files[0].clone()); n]).await?.0);
         let (rate, tokens) = decode_rate(&engine, args, 0, &mixed_adapters).await?;
         (mixed, mixed_tokens) = (mixed.max(rate), tokens);
     }
@@ -894,6 +889,36 @@ fn peft_files(adapter: &Adapter, dir: &std::path::Path) -> anyhow::Result<(Vec<u
     Ok((serde_json::to_vec(&config)?, std::fs::read(&path)?))
 }
 
+/// `adapters` written as PEFT files, one directory each under `dir`; the
+/// engine's references to them.
+pub(crate) fn adapter_files(adapters: &[Adapter], dir: &std::path::Path) -> anyhow::Result<Vec<AdapterRef>> {
+    adapters
+        .iter()
+        .enumerate()
+        .map(|(i, adapter)| {
+            let at = dir.join(i.to_string());
+            let (config, _) = peft_files(adapter, &at)?;
+            std::fs::write(at.join("adapter_config.json"), config)?;
+            Ok(AdapterRef::local(&at)?)
+        })
+        .collect()
+}
+
+/// Adapters loaded from local files, every one the benchmarks make kept resident.
+pub(crate) fn local_adapters() -> Adapters {
+    Adapters::new(
+        Arc::new(LocalFiles),
+        AdaptersConfig {
+            resident_bytes: 1 << 40,
+            limits: AdapterLimits {
+                max_rank: 256,
+                max_bytes: 1 << 40,
+            },
+            ..AdaptersConfig::default()
+        },
+    )
+}
+
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[at.min(sorted.len() - 1)]
@@ -910,7 +935,7 @@ async fn cold_loads(
     base_rate: f64,
     scratch: &std::path::Path,
 ) -> anyhow::Result<()> {
-    use lorry_batcher::adapters::{AdapterCache, AdapterCacheConfig};
+    use lorry_batcher::adapters::{reference, AdapterTiers, TiersConfig};
     use lorry_batcher::ids::{AccountId, AdapterId};
     use lorry_batcher::objects::{adapter_key, ObjectStore, ObjectStoreConfig};
     use lorry_batcher::store::AdapterRecord;
@@ -955,13 +980,20 @@ async fn cold_loads(
             modified_at: now,
         });
     }
-    let cache = AdapterCache::new(
+    // Nothing kept in memory or on disk: every load comes from S3.
+    let tiers = AdapterTiers::new(
         objects.clone(),
-        AdapterCacheConfig {
+        TiersConfig {
             host_bytes: 0,
             disk_dir: None,
+            ..TiersConfig::default()
+        },
+    );
+    let cache = Adapters::new(
+        Arc::new(tiers),
+        AdaptersConfig {
             resident_bytes: 64 * weights.len(),
-            ..AdapterCacheConfig::default()
+            ..AdaptersConfig::default()
         },
     );
     let (timed, beside) = records.split_at(args.cold_loads);
@@ -970,7 +1002,7 @@ async fn cold_loads(
         let start = Instant::now();
         objects.get(record.weights_key.as_deref().unwrap_or_default()).await?;
         fetch.push(start.elapsed().as_secs_f64());
-        drop(cache.acquire(record, &config.adapter_shape()).await?);
+        drop(cache.acquire(&reference(record)?, &config.adapter_shape()).await?);
     }
     let mut loads = cache.stats().load_seconds;
     loads.sort_by(f64::total_cmp);
@@ -992,7 +1024,11 @@ async fn cold_loads(
                     modified_at: chrono::Utc::now(),
                     ..record.clone()
                 };
-                if cache.acquire(&fresh, &config.adapter_shape()).await.is_ok() {
+                let loaded = match reference(&fresh) {
+                    Ok(fresh) => cache.acquire(&fresh, &config.adapter_shape()).await.is_ok(),
+                    Err(_) => false,
+                };
+                if loaded {
                     done += 1;
                 }
             }

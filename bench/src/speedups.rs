@@ -4,23 +4,22 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use candle_core::Device;
+use lorry_engine::adapters::AdapterRef;
 use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::gemm::Precision;
 use lorry_engine::input::Prompt;
-use lorry_engine::lora::PackedAdapter;
 use lorry_engine::models::llama::Llama;
 use lorry_engine::speculative::{Proposer, SpecConfig};
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
-use lorry_engine::{collect, Lane, Task, ValidRequest};
+use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::json;
 
-use crate::bench::random_adapter;
+use crate::bench::{adapter_files, local_adapters, random_adapter};
 
 /// `lorry bench speculative`: what to measure.
 #[derive(clap::Args, Debug, Clone)]
@@ -59,7 +58,7 @@ async fn repetitive_requests(
     model: &TextModel,
     count: usize,
     new_tokens: usize,
-    adapters: &[Option<Arc<PackedAdapter>>],
+    adapters: &[Option<AdapterRef>],
 ) -> anyhow::Result<(Vec<ValidRequest>, Vec<usize>, usize)> {
     let vocab = model.model.config().vocab_size as u64;
     let openings: Vec<Vec<u32>> = (0..count)
@@ -74,7 +73,8 @@ async fn repetitive_requests(
         proposer: Proposer::Off,
         ..SpecConfig::default()
     };
-    let engine = TextEngine::start("bench", model.clone(), engine_config(count, plain, false));
+    let engine =
+        TextEngine::start("bench", model.clone(), engine_config(count, plain, false)).with_adapters(local_adapters());
     let first: Vec<ValidRequest> = openings.iter().map(|p| token_request(p.clone(), new_tokens)).collect();
     let (_, mut continuations) = serve(&engine, &first, adapters).await?;
     let prompts = |continuations: &[Vec<u32>]| -> Vec<ValidRequest> {
@@ -107,7 +107,7 @@ const SETTLE_ROUNDS: usize = 3;
 async fn serve(
     engine: &TextEngine,
     requests: &[ValidRequest],
-    adapters: &[Option<Arc<PackedAdapter>>],
+    adapters: &[Option<AdapterRef>],
 ) -> anyhow::Result<(Duration, Vec<Vec<u32>>)> {
     serve_in_flight(engine, requests, adapters, requests.len()).await
 }
@@ -118,13 +118,14 @@ async fn serve(
 async fn serve_in_flight(
     engine: &TextEngine,
     requests: &[ValidRequest],
-    adapters: &[Option<Arc<PackedAdapter>>],
+    adapters: &[Option<AdapterRef>],
     in_flight: usize,
 ) -> anyhow::Result<(Duration, Vec<Vec<u32>>)> {
     use futures::stream::{FuturesUnordered, StreamExt};
     let start = Instant::now();
     let submit = |i: usize| -> anyhow::Result<_> {
-        let stream = engine.submit_adapted(requests[i].clone(), Lane::Batch, adapters.get(i).cloned().flatten())?;
+        let adapter = adapters.get(i).cloned().flatten();
+        let stream = engine.submit(Request::new(requests[i].clone(), Lane::Batch).with_adapter(adapter))?;
         Ok(async move { (i, collect(stream).await) })
     };
     let mut running = FuturesUnordered::new();
@@ -185,7 +186,7 @@ async fn measure(
     proposer: Proposer,
     cases: &[(usize, bool)],
     [requests, adapted]: [&[ValidRequest]; 2],
-    adapters: &[Option<Arc<PackedAdapter>>],
+    adapters: &[Option<AdapterRef>],
 ) -> anyhow::Result<Measured> {
     let largest = REQUESTS_PER_SLOT * cases.iter().map(|c| c.0).max().unwrap_or(1);
     let warm = |requests: &[ValidRequest]| -> Vec<ValidRequest> {
@@ -253,21 +254,16 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let candidates = count + count / 2;
     eprintln!("making {candidates} random rank-16 adapters");
     let config = model.model.config().clone();
-    let made: Vec<Option<Arc<PackedAdapter>>> = (0..candidates)
-        .map(|i| {
-            Some(Arc::new(PackedAdapter::new(&random_adapter(
-                &config,
-                16,
-                Precision::F32,
-                1000 + i as u64,
-            ))))
-        })
+    let random: Vec<_> = (0..candidates)
+        .map(|i| random_adapter(&config, 16, Precision::F32, 1000 + i as u64))
         .collect();
+    let adapter_dir = std::env::temp_dir().join(format!("lorry-bench-adapters-{}", std::process::id()));
+    let made: Vec<Option<AdapterRef>> = adapter_files(&random, &adapter_dir)?.into_iter().map(Some).collect();
     // Each row's prompt holds its own greedy continuation: with its adapter for the mixed cases.
     eprintln!("making the workload: each opening's greedy continuation");
     let (requests, _, settled) = repetitive_requests(&model, candidates, args.new_tokens, &[]).await?;
     let (adapted, order, adapted_settled) = repetitive_requests(&model, candidates, args.new_tokens, &made).await?;
-    let adapters: Vec<Option<Arc<PackedAdapter>>> = order.iter().map(|&i| made[i].clone()).collect();
+    let adapters: Vec<Option<AdapterRef>> = order.iter().map(|&i| made[i].clone()).collect();
     let spec = |proposer, max_batch| SpecConfig {
         proposer,
         max_draft: args.max_draft,
@@ -308,7 +304,8 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             model.clone(),
             draft,
             engine_config(max_batch, spec(*proposer, usize::MAX), true),
-        );
+        )
+        .with_adapters(local_adapters());
         results.push(measure(&engine, *proposer, &cases, [&requests, &adapted], &adapters).await?);
     }
     println!(
@@ -352,6 +349,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let _ = std::fs::remove_dir_all(&adapter_dir);
     Ok(())
 }
 

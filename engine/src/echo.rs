@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::input::{Prompt, ValidRequest};
 use crate::serial::SerialQueue;
-use crate::{Backend, EngineError, Event, EventStream, Lane, Output, Usage, ECHO_MODEL};
+use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage, ECHO_MODEL};
 
 /// How the echo engine behaves.
 #[derive(Debug, Clone, Copy, Default)]
@@ -56,7 +56,7 @@ fn serve(request: ValidRequest, events: &mpsc::UnboundedSender<Event>) {
             prompt_tokens,
             completion_tokens: words(&text),
         },
-        body: serde_json::json!({ "response": text }),
+        content: Content::Text(text),
         completion: None,
     };
     let _ = events.send(Event::Finished(output));
@@ -80,8 +80,9 @@ impl Backend for EchoEngine {
         ECHO_MODEL
     }
 
-    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        self.queue.submit(request, lane)
+    fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        request.without_adapter(self.model())?;
+        self.queue.submit(request.input, request.lane)
     }
 }
 
@@ -90,7 +91,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::{collect, Task};
+    use crate::{collect, Lane, Task};
 
     fn request(body: serde_json::Value) -> ValidRequest {
         ValidRequest::parse(Task::Echo, &body).unwrap()
@@ -101,10 +102,10 @@ mod tests {
         let engine = EchoEngine::start(EchoConfig::default());
         let body =
             json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hello there"}]});
-        let out = collect(engine.submit(request(body), Lane::Batch).unwrap())
+        let out = collect(engine.submit(Request::new(request(body), Lane::Batch)).unwrap())
             .await
             .unwrap();
-        assert_eq!(out.body, json!({"response": "hello there"}));
+        assert_eq!(out.content, Content::Text("hello there".into()));
         assert_eq!(
             out.usage,
             Usage {
@@ -118,14 +119,17 @@ mod tests {
     async fn streaming_yields_tokens_before_the_result() {
         let engine = EchoEngine::start(EchoConfig::default());
         let mut events = engine
-            .submit(request(json!({"prompt": "a b c", "stream": true})), Lane::RealTime)
+            .submit(Request::new(
+                request(json!({"prompt": "a b c", "stream": true})),
+                Lane::RealTime,
+            ))
             .unwrap();
         let mut tokens = String::new();
         while let Some(event) = events.recv().await {
             match event {
                 Event::Token(t) => tokens.push_str(&t),
                 Event::Finished(out) => {
-                    assert_eq!(out.body["response"], "a b c");
+                    assert_eq!(out.content.text(), "a b c");
                     break;
                 }
                 Event::Failed(e) => panic!("{e}"),
@@ -142,11 +146,13 @@ mod tests {
         let batch: Vec<_> = (0..5)
             .map(|i| {
                 engine
-                    .submit(request(json!({"prompt": format!("b{i}")})), Lane::Batch)
+                    .submit(Request::new(request(json!({"prompt": format!("b{i}")})), Lane::Batch))
                     .unwrap()
             })
             .collect();
-        let rt = engine.submit(request(json!({"prompt": "rt"})), Lane::RealTime).unwrap();
+        let rt = engine
+            .submit(Request::new(request(json!({"prompt": "rt"})), Lane::RealTime))
+            .unwrap();
         collect(rt).await.unwrap();
         // The first batch job may already have started; the last cannot have finished.
         let mut last = batch.into_iter().last().unwrap();

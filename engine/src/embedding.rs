@@ -10,7 +10,7 @@ use crate::input::{Prompt, ValidRequest};
 use crate::models::bert::{Bert, Pooling};
 use crate::models::ModelError;
 use crate::serial::SerialQueue;
-use crate::{Backend, EngineError, Event, EventStream, Lane, Output, Usage};
+use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage};
 
 /// An embedding model ready to serve.
 pub struct Embedder {
@@ -99,7 +99,7 @@ impl EmbeddingEngine {
     }
 }
 
-/// `{"shape": [n, d], "data": [[…]], "pooling"}` for every input text.
+/// A vector for every input text.
 fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, EngineError> {
     let Prompt::Inputs(texts) = &request.prompt else {
         return Err(EngineError::Model("an embedding model takes text".into()));
@@ -118,9 +118,8 @@ fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, 
                 .map_err(|e| EngineError::Model(e.to_string()))?,
         );
     }
-    let width = data.first().map_or(0, Vec::len);
     Ok(Output {
-        body: serde_json::json!({"shape": [data.len(), width], "data": data, "pooling": pooling}),
+        content: Content::Embeddings { vectors: data, pooling },
         usage: Usage {
             prompt_tokens: tokens as u32,
             completion_tokens: 0,
@@ -134,7 +133,8 @@ impl Backend for EmbeddingEngine {
         &self.name
     }
 
-    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        self.queue.submit(request, lane)
+    fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        request.without_adapter(self.model())?;
+        self.queue.submit(request.input, request.lane)
     }
 }

@@ -8,6 +8,7 @@
 //! The request and output types, and input validation, are
 //! [`lorry_protocol`]'s, re-exported here: the API links that crate, not this one.
 
+pub mod adapters;
 pub mod catalog;
 pub mod chat;
 pub mod echo;
@@ -28,10 +29,12 @@ pub mod vocab;
 
 use tokio::sync::mpsc;
 
+pub use adapters::AdapterRef;
+
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    input, AdapterShape, Catalog, Completion, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output, Task,
-    Usage, ValidRequest,
+    input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output,
+    Task, Usage, ValidRequest,
 };
 
 /// What a backend reports while serving one request.
@@ -83,37 +86,53 @@ impl EngineError {
 /// The events of one request, in order; dropping it cancels the request.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
 
+/// What a backend is asked to run: a validated request, its lane, and the
+/// adapter it runs with (whose files the engine fetches, checks and packs
+/// itself; see [`adapters`]).
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The request as the API validated it.
+    pub input: ValidRequest,
+    /// Batch or real time.
+    pub lane: Lane,
+    /// The adapter `input` names, resolved to its files.
+    pub adapter: Option<AdapterRef>,
+}
+
+impl Request {
+    /// A request on the base model.
+    pub fn new(input: ValidRequest, lane: Lane) -> Self {
+        Request {
+            input,
+            lane,
+            adapter: None,
+        }
+    }
+
+    /// The same request with an adapter.
+    pub fn with_adapter(self, adapter: Option<AdapterRef>) -> Self {
+        Request { adapter, ..self }
+    }
+
+    /// The refusal a backend that serves no adapters gives a request that
+    /// names one; `Ok` when it names none.
+    pub fn without_adapter(&self, model: &str) -> Result<(), EngineError> {
+        match (&self.adapter, &self.input.lora) {
+            (None, None) => Ok(()),
+            _ => Err(EngineError::Input(lorry_protocol::model::no_adapters(
+                model,
+                self.input.adapter_field.as_str(),
+            ))),
+        }
+    }
+}
+
 /// A model being served; cheap to share between tasks.
 pub trait Backend: Send + Sync + 'static {
     /// The served model name, e.g. `@lorry/echo`.
     fn model(&self) -> &str;
-    /// Queue a validated request; its events arrive on the returned stream.
-    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError>;
-
-    /// Counters of the engine's work, for engines that keep them.
-    fn counters(&self) -> Option<&text_engine::Counters> {
-        None
-    }
-
-    /// The shape LoRA adapters must fit, for backends that serve them.
-    fn adapter_base(&self) -> Option<AdapterShape> {
-        None
-    }
-
-    /// [`Backend::submit`] with a LoRA adapter packed for this model: the
-    /// request shares the continuous batch with every other, whatever its adapter.
-    fn submit_with_adapter(
-        &self,
-        request: ValidRequest,
-        lane: Lane,
-        adapter: std::sync::Arc<lora::PackedAdapter>,
-    ) -> Result<EventStream, EngineError> {
-        let _ = (lane, adapter);
-        Err(EngineError::Input(lorry_protocol::model::no_adapters(
-            self.model(),
-            request.adapter_field.as_str(),
-        )))
-    }
+    /// Queue a request; its events arrive on the returned stream.
+    fn submit(&self, request: Request) -> Result<EventStream, EngineError>;
 }
 
 /// Drain a stream to its final result.

@@ -21,16 +21,19 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
+use crate::adapters::{Adapters, Lease};
 use crate::chat::{Decoding, TextModel};
 use crate::kv::prefix::{self, BlockHasher};
 use crate::kv::{BlockPool, KvCache};
 use crate::lora::PackedAdapter;
-use crate::models::llama::Config;
 use crate::models::llama::Llama;
 use crate::models::llama::SeqChunk;
 use crate::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
-use crate::{Backend, Completion, EngineError, Event, EventStream, Lane, Output, Usage, ValidRequest};
+use crate::{
+    AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
+    ValidRequest,
+};
 
 /// How the engine sizes its cache and batches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -123,7 +126,7 @@ impl Counters {
 struct Job {
     request: ValidRequest,
     lane: Lane,
-    adapter: Option<Arc<PackedAdapter>>,
+    adapter: Option<Lease>,
     events: mpsc::UnboundedSender<Event>,
 }
 
@@ -132,9 +135,10 @@ struct Job {
 #[derive(Clone)]
 pub struct TextEngine {
     name: Arc<str>,
-    base: Arc<Config>,
+    shape: AdapterShape,
     jobs: std_mpsc::Sender<Job>,
     counters: Arc<Counters>,
+    adapters: Option<Adapters>,
 }
 
 impl TextEngine {
@@ -151,7 +155,7 @@ impl TextEngine {
         let counters = Arc::new(Counters::default());
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let shared = Arc::clone(&counters);
-        let base = Arc::new(model.model.config().clone());
+        let shape = model.model.config().adapter_shape();
         let thread_name = format!("lorry-engine {name}");
         let served = name.to_string();
         std::thread::Builder::new()
@@ -165,9 +169,19 @@ impl TextEngine {
         let _ = ready_rx.recv();
         TextEngine {
             name: name.into(),
-            base,
+            shape,
             jobs,
             counters,
+            adapters: None,
+        }
+    }
+
+    /// Serve requests with LoRA adapters, made resident by `adapters`
+    /// (without, a request naming an adapter is refused).
+    pub fn with_adapters(self, adapters: Adapters) -> Self {
+        TextEngine {
+            adapters: Some(adapters),
+            ..self
         }
     }
 
@@ -176,24 +190,10 @@ impl TextEngine {
         &self.counters
     }
 
-    /// [`Backend::submit`] with a LoRA adapter: the request joins the same
-    /// continuous batch as every other, whatever their adapters.
-    pub fn submit_adapted(
-        &self,
-        request: ValidRequest,
-        lane: Lane,
-        adapter: Option<Arc<PackedAdapter>>,
-    ) -> Result<EventStream, EngineError> {
-        let (events, stream) = mpsc::unbounded_channel();
-        self.jobs
-            .send(Job {
-                request,
-                lane,
-                adapter,
-                events,
-            })
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(stream)
+    fn send(jobs: &std_mpsc::Sender<Job>, job: Job) {
+        if let Err(std_mpsc::SendError(job)) = jobs.send(job) {
+            let _ = job.events.send(Event::Failed(EngineError::Stopped));
+        }
     }
 }
 
@@ -202,31 +202,76 @@ impl Backend for TextEngine {
         &self.name
     }
 
-    fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        self.submit_adapted(request, lane, None)
-    }
-
-    fn counters(&self) -> Option<&Counters> {
-        Some(TextEngine::counters(self))
-    }
-
-    fn adapter_base(&self) -> Option<crate::AdapterShape> {
-        Some(self.base.adapter_shape())
-    }
-
-    fn submit_with_adapter(
-        &self,
-        request: ValidRequest,
-        lane: Lane,
-        adapter: Arc<PackedAdapter>,
-    ) -> Result<EventStream, EngineError> {
-        self.submit_adapted(request, lane, Some(adapter))
+    /// A request with an adapter waits (on the async runtime, not the engine
+    /// thread) until its adapter is resident, then joins the same continuous
+    /// batch as every other, whatever their adapters; the sequence holds the
+    /// adapter's lease until it ends.
+    fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        let (events, stream) = mpsc::unbounded_channel();
+        let Request { input, lane, adapter } = request;
+        let Some(reference) = adapter else {
+            if let Some(named) = &input.lora {
+                return Err(EngineError::Model(format!(
+                    "the request names adapter {named} but carries no reference to its files"
+                )));
+            }
+            let job = Job {
+                request: input,
+                lane,
+                adapter: None,
+                events,
+            };
+            self.jobs.send(job).map_err(|_| EngineError::Stopped)?;
+            return Ok(stream);
+        };
+        let Some(adapters) = self.adapters.clone() else {
+            return Request::new(input, lane)
+                .with_adapter(Some(reference))
+                .without_adapter(&self.name)
+                .map(|()| stream);
+        };
+        if let Some(lease) = adapters.try_acquire(&reference) {
+            // Resident: the request joins in submission order, like any other.
+            let job = Job {
+                request: input,
+                lane,
+                adapter: Some(lease),
+                events,
+            };
+            self.jobs.send(job).map_err(|_| EngineError::Stopped)?;
+            return Ok(stream);
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| EngineError::Model("adapters are loaded on a tokio runtime; none is running".into()))?;
+        let (jobs, shape) = (self.jobs.clone(), self.shape);
+        runtime.spawn(async move {
+            let lease = tokio::select! {
+                lease = adapters.acquire(&reference, &shape) => lease,
+                // The caller went away while the adapter loaded.
+                () = events.closed() => return,
+            };
+            match lease {
+                Ok(lease) => TextEngine::send(
+                    &jobs,
+                    Job {
+                        request: input,
+                        lane,
+                        adapter: Some(lease),
+                        events,
+                    },
+                ),
+                Err(error) => {
+                    let _ = events.send(Event::Failed(error));
+                }
+            }
+        });
+        Ok(stream)
     }
 }
 
 struct Active {
     decoding: Decoding,
-    adapter: Option<Arc<PackedAdapter>>,
+    adapter: Option<Lease>,
     events: mpsc::UnboundedSender<Event>,
     stream: bool,
     /// Hashes of its full blocks, when the prefix cache is on.
@@ -619,7 +664,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
 fn output(decoding: Decoding, model: &TextModel) -> Output {
     let generation = decoding.into_generation(model);
     Output {
-        body: serde_json::json!({ "response": generation.text }),
+        content: Content::Text(generation.text),
         usage: Usage {
             prompt_tokens: generation.prompt_tokens as u32,
             completion_tokens: generation.token_ids.len() as u32,

@@ -7,11 +7,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::Device;
+use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::chat::{FinishReason, TextModel};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::text_engine::{EngineConfig, TextEngine};
-use lorry_engine::{collect, Backend, EngineError, Event, Lane, Task, ValidRequest};
+use lorry_engine::{collect, Backend, EngineError, ErrorCode, Event, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 
 fn model(tag: &str) -> (TextModel, PathBuf) {
@@ -66,7 +67,7 @@ async fn run_all(engine: &TextEngine, requests: &[ValidRequest]) -> Vec<lorry_en
         .enumerate()
         .map(|(i, r)| {
             let lane = if i % 2 == 0 { Lane::Batch } else { Lane::RealTime };
-            engine.submit(r.clone(), lane).unwrap()
+            engine.submit(Request::new(r.clone(), lane)).unwrap()
         })
         .collect();
     let mut outputs = Vec::new();
@@ -92,7 +93,7 @@ fn assert_same_as_alone(model: &TextModel, requests: &[ValidRequest], outputs: &
         let completion = out.completion.as_ref().unwrap();
         assert_eq!(completion.token_ids, alone.token_ids, "request {i}: tokens differ");
         assert_eq!(completion.finish_reason, alone.finish_reason, "request {i}");
-        assert_eq!(out.body["response"], json!(alone.text), "request {i}");
+        assert_eq!(out.content.text(), alone.text, "request {i}");
         assert_eq!(out.usage.prompt_tokens as usize, alone.prompt_tokens, "request {i}");
         assert_eq!(
             out.usage.completion_tokens as usize,
@@ -146,11 +147,13 @@ async fn a_dropped_stream_cancels_its_request_and_others_carry_on() {
     let (reference, dir) = model("cancel");
     let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
     let long = request(json!({"prompt": "a", "raw": true, "max_tokens": 400, "ignore_eos": true, "stream": true}));
-    let mut events = engine.submit(long, Lane::Batch).unwrap();
+    let mut events = engine.submit(Request::new(long, Lane::Batch)).unwrap();
     assert!(matches!(events.recv().await, Some(Event::Token(_))));
     drop(events);
     let short = request(json!({"prompt": "b", "raw": true, "max_tokens": 3, "ignore_eos": true}));
-    let out = collect(engine.submit(short, Lane::Batch).unwrap()).await.unwrap();
+    let out = collect(engine.submit(Request::new(short, Lane::Batch)).unwrap())
+        .await
+        .unwrap();
     assert_eq!(out.usage.completion_tokens, 3);
     assert_eq!(engine.counters().cancelled.load(Ordering::Relaxed), 1);
     assert!(engine.counters().generated_tokens.load(Ordering::Relaxed) < 400);
@@ -165,7 +168,7 @@ async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
         json!({"prompt": "hello", "raw": true, "max_tokens": 40, "ignore_eos": true, "stream": true}),
         json!({"prompt": "hello", "raw": true, "max_tokens": 40, "stream": true, "stop": ["e", "zq"], "seed": 9, "temperature": 1.0}),
     ] {
-        let mut events = engine.submit(request(body), Lane::RealTime).unwrap();
+        let mut events = engine.submit(Request::new(request(body), Lane::RealTime)).unwrap();
         let mut streamed = String::new();
         let out = loop {
             match events.recv().await.unwrap() {
@@ -174,7 +177,7 @@ async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
                 Event::Failed(e) => panic!("{e}"),
             }
         };
-        assert_eq!(json!(streamed), out.body["response"]);
+        assert_eq!(streamed, out.content.text());
     }
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -184,7 +187,9 @@ async fn a_prompt_longer_than_the_context_fails_alone() {
     let (reference, dir) = model("long");
     let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
     let long = request(json!({"prompt": "z".repeat(600), "raw": true}));
-    let err = collect(engine.submit(long, Lane::Batch).unwrap()).await.unwrap_err();
+    let err = collect(engine.submit(Request::new(long, Lane::Batch)).unwrap())
+        .await
+        .unwrap_err();
     match err {
         EngineError::Input(e) => assert_eq!(
             (e.code.as_str(), e.param.as_str()),
@@ -193,16 +198,23 @@ async fn a_prompt_longer_than_the_context_fails_alone() {
         other => panic!("{other:?}"),
     }
     let ok = request(json!({"prompt": "z", "raw": true, "max_tokens": 2}));
-    assert!(collect(engine.submit(ok, Lane::Batch).unwrap()).await.is_ok());
+    assert!(collect(engine.submit(Request::new(ok, Lane::Batch)).unwrap())
+        .await
+        .is_ok());
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn reference_adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+fn adapter_dir(name: &str) -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
-        .join(name);
+        .join(name)
+}
+
+/// The adapter packed for the reference model, and the engine's reference to its files.
+fn reference_adapter(name: &str, model: &TextModel) -> (Arc<PackedAdapter>, AdapterRef) {
+    let dir = adapter_dir(name);
     let adapter = Adapter::from_dir(&dir, &model.model.config().adapter_shape(), AdapterLimits::default()).unwrap();
-    Arc::new(PackedAdapter::new(&adapter))
+    (Arc::new(PackedAdapter::new(&adapter)), AdapterRef::local(&dir).unwrap())
 }
 
 #[tokio::test]
@@ -214,24 +226,33 @@ async fn requests_for_different_adapters_share_a_batch_and_keep_their_results() 
         Some(reference_adapter("adapter-b", &reference)),
     ];
     let requests = mixed_requests(&reference);
+    // Both adapters resident before the requests go in, so that they join in submission order.
+    let resident = Adapters::new(Arc::new(LocalFiles), AdaptersConfig::default());
+    let shape = reference.model.config().adapter_shape();
+    for (_, files) in adapters.iter().flatten() {
+        drop(resident.acquire(files, &shape).await.unwrap());
+    }
     let engine = TextEngine::start(
         "tiny",
         TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
         engine_config(1 << 30, 24),
-    );
+    )
+    .with_adapters(resident);
     let streams: Vec<_> = requests
         .iter()
         .enumerate()
         .map(|(i, r)| {
+            let adapter = adapters[i % 3].as_ref().map(|(_, files)| files.clone());
             engine
-                .submit_adapted(r.clone(), Lane::Batch, adapters[i % 3].clone())
+                .submit(Request::new(r.clone(), Lane::Batch).with_adapter(adapter))
                 .unwrap()
         })
         .collect();
     let mut differ = 0;
     for (i, (r, stream)) in requests.iter().zip(streams).enumerate() {
         let out = collect(stream).await.unwrap();
-        let alone = reference.generate_adapted(r, adapters[i % 3].as_deref()).unwrap();
+        let packed = adapters[i % 3].as_ref().map(|(packed, _)| &**packed);
+        let alone = reference.generate_adapted(r, packed).unwrap();
         let tokens = &out.completion.as_ref().unwrap().token_ids;
         assert_eq!(tokens, &alone.token_ids, "request {i}");
         if adapters[i % 3].is_some() && *tokens != reference.generate(r).unwrap().token_ids {
@@ -240,5 +261,51 @@ async fn requests_for_different_adapters_share_a_batch_and_keep_their_results() 
     }
     assert!(differ > 0, "no adapter changed any output");
     assert_batched(&engine);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn an_adapter_that_cannot_be_had_fails_its_request_alone() {
+    let (reference, dir) = model("adapter-refusals");
+    let short = || request(json!({"prompt": "z", "raw": true, "max_tokens": 2}));
+    // No adapters configured: a request with one is refused by name at submission.
+    let bare = TextEngine::start("tiny", reference.clone(), engine_config(1 << 30, 24));
+    let files = AdapterRef::local(&adapter_dir("adapter-a")).unwrap();
+    let refused = bare
+        .submit(Request::new(short(), Lane::Batch).with_adapter(Some(files.clone())))
+        .unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::AdaptersNotSupported, "{refused:?}");
+
+    let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 24))
+        .with_adapters(Adapters::new(Arc::new(LocalFiles), AdaptersConfig::default()));
+    // Files that are not there fail the request, and not retryably.
+    let mut missing = files.clone();
+    missing.weights = dir.join("nowhere.safetensors").display().to_string();
+    let failed = collect(
+        engine
+            .submit(Request::new(short(), Lane::Batch).with_adapter(Some(missing)))
+            .unwrap(),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(failed, EngineError::Model(_)) && !failed.retryable(),
+        "{failed:?}"
+    );
+    // A request naming an adapter without a reference to its files is refused.
+    let mut named = short();
+    named.lora = Some("unresolved".into());
+    assert!(engine.submit(Request::new(named, Lane::Batch)).is_err());
+    // The engine serves the others as before.
+    collect(engine.submit(Request::new(short(), Lane::Batch)).unwrap())
+        .await
+        .unwrap();
+    collect(
+        engine
+            .submit(Request::new(short(), Lane::Batch).with_adapter(Some(files)))
+            .unwrap(),
+    )
+    .await
+    .unwrap();
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::Device;
+use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::kv::prefix::BlockHasher;
@@ -14,7 +15,7 @@ use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::llama::{Llama, SeqChunk};
 use lorry_engine::speculative::{Proposer, SpecConfig};
 use lorry_engine::text_engine::{Counters, EngineConfig, TextEngine};
-use lorry_engine::{collect, Lane, Task, ValidRequest};
+use lorry_engine::{collect, AdapterShape, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 
 fn fixture(which: Fixture, tag: &str) -> PathBuf {
@@ -27,13 +28,32 @@ fn request(body: Value) -> ValidRequest {
     ValidRequest::parse(Task::TextGeneration, &body).unwrap()
 }
 
-fn adapter(name: &str, model: &TextModel) -> Arc<PackedAdapter> {
+/// A test adapter: packed for the reference model, and the engine's reference to its files.
+#[derive(Clone)]
+struct TestAdapter {
+    packed: Arc<PackedAdapter>,
+    files: AdapterRef,
+    shape: AdapterShape,
+}
+
+impl std::ops::Deref for TestAdapter {
+    type Target = PackedAdapter;
+
+    fn deref(&self) -> &PackedAdapter {
+        &self.packed
+    }
+}
+
+fn adapter(name: &str, model: &TextModel) -> TestAdapter {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/lora")
         .join(name);
-    Arc::new(PackedAdapter::new(
-        &Adapter::from_dir(&dir, &model.model.config().adapter_shape(), AdapterLimits::default()).unwrap(),
-    ))
+    let packed = Adapter::from_dir(&dir, &model.model.config().adapter_shape(), AdapterLimits::default()).unwrap();
+    TestAdapter {
+        packed: Arc::new(PackedAdapter::new(&packed)),
+        files: AdapterRef::local(&dir).unwrap(),
+        shape: model.model.config().adapter_shape(),
+    }
 }
 
 fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {
@@ -56,13 +76,24 @@ fn spec(proposer: Proposer) -> SpecConfig {
 }
 
 /// Run every request at once, each with its adapter; token ids in order.
-async fn run(engine: &TextEngine, requests: &[(ValidRequest, Option<Arc<PackedAdapter>>)]) -> Vec<Vec<u32>> {
+async fn run(engine: &TextEngine, requests: &[(ValidRequest, Option<TestAdapter>)]) -> Vec<Vec<u32>> {
+    // A handle of the same engine that loads adapters from their
+    // directories, every one resident first: each request then joins the
+    // engine in submission order, so step counts compare run to run.
+    let adapters = Adapters::new(Arc::new(LocalFiles), AdaptersConfig::default());
+    for a in requests.iter().filter_map(|(_, a)| a.as_ref()) {
+        drop(adapters.acquire(&a.files, &a.shape).await.unwrap());
+    }
+    let engine = engine.clone().with_adapters(adapters);
     let streams: Vec<_> = requests
         .iter()
         .enumerate()
         .map(|(i, (r, a))| {
             let lane = if i % 4 == 3 { Lane::RealTime } else { Lane::Batch };
-            engine.submit_adapted(r.clone(), lane, a.clone()).unwrap()
+            let adapter = a.as_ref().map(|a| a.files.clone());
+            engine
+                .submit(Request::new(r.clone(), lane).with_adapter(adapter))
+                .unwrap()
         })
         .collect();
     let mut out = Vec::new();
@@ -78,7 +109,7 @@ fn load(counter: &std::sync::atomic::AtomicU64) -> u64 {
 
 /// Greedy requests whose prompts repeat themselves, for base and two
 /// adapters, mixed in one batch.
-fn repetitive(model: &TextModel) -> Vec<(ValidRequest, Option<Arc<PackedAdapter>>)> {
+fn repetitive(model: &TextModel) -> Vec<(ValidRequest, Option<TestAdapter>)> {
     let adapters = [
         None,
         Some(adapter("adapter-a", model)),
@@ -185,7 +216,7 @@ async fn cached_prefixes_are_reused_only_under_the_same_adapter_and_change_no_ou
     let a = adapter("adapter-a", &model);
     let engine = TextEngine::start("tiny", model.clone(), config(spec(Proposer::Off), true));
     let context = "Answer from this context only. ".repeat(4);
-    let ask = |question: &str, adapter: &Option<Arc<PackedAdapter>>| {
+    let ask = |question: &str, adapter: &Option<TestAdapter>| {
         let body = json!({"prompt": format!("{context}{question}"), "raw": true, "max_tokens": 8, "ignore_eos": true});
         (request(body), adapter.clone())
     };
@@ -255,7 +286,7 @@ fn a_shared_prefix_gives_the_logits_of_a_full_prefill() {
     let shared: Vec<u32> = (0..40).map(|i| (i * 7 % 250) as u32 + 3).collect();
     let mut second = shared[..32].to_vec();
     second.extend([9, 8, 7, 6, 5, 4, 3, 21, 22, 23, 24, 25, 26]);
-    for adapter in [None, Some(a.as_ref())] {
+    for adapter in [None, Some(&*a)] {
         let mut pool = BlockPool::new(32, 16);
         let mut kv = KvCache::new(layout, 32);
         let ns = prefix::namespace("tiny", adapter.map(PackedAdapter::key));

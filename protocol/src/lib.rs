@@ -65,11 +65,64 @@ impl Usage {
     }
 }
 
+/// What a model produced for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Content {
+    /// Generated text.
+    Text(String),
+    /// One vector per input text, pooled as `pooling` says.
+    Embeddings {
+        /// The vectors, in input order.
+        vectors: Vec<Vec<f32>>,
+        /// How token vectors became one.
+        pooling: input::Pooling,
+    },
+}
+
+impl Content {
+    /// The generated text; empty for embeddings.
+    pub fn text(&self) -> &str {
+        match self {
+            Content::Text(text) => text,
+            Content::Embeddings { .. } => "",
+        }
+    }
+
+    /// The result as a batch stores it and Workers AI answers it:
+    /// `{"response": text}`, or `{"shape": [n, d], "data": [[…]], "pooling"}`.
+    pub fn result_body(&self) -> serde_json::Value {
+        match self {
+            Content::Text(text) => serde_json::json!({ "response": text }),
+            Content::Embeddings { vectors, pooling } => {
+                let width = vectors.first().map_or(0, Vec::len);
+                serde_json::json!({"shape": [vectors.len(), width], "data": vectors, "pooling": pooling})
+            }
+        }
+    }
+
+    /// A stored result read back: the inverse of [`Content::result_body`]
+    /// (a body that is neither shape reads as empty text).
+    pub fn from_result_body(body: &serde_json::Value) -> Content {
+        if let Some(text) = body.get("response").and_then(serde_json::Value::as_str) {
+            return Content::Text(text.to_string());
+        }
+        let pooling = body.get("pooling").and_then(|p| serde_json::from_value(p.clone()).ok());
+        match (body.get("data"), pooling) {
+            (Some(data), Some(pooling)) => Content::Embeddings {
+                vectors: serde_json::from_value(data.clone()).unwrap_or_default(),
+                pooling,
+            },
+            _ => Content::Text(String::new()),
+        }
+    }
+}
+
 /// The finished result of one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Output {
-    /// The model's response body, e.g. `{"response": "…"}`.
-    pub body: serde_json::Value,
+    /// What the model produced.
+    pub content: Content,
     /// Token accounting.
     pub usage: Usage,
     /// Generated token ids and why generation ended, from text-generation models.

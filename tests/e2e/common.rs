@@ -82,8 +82,8 @@ pub struct TestApp {
     pub http: reqwest::Client,
     stop: CancellationToken,
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
-    /// The engines of this process's worker.
-    pub backends: Vec<std::sync::Arc<dyn lorry_engine::Backend>>,
+    /// The text-generation engines of this process's worker.
+    pub text_engines: Vec<lorry_engine::text_engine::TextEngine>,
 }
 
 /// Start Lorry in this process with `role` and settings adjusted by `tweak`.
@@ -108,7 +108,7 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
         .expect("building the app");
     let port = app.port().unwrap_or(0);
     let stop = app.stopper();
-    let backends = app.backends().to_vec();
+    let text_engines = app.text_engines().to_vec();
     let handle = tokio::spawn(app.run_until_stopped());
     let store = Store::connect(&settings.services.database_url, 4).await.unwrap();
     TestApp {
@@ -119,7 +119,7 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
         http: reqwest::Client::new(),
         stop,
         handle: Some(handle),
-        backends,
+        text_engines,
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use futures::StreamExt;
+use lorry_engine::Backend;
 use serde_json::{json, Value};
 
 use lorry::Role;
@@ -240,12 +241,12 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
     let catalogue = long_context_catalogue();
     let app = spawn_app_with(Role::Serve, |s| s.models.catalogue = Some(catalogue)).await;
     let engine = app
-        .backends
+        .text_engines
         .iter()
         .find(|b| b.model() == LONG)
         .expect("the catalogue's model runs here")
         .clone();
-    let counters = engine.counters().expect("the text engine keeps counters");
+    let counters = engine.counters();
     let before = counters.cancelled.load(Ordering::Relaxed);
     let generated_before = counters.generated_tokens.load(Ordering::Relaxed);
     let response = app
