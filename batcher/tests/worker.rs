@@ -2,7 +2,9 @@
 //! `Worker::process_dead_letter` on a fresh database each, against a scripted
 //! engine whose every answer is decided by its prompt, so redelivery,
 //! deferral, failures, deleted adapters and dead-lettering are each
-//! reproduced exactly, with no timing involved.
+//! reproduced exactly, with no timing involved; and the worker's consumers
+//! on the real broker for what only the broker can do (a real-time request
+//! that expires in its queue).
 
 mod support;
 
@@ -10,10 +12,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lorry_batcher::broker::Topology;
+use lorry_batcher::broker::{self, Topology};
 use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
+use lorry_batcher::realtime::RtRequest;
 use lorry_batcher::store::{Created, NewBatch, NewRequest, Store};
 use lorry_batcher::worker::{Worker, WorkerConfig};
 use lorry_engine::input::Prompt;
@@ -24,6 +27,7 @@ use lorry_engine::{
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "@test/scripted";
 
@@ -80,8 +84,13 @@ fn finished(text: &str) -> Event {
     })
 }
 
+fn amqp_url() -> String {
+    std::env::var("LORRY_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
 struct Setup {
     store: Store,
+    topology: Topology,
     worker: Worker,
     engine: Arc<Scripted>,
     batch: BatchId,
@@ -93,7 +102,8 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
     let store = Store::from_pool(pool);
     store.ensure_account("acct", "token").await.unwrap();
     let objects = support::fresh_bucket("lorry-worker").await;
-    let topology = Topology::new("lorry-test-worker", 5);
+    let prefix = format!("lorry-test-worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let topology = Topology::new(&prefix, 5);
     let finaliser = Finaliser::new(
         store.clone(),
         objects,
@@ -115,8 +125,8 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
         catalog,
         vec![engine.clone() as Arc<dyn Backend>],
         WorkerConfig {
-            amqp_url: "amqp://unused".into(),
-            topology,
+            amqp_url: amqp_url(),
+            topology: topology.clone(),
             batch_prefetch: 1,
             rt_prefetch: 1,
             flush_rows: 2,
@@ -157,6 +167,7 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
     ));
     Setup {
         store,
+        topology,
         worker,
         engine,
         batch,
@@ -258,4 +269,77 @@ async fn a_dead_lettered_chunk_ends_what_is_unfinished_once(pool: PgPool) {
         ]
     );
     assert_eq!(lane.status().await, BatchStatus::Completed);
+}
+
+/// Messages ready in `queue`.
+async fn depth(channel: &lapin::Channel, queue: &str) -> u32 {
+    let options = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(queue, options, Default::default())
+        .await
+        .unwrap()
+        .message_count()
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool: PgPool) {
+    let lane = batch_of(pool, &["ok:batch"]).await;
+    let before = lane.status().await;
+    let connection = broker::connect(&amqp_url(), "lorry-test").await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    lane.topology.declare(&channel, [MODEL]).await.unwrap();
+    let request = RtRequest {
+        model: MODEL.into(),
+        request: ValidRequest::parse(Task::Echo, &json!({"prompt": "ok:expired"})).unwrap(),
+        account_id: Some(AccountId("acct".into())),
+    };
+    // Published with a 1 ms expiry while no worker runs: it expires unserved
+    // and is dead-lettered, reply queue and all.
+    let properties = broker::json_properties()
+        .with_reply_to("nobody".into())
+        .with_correlation_id("expired".into())
+        .with_expiration("1".into());
+    channel
+        .basic_publish(
+            "",
+            &lane.topology.rt_queue(MODEL),
+            Default::default(),
+            &serde_json::to_vec(&request).unwrap(),
+            properties,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let dlq = lane.topology.dead_letter_queue();
+    while depth(&channel, &dlq).await == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A worker takes it off the dead-letter queue and drops it.
+    let stop = CancellationToken::new();
+    let running = tokio::spawn({
+        let (worker, stop) = (lane.worker.clone(), stop.clone());
+        async move { worker.run(stop).await }
+    });
+    while depth(&channel, &dlq).await > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Stopped, the worker has settled what it held: acked, the message does not come back.
+    stop.cancel();
+    running.await.unwrap();
+    assert_eq!(depth(&channel, &dlq).await, 0, "the expired request was not acked");
+    assert!(
+        lane.engine.submitted.lock().unwrap().is_empty(),
+        "an expired request reached the engine"
+    );
+    // Nothing of any batch was touched.
+    let tally = lane.store.tally(&lane.batch).await.unwrap();
+    assert_eq!(tally.count(RequestStatus::Pending), 1);
+    assert_eq!(lane.status().await, before);
+    for queue in [lane.topology.rt_queue(MODEL), lane.topology.batch_queue(MODEL), dlq] {
+        let _ = channel.queue_delete(&queue, Default::default()).await;
+    }
 }
