@@ -10,13 +10,13 @@ use candle_core::Device;
 use futures::stream::{FuturesOrdered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
-use lorry_engine::chat::TextModel;
-use lorry_engine::embedding::Embedder;
 use lorry_engine::lora::{Adapter, AdapterLimits};
 use lorry_engine::models::bert::Pooling;
 use lorry_engine::models::llama::Llama;
-use lorry_engine::speculative::{Proposer, SpecConfig};
-use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::embedding::Embedder;
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde::Deserialize;
 use serde_json::json;
@@ -133,7 +133,7 @@ fn generate_requests(
 }
 
 /// What the engine did, for the log.
-fn log_counters(c: &lorry_engine::text_engine::Counters) {
+fn log_counters(c: &lorry_engine::runtime::text_engine::Counters) {
     tracing::info!(
         steps = c.steps.load(Ordering::Relaxed),
         generated = c.generated_tokens.load(Ordering::Relaxed),

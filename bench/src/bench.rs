@@ -12,15 +12,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
-use lorry_engine::gemm::{self, Kernel, PackedMatrix, Precision};
 use lorry_engine::lora::{Adapter, AdapterLimits, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::Config;
+use lorry_engine::ops::gemm::{self, Kernel, PackedMatrix, Precision};
 
 use anyhow::{bail, Context as _};
-use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::scheduler::Policy;
-use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::scheduler::Policy;
+use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 
@@ -362,8 +362,8 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
         rt_reserved_seqs: 0,
         rt_reserved_blocks_percent: 0,
         policy,
-        speculation: lorry_engine::speculative::SpecConfig {
-            proposer: lorry_engine::speculative::Proposer::Off,
+        speculation: lorry_engine::runtime::speculative::SpecConfig {
+            proposer: lorry_engine::runtime::speculative::Proposer::Off,
             ..Default::default()
         },
         ..EngineConfig::default()
@@ -504,7 +504,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
 
 /// Long-tailed output lengths (log-normal, median 20 tokens, capped at 512), served both ways.
 async fn continuous_versus_static(model: &TextModel, args: &EngineBenchArgs) -> anyhow::Result<()> {
-    let mut rng = lorry_engine::rng::SplitMix::new(7);
+    let mut rng = lorry_engine::runtime::rng::SplitMix::new(7);
     let lengths: Vec<usize> = (0..args.tail_requests)
         .map(|_| ((3.0 + rng.normal()).exp().round() as usize).clamp(4, 512))
         .collect();
@@ -590,7 +590,7 @@ pub struct LoraBenchArgs {
 /// A random rank-`rank` adapter on every projection of every layer (seeded),
 /// its weights as stored in `precision`.
 pub(crate) fn random_adapter(config: &Config, rank: usize, precision: Precision, seed: u64) -> Adapter {
-    let mut rng = lorry_engine::rng::SplitMix::new(seed);
+    let mut rng = lorry_engine::runtime::rng::SplitMix::new(seed);
     let round = move |v: f32| match precision {
         Precision::F32 => v,
         Precision::F16 => half::f16::from_f32(v).to_f32(),
@@ -665,8 +665,8 @@ fn step_times<'a>(
     args: &LoraBenchArgs,
     adapters: &'a [Arc<PackedAdapter>],
 ) -> anyhow::Result<StepTimes> {
-    use lorry_engine::kv::{BlockPool, BlockTable, KvCache};
     use lorry_engine::models::llama::SeqChunk;
+    use lorry_engine::runtime::kv::{BlockPool, BlockTable, KvCache};
     let (n, prompt) = (args.batch, args.prompt_tokens.max(1));
     let block = 16;
     let blocks = n * (prompt + 1).div_ceil(block);
@@ -767,8 +767,8 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     // differ only in their adapters (prompt lookup would accept more or
     // fewer guesses as the adapters change the text).
     let engine_config = EngineConfig {
-        speculation: lorry_engine::speculative::SpecConfig {
-            proposer: lorry_engine::speculative::Proposer::Off,
+        speculation: lorry_engine::runtime::speculative::SpecConfig {
+            proposer: lorry_engine::runtime::speculative::Proposer::Off,
             ..Default::default()
         },
         ..bench_engine_config(args.batch, Policy::Continuous)

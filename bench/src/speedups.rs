@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use candle_core::Device;
 use lorry_engine::adapters::AdapterRef;
-use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::gemm::Precision;
 use lorry_engine::input::Prompt;
 use lorry_engine::models::llama::Llama;
-use lorry_engine::speculative::{Proposer, SpecConfig};
-use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::ops::gemm::Precision;
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::json;
 
@@ -63,7 +63,7 @@ async fn repetitive_requests(
     let vocab = model.model.config().vocab_size as u64;
     let openings: Vec<Vec<u32>> = (0..count)
         .map(|i| {
-            let mut rng = lorry_engine::rng::SplitMix::new(7 + i as u64);
+            let mut rng = lorry_engine::runtime::rng::SplitMix::new(7 + i as u64);
             (0..OPENING)
                 .map(|_| (300 + rng.next_u64() % (vocab - 300)) as u32)
                 .collect()

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::models::ModelError;
-use crate::rng::SplitMix;
+use crate::runtime::rng::SplitMix;
 
 /// The models `lorry fixtures` can write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

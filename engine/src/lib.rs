@@ -10,26 +10,16 @@
 
 pub mod adapters;
 pub mod catalog;
-pub mod chat;
-pub mod echo;
-pub mod embedding;
 pub mod fixtures;
-pub mod gemm;
-pub mod kernels;
-pub mod kv;
 pub mod lora;
 pub mod models;
-pub mod rng;
-pub mod sampling;
-pub mod scheduler;
-pub(crate) mod serial;
-pub mod speculative;
-pub mod text_engine;
-pub mod vocab;
+pub mod ops;
+pub mod runtime;
 
 use tokio::sync::mpsc;
 
 pub use adapters::AdapterRef;
+pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{

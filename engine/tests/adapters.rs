@@ -7,10 +7,10 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::kv::{BlockPool, BlockTable, KvCache};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter, Target};
 use lorry_engine::models::llama::{Config, Llama, LlamaConfigFile, SeqChunk};
 use lorry_engine::models::read_config;
+use lorry_engine::runtime::kv::{BlockPool, BlockTable, KvCache};
 use serde_json::{json, Value};
 
 /// tiny-llama: hidden 64, MLP 160, 2 layers, 4 heads of 16, 2 KV heads.
@@ -422,11 +422,11 @@ fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results
             .unwrap(),
         );
         let (half, wide) = (PackedAdapter::new(&half), PackedAdapter::new(&wide));
-        let want = lorry_engine::gemm::precision_of(dtype);
+        let want = lorry_engine::ops::gemm::precision_of(dtype);
         assert_eq!(half.module(1, Target::Down).unwrap().a.precision(), want);
         assert_eq!(
             wide.module(1, Target::Down).unwrap().b.precision(),
-            lorry_engine::gemm::Precision::F32
+            lorry_engine::ops::gemm::Precision::F32
         );
         let logits = |adapter: &PackedAdapter| {
             let mut cache = model.new_cache();
@@ -447,9 +447,10 @@ fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results
 
 #[test]
 fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
-    use lorry_engine::gemm::PackedMatrix;
-    use lorry_engine::lora::{CpuSgmv, PackedLora, Segment};
-    use lorry_engine::rng::SplitMix;
+    use lorry_engine::lora::PackedLora;
+    use lorry_engine::ops::gemm::PackedMatrix;
+    use lorry_engine::ops::sgmv::{CpuSgmv, Segment};
+    use lorry_engine::runtime::rng::SplitMix;
     if !PackedMatrix::rows_direct() {
         return; // no AVX2 here: the separate pass is the only one.
     }

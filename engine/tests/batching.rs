@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
-use lorry_engine::chat::{FinishReason, TextModel};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
-use lorry_engine::text_engine::{EngineConfig, TextEngine};
+use lorry_engine::runtime::chat::{FinishReason, TextModel};
+use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, EngineError, ErrorCode, Event, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{self, Value as GgufValue};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use lorry_engine::chat::TextModel;
 use lorry_engine::input::{Message, Prompt};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::gguf::GgufFile;
+use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
 
@@ -189,7 +189,7 @@ fn smollm2_gguf_matches_transformers() {
 #[test]
 fn smollm2_gguf_tokenizes_as_transformers() {
     let file = GgufFile::open(&smollm2_gguf()).unwrap();
-    let (tokenizer, specials) = lorry_engine::vocab::from_gguf(&file).unwrap();
+    let (tokenizer, specials) = lorry_engine::models::vocab::from_gguf(&file).unwrap();
     assert_eq!(
         (specials.bos_token.as_str(), specials.eos_token.as_str()),
         ("<|im_start|>", "<|im_end|>")

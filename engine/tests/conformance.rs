@@ -126,7 +126,7 @@ fn minilm_dir() -> PathBuf {
 
 #[test]
 fn all_minilm_l6_v2_matches_sentence_transformers() {
-    use lorry_engine::embedding::Embedder;
+    use lorry_engine::runtime::embedding::Embedder;
     let embedder = Embedder::from_dir(&minilm_dir(), &Device::Cpu).unwrap();
     let expected = reference("all-minilm-l6-v2");
     let texts = expected["texts"].as_array().unwrap();
@@ -146,7 +146,7 @@ fn all_minilm_l6_v2_matches_sentence_transformers() {
 
 #[test]
 fn a_seeded_sampled_generation_repeats_and_stops_at_eos() {
-    use lorry_engine::sampling::{Sampler, SamplingParams};
+    use lorry_engine::runtime::sampling::{Sampler, SamplingParams};
     let dir = fixture_dir(Fixture::TinyLlama, "sampling");
     let model = Llama::from_dir(&dir, &Device::Cpu).unwrap();
     let params = SamplingParams {

@@ -7,14 +7,14 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
-use lorry_engine::chat::TextModel;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::kv::prefix::BlockHasher;
-use lorry_engine::kv::{prefix, BlockPool, BlockTable, KvCache};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::llama::{Llama, SeqChunk};
-use lorry_engine::speculative::{Proposer, SpecConfig};
-use lorry_engine::text_engine::{Counters, EngineConfig, TextEngine};
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::kv::prefix::BlockHasher;
+use lorry_engine::runtime::kv::{prefix, BlockPool, BlockTable, KvCache};
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::text_engine::{Counters, EngineConfig, TextEngine};
 use lorry_engine::{collect, AdapterShape, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
 

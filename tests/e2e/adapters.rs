@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use lorry_engine::chat::TextModel;
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
+use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::{Task, ValidRequest};
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};

@@ -83,7 +83,7 @@ pub struct TestApp {
     stop: CancellationToken,
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// The text-generation engines of this process's worker.
-    pub text_engines: Vec<lorry_engine::text_engine::TextEngine>,
+    pub text_engines: Vec<lorry_engine::runtime::text_engine::TextEngine>,
 }
 
 /// Start Lorry in this process with `role` and settings adjusted by `tweak`.

@@ -7,10 +7,10 @@ use std::time::Duration;
 use candle_core::Device;
 use lorry::offline::Speculate;
 use lorry::{Application, Role};
-use lorry_engine::chat::TextModel;
-use lorry_engine::embedding::Embedder;
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::speculative::Proposer;
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::embedding::Embedder;
+use lorry_engine::runtime::speculative::Proposer;
 use lorry_engine::{Backend, Task, ValidRequest};
 use serde_json::{json, Value};
 

@@ -4,11 +4,11 @@ use std::path::Path;
 use std::process::Command;
 
 use candle_core::Device;
-use lorry_engine::chat::TextModel;
-use lorry_engine::embedding::Embedder;
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::bert::Pooling;
+use lorry_engine::runtime::chat::TextModel;
+use lorry_engine::runtime::embedding::Embedder;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
 
@@ -96,8 +96,8 @@ fn lorry_embed_names_the_bad_line_and_writes_nothing() {
 
 #[test]
 fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
-    use lorry_engine::chat::TextModel;
     use lorry_engine::input::{Message, Prompt};
+    use lorry_engine::runtime::chat::TextModel;
 
     let dir = scratch("generate");
     let model_dir = dir.join("model");

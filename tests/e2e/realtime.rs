@@ -40,10 +40,12 @@ async fn a_real_time_request_is_answered_and_can_stream() {
 
 #[tokio::test]
 async fn a_saturated_real_time_lane_answers_429_while_batches_are_accepted() {
-    // No worker: real-time requests wait in the lane until it is full.
+    // No worker: real-time requests wait in the lane until it is full. They
+    // must not expire meanwhile, however slow the machine: a long timeout
+    // (the worker that arrives later answers them).
     let app = spawn_app_with(Role::Api, |s| {
         s.api.rt_max_depth = 2;
-        s.api.rt_timeout_secs = 5;
+        s.api.rt_timeout_secs = 600;
     })
     .await;
     let waiting: Vec<_> = (0..2)

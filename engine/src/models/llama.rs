@@ -17,10 +17,11 @@ use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use super::{load_tensors, read_config, ModelError};
-use crate::gemm::PackedMatrix;
-use crate::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
-use crate::lora::{CpuSgmv, PackedAdapter, Segment, Sgmv, Target};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::lora::{PackedAdapter, Target};
+use crate::ops::gemm::PackedMatrix;
+use crate::ops::sgmv::{CpuSgmv, Segment, Sgmv};
+use crate::runtime::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
+use crate::runtime::sampling::{Sampler, SamplingParams};
 use crate::AdapterShape;
 
 type Result<T> = std::result::Result<T, ModelError>;

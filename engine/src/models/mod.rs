@@ -7,6 +7,7 @@
 pub mod bert;
 pub mod gguf;
 pub mod llama;
+pub mod vocab;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

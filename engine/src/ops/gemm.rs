@@ -1086,7 +1086,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
-    use crate::rng::SplitMix;
+    use crate::runtime::rng::SplitMix;
 
     fn random(len: usize, rng: &mut SplitMix) -> Vec<f32> {
         (0..len).map(|_| rng.uniform() as f32 - 0.5).collect()

@@ -1,7 +1,7 @@
 //! The vector kernels attention runs on: the dot products of a group of query
 //! heads with one key, and the weighted sums of values into them. AVX2 and
 //! FMA when the CPU has them (checked at run time), portable loops otherwise.
-//! The matrix products of the projections are in [`crate::gemm`].
+//! The matrix products of the projections are in [`crate::ops::gemm`].
 
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -167,7 +167,7 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix;
+    use crate::runtime::rng::SplitMix;
 
     #[test]
     fn gathered_scores_and_weighted_sums_match_plain_loops() {

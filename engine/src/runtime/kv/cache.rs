@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::BlockId;
-use crate::kernels::{scores, weighted_sum, Gathered};
+use crate::ops::attention::{scores, weighted_sum, Gathered};
 
 /// The shape of one token's cached keys (or values) in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,8 +185,8 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{BlockPool, BlockTable};
-    use crate::rng::SplitMix;
+    use crate::runtime::kv::{BlockPool, BlockTable};
+    use crate::runtime::rng::SplitMix;
 
     fn random(n: usize, rng: &mut SplitMix) -> Vec<f32> {
         (0..n).map(|_| rng.uniform() as f32 * 2.0 - 1.0).collect()

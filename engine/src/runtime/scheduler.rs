@@ -19,7 +19,7 @@
 //! `rt_hold_steps + 1`.
 //!
 //! Prefix caching: a sequence arrives with the hashes of its prompt's full
-//! blocks ([`crate::kv::prefix`]); when it is admitted, every leading block
+//! blocks ([`crate::runtime::kv::prefix`]); when it is admitted, every leading block
 //! already cached is shared into its table and only the rest is pre-filled
 //! (the last prompt token is always computed, for its logits). Blocks become
 //! shareable once their keys and values are computed and their tokens final:
@@ -37,7 +37,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
+use crate::runtime::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
@@ -259,7 +259,7 @@ impl Scheduler {
     }
 
     /// The blocks of a sequence, in token order.
-    pub fn blocks(&self, id: SeqId) -> &[crate::kv::BlockId] {
+    pub fn blocks(&self, id: SeqId) -> &[crate::runtime::kv::BlockId] {
         self.seqs.get(&id).map_or(&[], |s| s.table.blocks())
     }
 
@@ -515,7 +515,7 @@ fn cache_blocks(seq: &mut Seq, pool: &mut BlockPool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix;
+    use crate::runtime::rng::SplitMix;
 
     fn config(max_seqs: usize, token_budget: usize) -> SchedulerConfig {
         SchedulerConfig {

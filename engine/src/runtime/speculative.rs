@@ -3,7 +3,7 @@
 //! A proposer guesses a decoding sequence's next few tokens; the target model
 //! computes the sequence's last token and the guesses in one chunk of the
 //! ordinary batched pass (each row with its own LoRA adapter), and
-//! [`crate::sampling::Sampler::verify`] keeps the longest acceptable run and
+//! [`crate::runtime::sampling::Sampler::verify`] keeps the longest acceptable run and
 //! adds one token of the target's own. Rejected guesses' keys and values are
 //! rolled back. Two proposers:
 //!
@@ -25,10 +25,10 @@
 
 use std::collections::HashMap;
 
-use crate::chat::Decoding;
-use crate::kv::{BlockPool, BlockTable, KvCache};
 use crate::models::llama::{Llama, SeqChunk};
-use crate::scheduler::SeqId;
+use crate::runtime::chat::Decoding;
+use crate::runtime::kv::{BlockPool, BlockTable, KvCache};
+use crate::runtime::scheduler::SeqId;
 
 /// Which proposer guesses tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! (nucleus) filtering, drawn from a per-request generator so that a seed gives
 //! the same output whatever else shares the batch.
 
-use crate::rng::SplitMix;
+use crate::runtime::rng::SplitMix;
 
 /// How one request samples, already range-checked at the edge.
 #[derive(Debug, Clone, Copy, PartialEq)]

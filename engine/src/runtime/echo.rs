@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::input::{Prompt, ValidRequest};
-use crate::serial::SerialQueue;
+use crate::runtime::serial::SerialQueue;
 use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage, ECHO_MODEL};
 
 /// How the echo engine behaves.

@@ -11,7 +11,7 @@
 //!
 //! Prompts reuse the cached keys and values of any prefix already computed
 //! under the same model and adapter (`prefix_cache`), and decoding sequences
-//! speculate ([`crate::speculative`]): guessed tokens are verified in the same
+//! speculate ([`crate::runtime::speculative`]): guessed tokens are verified in the same
 //! batched pass, each row with its own adapter.
 
 use std::collections::HashMap;
@@ -22,14 +22,14 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use crate::adapters::{Adapters, Lease};
-use crate::chat::{Decoding, TextModel};
-use crate::kv::prefix::{self, BlockHasher};
-use crate::kv::{BlockPool, KvCache};
 use crate::lora::PackedAdapter;
 use crate::models::llama::Llama;
 use crate::models::llama::SeqChunk;
-use crate::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
-use crate::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
+use crate::runtime::chat::{Decoding, TextModel};
+use crate::runtime::kv::prefix::{self, BlockHasher};
+use crate::runtime::kv::{BlockPool, KvCache};
+use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::runtime::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
 use crate::{
     AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
     ValidRequest,
@@ -456,7 +456,7 @@ impl EngineLoop {
             }
             match self.speculation.proposer {
                 Proposer::Ngram => {
-                    let tokens = crate::speculative::ngram_proposal(&active.decoding.tokens, k);
+                    let tokens = crate::runtime::speculative::ngram_proposal(&active.decoding.tokens, k);
                     if !tokens.is_empty() {
                         self.scheduler.propose(id, tokens.len());
                         active.guess = Some(Guess {

@@ -14,7 +14,7 @@ use crate::input::{InputError, Message, Prompt};
 use crate::lora::PackedAdapter;
 use crate::models::llama::Llama;
 use crate::models::ModelError;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::runtime::sampling::{Sampler, SamplingParams};
 use crate::EngineError;
 use crate::ErrorCode;
 
@@ -126,7 +126,7 @@ impl TextModel {
     pub fn from_gguf(path: &Path, device: &Device) -> Result<Self, ModelError> {
         let file = crate::models::gguf::GgufFile::open(path)?;
         // The tokenizer first: a file without one fails before its weights are read.
-        let (tokenizer, specials) = crate::vocab::from_gguf(&file)?;
+        let (tokenizer, specials) = crate::models::vocab::from_gguf(&file)?;
         let template = match file.get("tokenizer.chat_template") {
             Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(compile(t.clone())?),
             _ => None,
@@ -441,7 +441,7 @@ impl Decoding {
     /// draft's logits, returned too for verification.
     pub(crate) fn draft_pick(&mut self, logits: &[f32]) -> (u32, Option<Vec<(u32, f64)>>) {
         if self.sampler.is_greedy() {
-            return (crate::sampling::argmax(logits), None);
+            return (crate::runtime::sampling::argmax(logits), None);
         }
         let q = self.sampler.distribution(logits);
         (self.sampler.draw(&q), Some(q))

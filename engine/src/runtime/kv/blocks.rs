@@ -19,7 +19,7 @@ pub struct OutOfBlocks {
 
 /// The identity of a full block's contents: a SHA-256 chained over the
 /// parent block's hash, the block's token ids, and the namespace (model and
-/// adapter) it was computed under. See [`crate::kv::prefix`].
+/// adapter) it was computed under. See [`crate::runtime::kv::prefix`].
 pub type BlockHash = [u8; 32];
 
 /// Counters of the prefix cache, in blocks.
@@ -273,7 +273,7 @@ impl BlockTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix;
+    use crate::runtime::rng::SplitMix;
 
     #[test]
     fn tables_grow_block_by_block_and_map_positions_to_slots() {

@@ -9,7 +9,7 @@ use tokenizers::{Tokenizer, TruncationParams};
 use crate::input::{Prompt, ValidRequest};
 use crate::models::bert::{Bert, Pooling};
 use crate::models::ModelError;
-use crate::serial::SerialQueue;
+use crate::runtime::serial::SerialQueue;
 use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage};
 
 /// An embedding model ready to serve.

@@ -1,0 +1,10 @@
+//! The numerical kernels the models call: the packed matrix products of
+//! every projection (`gemm`), attention's vector kernels over the paged
+//! cache (`attention`), and the segmented LoRA product (`sgmv`, Punica's
+//! SGMV) behind its device seam. Kernels are chosen at run time from what
+//! the CPU has, and every path gives a row the same sums whatever shares its
+//! batch.
+
+pub(crate) mod attention;
+pub mod gemm;
+pub mod sgmv;
