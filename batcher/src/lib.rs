@@ -1,6 +1,6 @@
 //! Lorry's durable core: everything between an accepted batch and its results.
 //!
-//! - [`adapters`]: the worker's tiered LoRA adapter cache (resident, host, disk, S3).
+//! - [`adapters`]: the worker's tiers of LoRA adapter files (host, disk, S3), the engine's adapter source.
 //! - [`store`]: Postgres (batches, requests, files, adapters, outbox, webhook deliveries).
 //! - [`broker`]: RabbitMQ topology, connections and publishing with confirms.
 //! - [`objects`]: the S3 object store for `output.jsonl` and `errors.jsonl`.

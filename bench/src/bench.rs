@@ -924,7 +924,7 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[at.min(sorted.len() - 1)]
 }
 
-/// Cold loads through the worker's adapter cache (S3 → check → pack, no
+/// Cold loads through the engine's adapter manager over the worker's tiers (S3 → check → pack, no
 /// disk or memory copy to help), then the base model's decode rate while
 /// loads run beside it.
 async fn cold_loads(

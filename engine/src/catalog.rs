@@ -1,5 +1,17 @@
 //! Where a deployment's models come from: a catalogue file or the defaults,
 //! each a checkpoint resolved into the manifest clients are served by.
+//!
+//! A catalogue file (`LORRY_MODELS`) names models and their checkpoint
+//! directories or GGUF files; each directory's task comes from its
+//! `config.json`, and a GGUF file is a text-generation model. Without one,
+//! the defaults are SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2 where
+//! `scripts/fetch-models` has put them in the data directory, else the demo
+//! models (`@lorry/demo-llama`, `@lorry/demo-bge`: fixtures, staged and
+//! renamed so that concurrent starts never see half a model), with the
+//! reason logged. [`default_specs`] gives the same manifests without reading
+//! weights or writing the demo models (from a checkpoint's configuration, or
+//! from the configurations the demos are made from): the API role's
+//! catalogue.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -9,6 +9,20 @@
 //! in the "rotate half" layout, grouped-query attention, and a gated MLP (SiLU;
 //! tanh-approximate GELU for Gemma, which also scales its embeddings by
 //! √hidden and stores RMSNorm weights as offsets from 1).
+//!
+//! [`Llama::forward_batch`] takes the new tokens of many sequences packed
+//! into one `(tokens, hidden)` matrix, so every projection is one product
+//! for the whole step ([`crate::ops::gemm`]); rotary embeddings are applied
+//! per row at each row's own position; keys and values are written to the
+//! paged cache through each sequence's blocks and attention reads them back
+//! the same way ([`crate::runtime::kv`]). Each chunk may name its LoRA
+//! adapter, applied by one segmented product per projection
+//! ([`crate::ops::sgmv`]). `llama3` and `linear` rope scaling are read from
+//! `rope_scaling` or `rope_parameters`. Checkpoints are read through memory
+//! maps; `model.safetensors.index.json`, where present, names the shards. A
+//! bad checkpoint (missing or misshapen tensor, truncated file, unsupported
+//! `model_type`) is a [`ModelError`](crate::models::ModelError) naming what
+//! is wrong.
 
 use std::path::Path;
 

@@ -1,7 +1,17 @@
 //! Text generation models with their tokenizer and chat template: the model's
-//! own Jinja template (from `chat_template.jinja` or `tokenizer_config.json`)
-//! rendered with minijinja and Python-compatible methods, as Hugging Face
-//! templates expect.
+//! own Jinja template (from `chat_template.jinja`, `tokenizer_config.json` —
+//! a string, or a list of named templates of which `default` is used — or a
+//! GGUF file's `tokenizer.chat_template`) rendered with minijinja and
+//! Python-compatible methods, as Hugging Face templates expect. `raw` skips
+//! the template; raw text gets the tokenizer's own special tokens, as
+//! `tokenizer(text)` in transformers, where templated text gets only what the
+//! template writes. `generation_config.json` adds its `eos_token_id`s to the
+//! stop tokens and gives the sampling defaults.
+//!
+//! [`Decoding`] is one request's state (tokens, sampler, stop strings,
+//! end-of-sequence, `finish_reason`, text held back from the stream while it
+//! could still become a stop string), the same whether the request runs
+//! alone ([`TextModel::generate`], the tests' reference) or in a batch.
 
 use std::path::Path;
 

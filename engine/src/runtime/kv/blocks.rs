@@ -1,5 +1,13 @@
 //! Blocks, the pool that owns them (and the prefix cache's index of full
 //! blocks by contents), and per-sequence block tables.
+//!
+//! A [`BlockPool`] of fixed-size blocks keeps a free list and reference
+//! counts and is the blocks' one owner; a [`BlockTable`] per sequence grows
+//! all-or-nothing, starts from shared blocks, truncates, and maps positions
+//! to slots. The pool indexes registered full blocks by hash, keeps them
+//! when their last holder lets go (idle, counted as free, handed out again by
+//! hash) and evicts the longest idle when it needs room, counting hits,
+//! misses and evictions.
 
 use std::collections::{BTreeMap, HashMap};
 
