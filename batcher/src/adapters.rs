@@ -128,6 +128,42 @@ impl AdapterTiers {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Count a fetch from disk or S3, and keep its files in the host tier
+    /// (evicting the least recently used) if they fit at all.
+    fn keep(&self, key: Key, files: &AdapterFiles, from_disk: bool) {
+        let budget = self.shared.config.host_bytes;
+        let mut state = self.lock();
+        let state = &mut *state;
+        if from_disk {
+            state.stats.disk += 1;
+        } else {
+            state.stats.s3 += 1;
+        }
+        let size = files.config.len() + files.weights.len();
+        if size <= budget {
+            while state.host_used + size > budget {
+                let Some(oldest) = state
+                    .host
+                    .iter()
+                    .min_by_key(|(_, host)| host.used)
+                    .map(|(k, _)| k.clone())
+                else {
+                    break;
+                };
+                if let Some(host) = state.host.remove(&oldest) {
+                    state.host_used -= host.files.config.len() + host.files.weights.len();
+                }
+            }
+            let host = HostFiles {
+                files: files.clone(),
+                used: state.tick,
+            };
+            if state.host.insert(key, host).is_none() {
+                state.host_used += size;
+            }
+        }
+    }
+
     /// The two files, from the nearest tier that has them.
     async fn files(&self, adapter: &AdapterRef) -> Result<AdapterFiles, SourceError> {
         let shared = &self.shared;
@@ -181,36 +217,7 @@ impl AdapterTiers {
             config: Arc::new(config),
             weights: Arc::new(weights),
         };
-        let mut state = self.lock();
-        let state = &mut *state;
-        if from_disk {
-            state.stats.disk += 1;
-        } else {
-            state.stats.s3 += 1;
-        }
-        let size = files.config.len() + files.weights.len();
-        if size <= shared.config.host_bytes {
-            while state.host_used + size > shared.config.host_bytes {
-                let Some(oldest) = state
-                    .host
-                    .iter()
-                    .min_by_key(|(_, host)| host.used)
-                    .map(|(k, _)| k.clone())
-                else {
-                    break;
-                };
-                if let Some(host) = state.host.remove(&oldest) {
-                    state.host_used -= host.files.config.len() + host.files.weights.len();
-                }
-            }
-            let host = HostFiles {
-                files: files.clone(),
-                used: state.tick,
-            };
-            if state.host.insert(key, host).is_none() {
-                state.host_used += size;
-            }
-        }
+        self.keep(key, &files, from_disk);
         tracing::debug!(adapter = %adapter.id, from_disk, "adapter files fetched");
         Ok(files)
     }
