@@ -765,12 +765,12 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     let llama = model.model.clone();
     // Speculation off: every step decodes one token a sequence, so the runs
     // differ only in their adapters (prompt lookup would accept more or
-    // fewer guesses as the adapters change the text).
+    // fewer guesses as the adapters change the text). The prefix cache off:
+    // a decode rate subtracts a pre-fill-only run from a full one, and both
+    // must compute the same pre-fill (with the cache on, whichever came first
+    // for a prompt and adapter computed it and the other reused it).
     let engine_config = EngineConfig {
-        speculation: lorry_engine::runtime::speculative::SpecConfig {
-            proposer: lorry_engine::runtime::speculative::Proposer::Off,
-            ..Default::default()
-        },
+        prefix_cache: false,
         ..bench_engine_config(args.batch, Policy::Continuous)
     };
     let engine = TextEngine::start("bench", model, engine_config).with_adapters(local_adapters());
