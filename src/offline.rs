@@ -161,10 +161,22 @@ pub struct EngineArgs {
     /// Tokens computed per engine step (decoding plus chunked pre-fill).
     #[arg(long, env = "LORRY_STEP_TOKENS", default_value_t = 512)]
     pub step_tokens: usize,
-    /// Steps in a row batch work sits out while real-time requests run (0: batch and
-    /// real-time rows always share steps).
+    /// Until the engine has measured its steps' cost (its first few steps), or
+    /// always with `--rt-step-slack-percent 0`: steps in a row batch work sits
+    /// out while real-time requests run (0: batch and real-time rows always
+    /// share steps).
     #[arg(long, env = "LORRY_RT_HOLD_STEPS", default_value_t = 32)]
     pub rt_hold_steps: usize,
+    /// While real-time requests run (or ran within `--rt-linger-ms`), how much
+    /// longer, in percent, than their own work alone a step carrying batch
+    /// work may take: batch rows and pre-fill ride along only within it (0:
+    /// no bound; batch work sits out `--rt-hold-steps` steps at a time instead).
+    #[arg(long, env = "LORRY_RT_STEP_SLACK_PERCENT", default_value_t = 50)]
+    pub rt_step_slack_percent: usize,
+    /// Milliseconds after the last real-time request that steps stay bounded,
+    /// so that the next one does not wait behind a long batch step.
+    #[arg(long, env = "LORRY_RT_LINGER_MS", default_value_t = 5000)]
+    pub rt_linger_ms: u64,
     /// Reuse the computed keys and values of prompt prefixes already seen
     /// (same model, same adapter): `on` or `off`.
     #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
@@ -225,6 +237,8 @@ impl EngineArgs {
             max_seqs: self.max_seqs,
             token_budget: self.step_tokens,
             rt_hold_steps: self.rt_hold_steps,
+            rt_step_slack_percent: self.rt_step_slack_percent,
+            rt_linger: std::time::Duration::from_millis(self.rt_linger_ms),
             prefix_cache: self.prefix_cache,
             speculation: SpecConfig {
                 proposer: match self.speculate {

@@ -63,6 +63,8 @@ fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {
         rt_reserved_seqs: 2,
         prefix_cache,
         speculation,
+        // Steps planned by the rules alone, not by the clock: step counts compare.
+        rt_step_slack_percent: 0,
         ..EngineConfig::default()
     }
 }

@@ -11,12 +11,15 @@
 //! batch before real time — its blocks freed, to be recomputed from its tokens
 //! when it is admitted again.
 //!
-//! While real-time sequences run, batch sequences sit out (keeping their
-//! blocks) for up to `rt_hold_steps` steps in a row, then share one step: a
-//! step's cost grows with its rows, so a chat user's tokens come at the pace
-//! of an idle engine while a flood of batch work waits a few milliseconds, and
-//! under sustained real-time load the batch lane still gets a step in every
-//! `rt_hold_steps + 1`.
+//! While real-time work is present the engine hands the scheduler a [`Pace`]
+//! (its measured step cost): batch work then rides along in every step, but
+//! only as many batch tokens as keep the step within `1 + slack` times what
+//! its real-time work alone would cost, batch sequences taking turns (the
+//! least recently run first) when not all of them fit. A chat user's tokens
+//! so come at nearly an idle engine's pace whatever the model's size, and the
+//! batch lane keeps most of the engine. Before the engine has a measure of
+//! its steps, batch sequences instead sit out (keeping their blocks) for up
+//! to `rt_hold_steps` steps in a row, then share one step.
 //!
 //! Prefix caching: a sequence arrives with the hashes of its prompt's full
 //! blocks ([`crate::runtime::kv::prefix`]); when it is admitted, every leading block
@@ -69,6 +72,29 @@ pub(crate) struct SchedulerConfig {
     pub policy: Policy,
 }
 
+/// What a step costs, as the engine measured it: `base_ms + per_token_ms ×
+/// tokens`, and how much longer than its real-time work alone a step that
+/// carries batch work may run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Pace {
+    /// The cost of a step of one token (reading the weights).
+    pub base_ms: f64,
+    /// The cost of each token more.
+    pub per_token_ms: f64,
+    /// The fraction a step may run over its real-time work's cost (0.5: 1.5×).
+    pub slack: f64,
+}
+
+impl Pace {
+    /// Batch tokens a step whose real-time work is `rt_tokens` may carry (at
+    /// least one, so the batch lane always moves).
+    pub(crate) fn batch_tokens(&self, rt_tokens: usize) -> usize {
+        let alone = self.base_ms + self.per_token_ms * rt_tokens.max(1) as f64;
+        let extra = self.slack * alone / self.per_token_ms.max(1e-6);
+        (extra.floor() as usize).max(1)
+    }
+}
+
 /// One sequence's work in a step: compute its tokens `start..start + len`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunk {
@@ -113,6 +139,9 @@ struct Seq {
     cached: usize,
     /// Draft tokens proposed for its next step.
     draft: usize,
+    /// When it last ran, as a count of chunks planned: batch sequences take
+    /// turns in this order when not all fit in a step.
+    turn: u64,
 }
 
 /// The scheduler's state.
@@ -129,6 +158,8 @@ pub(crate) struct Scheduler {
     preemptions: u64,
     /// Steps in a row batch work has sat out.
     held: usize,
+    /// Chunks planned so far.
+    turns: u64,
 }
 
 impl Scheduler {
@@ -148,6 +179,7 @@ impl Scheduler {
             arrivals: 0,
             preemptions: 0,
             held: 0,
+            turns: 0,
         }
     }
 
@@ -171,6 +203,7 @@ impl Scheduler {
             hashes,
             cached: 0,
             draft: 0,
+            turn: 0,
         };
         self.seqs.insert(id, seq);
         match lane {
@@ -246,14 +279,17 @@ impl Scheduler {
         self.pool.stats()
     }
 
-    /// Ids of the running sequences that decode (one known token to compute) next.
+    /// Ids of the running sequences that decode next: one known token to
+    /// compute, and at least one generated (a pre-fill whose last chunk is
+    /// one token is not decoding: guesses riding on it would make the
+    /// request's first tokens depend on how its pre-fill was cut).
     pub fn decoding(&self) -> Vec<SeqId> {
         self.running
             .iter()
             .copied()
             .filter(|id| {
                 let s = &self.seqs[id];
-                s.computed + 1 == s.tokens && s.computed > 0
+                s.computed + 1 == s.tokens && s.generated > 0
             })
             .collect()
     }
@@ -261,6 +297,11 @@ impl Scheduler {
     /// The blocks of a sequence, in token order.
     pub fn blocks(&self, id: SeqId) -> &[crate::runtime::kv::BlockId] {
         self.seqs.get(&id).map_or(&[], |s| s.table.blocks())
+    }
+
+    /// Whether real-time work is running or waiting.
+    pub(crate) fn has_real_time(&self) -> bool {
+        !self.waiting_rt.is_empty() || self.running.iter().any(|id| self.seqs[id].lane == Lane::RealTime)
     }
 
     /// Whether nothing is queued or running.
@@ -286,8 +327,9 @@ impl Scheduler {
         self.pool.free_blocks()
     }
 
-    /// Decide the next step.
-    pub fn schedule(&mut self) -> Plan {
+    /// Decide the next step; `pace`, while real-time work is present or
+    /// recent, bounds the batch work the step carries.
+    pub fn schedule(&mut self, pace: Option<Pace>) -> Plan {
         let mut plan = Plan::default();
         self.admit_real_time(&mut plan);
         let mut budget = self.config.token_budget;
@@ -303,7 +345,7 @@ impl Scheduler {
                 .collect()
         };
         let real_time = self.running.iter().any(|id| self.seqs[id].lane == Lane::RealTime);
-        let hold = real_time && self.held < self.config.rt_hold_steps;
+        let hold = pace.is_none() && real_time && self.held < self.config.rt_hold_steps;
         self.held = if hold { self.held + 1 } else { 0 };
         let batch_decodes = if hold {
             0
@@ -313,13 +355,39 @@ impl Scheduler {
         for id in by_lane_and_age(Lane::RealTime, true, self) {
             self.plan_one(id, &mut budget, 0, &mut plan);
         }
+        // A real-time pre-fill leaves room for the batch decodes the pace allows.
+        let rt_decode_tokens = self.config.token_budget - budget;
+        let reserve = pace.map_or(batch_decodes, |p| batch_decodes.min(p.batch_tokens(rt_decode_tokens)));
         for id in by_lane_and_age(Lane::RealTime, false, self) {
-            self.plan_one(id, &mut budget, batch_decodes, &mut plan);
+            self.plan_one(id, &mut budget, reserve, &mut plan);
         }
         if hold {
             return plan;
         }
-        for id in by_lane_and_age(Lane::Batch, true, self) {
+        if let Some(pace) = pace {
+            let rt_tokens = self.config.token_budget - budget;
+            budget = budget.min(pace.batch_tokens(rt_tokens));
+        }
+        // Least recently run first: when the budget cannot take every batch
+        // decode, the ones left out go first next step.
+        let mut batch = by_lane_and_age(Lane::Batch, true, self);
+        batch.sort_by_key(|id| self.seqs[id].turn);
+        let mut first = true;
+        for id in batch {
+            if pace.is_some() {
+                // Under a pace a decode runs whole or waits its turn: cutting
+                // its guesses short would make its tokens depend on the
+                // clock. The first in turn always runs, so none waits forever.
+                let seq = &self.seqs[&id];
+                let need = (seq.tokens + seq.draft).saturating_sub(seq.computed);
+                if need > budget {
+                    if !first {
+                        continue;
+                    }
+                    budget = need;
+                }
+            }
+            first = false;
             self.plan_one(id, &mut budget, 0, &mut plan);
         }
         for id in by_lane_and_age(Lane::Batch, false, self) {
@@ -449,6 +517,8 @@ impl Scheduler {
         });
         seq.computed += take;
         seq.draft = 0;
+        self.turns += 1;
+        seq.turn = self.turns;
         *budget -= take;
     }
 
@@ -541,7 +611,7 @@ mod tests {
     fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
         let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 3, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -554,7 +624,7 @@ mod tests {
         );
         run(&mut s, &plan);
         s.add(2, Lane::Batch, 20, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         // Sequence 1 decodes its one token; sequence 2 gets the other seven.
         assert_eq!(
             plan.chunks,
@@ -576,7 +646,7 @@ mod tests {
             ]
         );
         run(&mut s, &plan);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(
             plan.chunks[1],
             Chunk {
@@ -597,11 +667,11 @@ mod tests {
         for id in 0..5 {
             s.add(id, Lane::Batch, 4, vec![]);
         }
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
         run(&mut s, &plan);
         s.add(10, Lane::RealTime, 4, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
     }
@@ -613,30 +683,113 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 4, vec![]);
         s.add(2, Lane::Batch, 4, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         run(&mut s, &plan);
         assert_eq!(plan.chunks.len(), 2);
         s.add(10, Lane::RealTime, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         for _ in 0..3 {
-            let plan = s.schedule();
+            let plan = s.schedule(None);
             assert_eq!(ids(&plan), vec![10], "batch work waits while real time runs");
             run(&mut s, &plan);
         }
         // Then one step for everything, batch admission included, and the hold again.
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(ids(&plan), vec![10, 1, 2, 3]);
         run(&mut s, &plan);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(ids(&plan), vec![10]);
         run(&mut s, &plan);
         // Once real time has ended, batch work runs every step.
         s.remove(10);
         for _ in 0..2 {
-            let plan = s.schedule();
+            let plan = s.schedule(None);
             assert_eq!(ids(&plan), vec![1, 2, 3]);
             run(&mut s, &plan);
+        }
+    }
+
+    #[test]
+    fn with_a_pace_batch_work_rides_along_within_its_bound_and_takes_turns() {
+        let mut c = config(8, 64);
+        c.rt_hold_steps = 3; // the pace replaces the hold
+        let mut s = Scheduler::new(c, BlockPool::new(256, 4));
+        for id in 1..=6 {
+            s.add(id, Lane::Batch, 4, vec![]);
+        }
+        let plan = s.schedule(None);
+        run(&mut s, &plan);
+        s.add(10, Lane::RealTime, 4, vec![]);
+        // A step costs 10 ms and 1 ms a token; half again over the real-time work's own cost.
+        let pace = Pace {
+            base_ms: 10.0,
+            per_token_ms: 1.0,
+            slack: 0.5,
+        };
+        let batch_tokens = |plan: &Plan| -> usize { plan.chunks.iter().filter(|c| c.id != 10).map(|c| c.len).sum() };
+        // The real-time pre-fill (4 tokens: 14 ms alone) leaves room for 7 batch tokens.
+        let plan = s.schedule(Some(pace));
+        assert_eq!(plan.chunks[0].id, 10, "real time first");
+        assert_eq!(batch_tokens(&plan), 6, "all six batch decodes fit within 7 tokens");
+        run(&mut s, &plan);
+        // Decoding, real time costs 11 ms alone: 5 batch tokens ride along,
+        // and the batch decodes take turns, none waiting two steps in a row.
+        let mut ran: HashMap<SeqId, usize> = HashMap::new();
+        let mut last: Vec<SeqId> = (1..=6).collect();
+        for _ in 0..6 {
+            let plan = s.schedule(Some(pace));
+            assert_eq!(plan.chunks[0].id, 10);
+            assert_eq!(batch_tokens(&plan), 5);
+            let now: Vec<SeqId> = plan.chunks.iter().map(|c| c.id).filter(|&id| id != 10).collect();
+            for id in 1..=6 {
+                assert!(
+                    now.contains(&id) || last.contains(&id),
+                    "batch sequence {id} sat out twice"
+                );
+            }
+            for &id in &now {
+                *ran.entry(id).or_default() += 1;
+            }
+            last = now;
+            run(&mut s, &plan);
+        }
+        assert!(ran.values().all(|&n| n == 5), "equal turns: {ran:?}");
+        // Without real time and without a pace, every batch sequence decodes each step.
+        s.remove(10);
+        let plan = s.schedule(None);
+        assert_eq!(batch_tokens(&plan), 6);
+    }
+
+    #[test]
+    fn a_real_time_request_arriving_during_a_long_batch_pre_fill_decodes_before_that_pre_fill_ends() {
+        for pace in [
+            None,
+            Some(Pace {
+                base_ms: 10.0,
+                per_token_ms: 0.5,
+                slack: 0.5,
+            }),
+        ] {
+            let mut s = Scheduler::new(config(4, 64), BlockPool::new(512, 4));
+            s.add(1, Lane::Batch, 1000, vec![]);
+            let plan = s.schedule(pace);
+            run(&mut s, &plan);
+            s.add(10, Lane::RealTime, 8, vec![]);
+            let mut decoded = 0;
+            let mut prefilled = 0;
+            while decoded < 3 {
+                let plan = s.schedule(pace);
+                for c in &plan.chunks {
+                    match c.id {
+                        10 if c.samples => decoded += 1,
+                        1 => prefilled = c.start + c.len,
+                        _ => {}
+                    }
+                }
+                run(&mut s, &plan);
+            }
+            assert!(prefilled < 1000, "{pace:?}: the batch pre-fill ended first");
         }
     }
 
@@ -647,11 +800,11 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(8, 4));
         s.add(1, Lane::Batch, 8, vec![]);
         s.add(2, Lane::Batch, 8, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
         assert_eq!(s.free_blocks(), 6);
         s.add(3, Lane::RealTime, 16, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
     }
 
@@ -662,18 +815,18 @@ mod tests {
         s.add(2, Lane::Batch, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         s.add(4, Lane::Batch, 4, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         run(&mut s, &plan);
         assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
         // Every sequence now needs a second block: the newest give theirs up.
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.preempted, vec![4, 3]);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1, 2]);
         run(&mut s, &plan);
         // Sequence 4 lost its cache and will recompute all five of its tokens.
         s.remove(1);
         s.remove(2);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(
             plan.chunks,
             vec![
@@ -704,19 +857,19 @@ mod tests {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(16, 4));
         // 10 tokens: two full blocks and a partial one.
         s.add(1, Lane::Batch, 10, hashes(2, 0));
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!((plan.chunks[0].start, plan.chunks[0].len), (0, 10));
         s.step_done(&plan);
         s.append_token(1);
         // The same two blocks, then more: only the tail is planned, on shared blocks.
         s.add(2, Lane::Batch, 12, hashes(2, 0));
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         let chunk = plan.chunks.iter().find(|c| c.id == 2).unwrap();
         assert_eq!((chunk.start, chunk.len), (8, 4));
         assert_eq!(&s.blocks(2)[..2], &s.blocks(1)[..2], "shared, not copied");
         // A prompt that is exactly its cached blocks still computes its last token.
         s.add(3, Lane::Batch, 8, hashes(2, 0));
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         let chunk = plan.chunks.iter().find(|c| c.id == 3).unwrap();
         assert_eq!((chunk.start, chunk.len), (4, 4));
         assert_eq!(s.prefix_stats().hits, 3);
@@ -726,12 +879,12 @@ mod tests {
         }
         assert_eq!(s.free_blocks(), 16);
         s.add(4, Lane::Batch, 9, hashes(2, 0));
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks[0].start, 8, "found after its holders ended");
         // Other contents take the idle blocks when nothing else is free.
         s.remove(4);
         s.add(5, Lane::Batch, 64, hashes(16, 100));
-        s.schedule();
+        s.schedule(None);
         assert!(s.prefix_stats().evicted > 0);
     }
 
@@ -739,10 +892,10 @@ mod tests {
     fn guesses_ride_with_a_decode_and_rejected_ones_are_rolled_back() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
         s.add(1, Lane::Batch, 4, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         run(&mut s, &plan);
         s.propose(1, 3);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -760,11 +913,11 @@ mod tests {
         assert_eq!(s.decoding(), vec![1]);
         // Guesses that do not fit are dropped rather than preempting anyone.
         s.add(2, Lane::Batch, 7, vec![]);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         run(&mut s, &plan);
         assert_eq!(s.free_blocks(), 0);
         s.propose(1, 4);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert!(plan.preempted.is_empty());
         assert_eq!(plan.chunks[0].len, 1);
         assert_eq!(plan.chunks[0].draft, 0);
@@ -778,14 +931,14 @@ mod tests {
         for id in 0..3 {
             s.add(id, Lane::Batch, 2, vec![]);
         }
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
         run(&mut s, &plan);
         s.remove(0);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
         s.remove(1);
-        let plan = s.schedule();
+        let plan = s.schedule(None);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![2]);
     }
 
@@ -819,7 +972,7 @@ mod tests {
                 remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
                 next += 1;
             }
-            let plan = s.schedule();
+            let plan = s.schedule(None);
             assert!(plan.chunks.iter().map(|c| c.len).sum::<usize>() <= 24);
             for c in &plan.chunks {
                 if c.samples {

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::mpsc;
 
@@ -28,7 +29,7 @@ use crate::models::llama::SeqChunk;
 use crate::runtime::chat::{Decoding, TextModel};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
-use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::runtime::scheduler::{Pace, Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::runtime::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
 use crate::{
     AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
@@ -58,6 +59,13 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Speculative decoding.
     pub speculation: SpecConfig,
+    /// While real-time work is present, how much longer (percent) than its
+    /// real-time work alone a step carrying batch work may run (0: no bound;
+    /// batch work then sits out `rt_hold_steps` steps at a time instead).
+    pub rt_step_slack_percent: usize,
+    /// How long after the last real-time request steps stay bounded, so that
+    /// the next one does not wait behind a long batch step.
+    pub rt_linger: std::time::Duration,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +81,8 @@ impl Default for EngineConfig {
             policy: Policy::Continuous,
             prefix_cache: true,
             speculation: SpecConfig::default(),
+            rt_step_slack_percent: 50,
+            rt_linger: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -295,6 +305,52 @@ struct EngineLoop {
     prefix_cache: bool,
     speculation: SpecConfig,
     draft: Option<DraftModel>,
+    /// What a step costs, measured.
+    cost: StepCost,
+    /// When real-time work was last present.
+    last_real_time: Option<Instant>,
+    rt_slack: f64,
+    rt_linger: std::time::Duration,
+}
+
+/// A step's cost as `base + per_token × tokens`, fitted by least squares
+/// over recent steps (each step weighing a little less than the next).
+#[derive(Debug, Default)]
+struct StepCost {
+    weight: f64,
+    tokens: f64,
+    ms: f64,
+    tokens2: f64,
+    tokens_ms: f64,
+}
+
+impl StepCost {
+    /// How much each older step counts less.
+    const DECAY: f64 = 0.97;
+
+    fn observe(&mut self, tokens: usize, ms: f64) {
+        let x = tokens as f64;
+        let d = Self::DECAY;
+        self.weight = self.weight * d + 1.0;
+        self.tokens = self.tokens * d + x;
+        self.ms = self.ms * d + ms;
+        self.tokens2 = self.tokens2 * d + x * x;
+        self.tokens_ms = self.tokens_ms * d + x * ms;
+    }
+
+    /// The fitted `(base_ms, per_token_ms)`, once a few steps were seen.
+    fn fit(&self) -> Option<(f64, f64)> {
+        if self.weight < 4.0 || self.tokens <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.tokens / self.weight, self.ms / self.weight);
+        let var = self.tokens2 / self.weight - mx * mx;
+        let cov = self.tokens_ms / self.weight - mx * my;
+        // Steps all of one size say nothing of the split: all of it per token.
+        let per_token = if var > 1.0 && cov > 0.0 { cov / var } else { my / mx };
+        let base = (my - per_token * mx).max(0.0);
+        Some((base, per_token.max(1e-3)))
+    }
 }
 
 impl EngineLoop {
@@ -347,7 +403,27 @@ impl EngineLoop {
             prefix_cache: config.prefix_cache,
             speculation,
             draft,
+            cost: StepCost::default(),
+            last_real_time: None,
+            rt_slack: config.rt_step_slack_percent as f64 / 100.0,
+            rt_linger: config.rt_linger,
         }
+    }
+
+    /// The pace that bounds batch work while real-time work is present or
+    /// was within `rt_linger`, once the steps' cost is known.
+    fn pace(&mut self) -> Option<Pace> {
+        if self.scheduler.has_real_time() {
+            self.last_real_time = Some(Instant::now());
+        }
+        let recent =
+            self.scheduler.has_real_time() || self.last_real_time.is_some_and(|t| t.elapsed() < self.rt_linger);
+        let (base_ms, per_token_ms) = self.cost.fit()?;
+        (recent && self.rt_slack > 0.0).then_some(Pace {
+            base_ms,
+            per_token_ms,
+            slack: self.rt_slack,
+        })
     }
 
     fn run(&mut self, inbox: &std_mpsc::Receiver<Job>) {
@@ -496,7 +572,8 @@ impl EngineLoop {
             tracing::error!(%error, "speculation failed; decoding without it");
             self.speculation.proposer = Proposer::Off;
         }
-        let plan = self.scheduler.schedule();
+        let pace = self.pace();
+        let plan = self.scheduler.schedule(pace);
         self.counters
             .preemptions
             .fetch_add(plan.preempted.len() as u64, Ordering::Relaxed);
@@ -506,8 +583,11 @@ impl EngineLoop {
         // A panic in the model ends this step's requests, not the engine.
         // The pass runs on a worker of the compute pool, which then takes part in
         // its own parallel loops instead of waking both workers for each of them.
+        let started = Instant::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+        let tokens = plan.chunks.iter().map(|c| c.len).sum();
+        self.cost.observe(tokens, started.elapsed().as_secs_f64() * 1e3);
         let stats = self.scheduler.prefix_stats();
         self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
         self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
