@@ -166,6 +166,12 @@ fn summarise(probes: &[Probe]) -> Summary {
     }
 }
 
+/// Requests of the batch that have succeeded so far.
+async fn succeeded(http: &reqwest::Client, args: &IsolationArgs, id: &str) -> anyhow::Result<i64> {
+    let state = batch_state(http, args, id).await?;
+    Ok(state["request_counts"]["succeeded"].as_i64().unwrap_or(0))
+}
+
 async fn batch_state(http: &reqwest::Client, args: &IsolationArgs, id: &str) -> anyhow::Result<Value> {
     Ok(http
         .get(format!("{}/v1/batches/{id}", args.url))
@@ -221,8 +227,19 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    eprintln!("flood of {} running; probing again", args.flood);
+    // The batch alone for as long as a probe phase lasts, then with the probes.
+    let window = Duration::from_secs_f64(args.requests as f64 / args.rate.max(0.01));
+    eprintln!("flood of {} running; the batch alone for {window:?}", args.flood);
+    let (done_before, alone_from) = (succeeded(&http, args, &id).await?, Instant::now());
+    tokio::time::sleep(window).await;
+    let (done_alone, alone_seconds) = (succeeded(&http, args, &id).await?, alone_from.elapsed().as_secs_f64());
+    eprintln!("probing again");
+    let probed_from = Instant::now();
     let flooded = summarise(&phase(&http, args).await);
+    let (done_probed, probed_seconds) = (succeeded(&http, args, &id).await?, probed_from.elapsed().as_secs_f64());
+    let tokens_per = f64::from(args.flood_tokens);
+    let alone_rate = (done_alone - done_before) as f64 * tokens_per / alone_seconds;
+    let probed_rate = (done_probed - done_alone) as f64 * tokens_per / probed_seconds;
     let after = batch_state(&http, args, &id).await?;
     let left = after["request_counts"]["pending"].as_i64().unwrap_or(0)
         + after["request_counts"]["running"].as_i64().unwrap_or(0);
@@ -259,6 +276,10 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
         "p99 under flood / idle p99: TTFT {:.2}x, total {:.2}x (goal <= 1.5x); {left} batch requests still waiting when the probe ended",
         flooded.first_token.1 / idle.first_token.1,
         flooded.total.1 / idle.total.1
+    );
+    println!(
+        "Batch tokens/s while it drains: {alone_rate:.0} alone, {probed_rate:.0} with the real-time requests ({:.2}x; goal >= 0.8x)",
+        probed_rate / alone_rate.max(1e-9)
     );
     println!(
         "Batch: {} requests x {} tokens, POST to completed in {drained:.1} s: {:.0} requests/s, {:.0} generated tokens/s",

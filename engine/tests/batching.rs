@@ -179,6 +179,12 @@ async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
         };
         assert_eq!(streamed, out.content.text());
     }
+    // Both were real-time requests, traced in the counters; no batch work rode along.
+    let c = engine.counters();
+    assert_eq!(c.rt_requests.load(Ordering::Relaxed), 2);
+    assert!(c.rt_steps.load(Ordering::Relaxed) >= 2);
+    assert!(c.rt_step_us.load(Ordering::Relaxed) > 0);
+    assert_eq!(c.rt_batch_tokens.load(Ordering::Relaxed), 0);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -114,6 +114,17 @@ pub struct Counters {
     pub draft_proposed: AtomicU64,
     /// Of those, accepted.
     pub draft_accepted: AtomicU64,
+    /// Real-time requests ended.
+    pub rt_requests: AtomicU64,
+    /// Of their time in the engine: microseconds from arrival to the start of
+    /// their first step (the step in flight, and any queue before it).
+    pub rt_wait_us: AtomicU64,
+    /// Steps that ran real-time rows, and their microseconds.
+    pub rt_steps: AtomicU64,
+    /// The microseconds of those steps.
+    pub rt_step_us: AtomicU64,
+    /// Batch tokens that rode along in those steps.
+    pub rt_batch_tokens: AtomicU64,
 }
 
 impl Counters {
@@ -136,6 +147,8 @@ impl Counters {
 struct Job {
     request: ValidRequest,
     lane: Lane,
+    /// When it was handed to the engine (a job waits in the inbox while a step runs).
+    submitted: Instant,
     adapter: Option<Lease>,
     events: mpsc::UnboundedSender<Event>,
 }
@@ -228,6 +241,7 @@ impl Backend for TextEngine {
             let job = Job {
                 request: input,
                 lane,
+                submitted: Instant::now(),
                 adapter: None,
                 events,
             };
@@ -245,6 +259,7 @@ impl Backend for TextEngine {
             let job = Job {
                 request: input,
                 lane,
+                submitted: Instant::now(),
                 adapter: Some(lease),
                 events,
             };
@@ -266,6 +281,7 @@ impl Backend for TextEngine {
                     Job {
                         request: input,
                         lane,
+                        submitted: Instant::now(),
                         adapter: Some(lease),
                         events,
                     },
@@ -290,6 +306,18 @@ struct Active {
     spec: Option<SpecState>,
     /// Tokens guessed for its next step.
     guess: Option<Guess>,
+    /// Where a real-time request's time goes.
+    trace: Option<RtTrace>,
+}
+
+/// A real-time request's time in the engine.
+struct RtTrace {
+    arrived: Instant,
+    /// From submission to the start of its first step.
+    waited: Option<std::time::Duration>,
+    steps: u64,
+    step_time: std::time::Duration,
+    batch_tokens: u64,
 }
 
 struct EngineLoop {
@@ -471,6 +499,13 @@ impl EngineLoop {
                         hasher,
                         spec: speculates.then(|| SpecState::new(self.speculation.max_draft)),
                         guess: None,
+                        trace: (job.lane == Lane::RealTime).then_some(RtTrace {
+                            arrived: job.submitted,
+                            waited: None,
+                            steps: 0,
+                            step_time: std::time::Duration::ZERO,
+                            batch_tokens: 0,
+                        }),
                     },
                 );
             }
@@ -498,7 +533,49 @@ impl EngineLoop {
         if let Some(draft) = &mut self.draft {
             draft.forget(id);
         }
-        self.active.remove(&id)
+        let active = self.active.remove(&id)?;
+        if let Some(trace) = &active.trace {
+            let c = &self.counters;
+            let waited = trace.waited.unwrap_or_default();
+            c.rt_requests.fetch_add(1, Ordering::Relaxed);
+            c.rt_wait_us.fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+            tracing::debug!(
+                waited_ms = waited.as_secs_f64() * 1e3,
+                steps = trace.steps,
+                step_ms = trace.step_time.as_secs_f64() * 1e3,
+                batch_tokens_alongside = trace.batch_tokens,
+                in_engine_ms = trace.arrived.elapsed().as_secs_f64() * 1e3,
+                "real-time request ended"
+            );
+        }
+        Some(active)
+    }
+
+    /// Account a step to the real-time requests it ran.
+    fn trace_real_time(&mut self, plan: &Plan, started: Instant, took: std::time::Duration) {
+        let mut rt_rows = false;
+        let mut batch_tokens = 0;
+        for chunk in &plan.chunks {
+            match self.active.get(&chunk.id).and_then(|a| a.trace.as_ref()) {
+                Some(_) => rt_rows = true,
+                None => batch_tokens += chunk.len as u64,
+            }
+        }
+        if !rt_rows {
+            return;
+        }
+        let c = &self.counters;
+        c.rt_steps.fetch_add(1, Ordering::Relaxed);
+        c.rt_step_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        c.rt_batch_tokens.fetch_add(batch_tokens, Ordering::Relaxed);
+        for chunk in &plan.chunks {
+            if let Some(trace) = self.active.get_mut(&chunk.id).and_then(|a| a.trace.as_mut()) {
+                trace.waited.get_or_insert(started.duration_since(trace.arrived));
+                trace.steps += 1;
+                trace.step_time += took;
+                trace.batch_tokens += batch_tokens;
+            }
+        }
     }
 
     /// Guess tokens for the sequences that decode next, when few do.
@@ -586,8 +663,10 @@ impl EngineLoop {
         let started = Instant::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+        let took = started.elapsed();
         let tokens = plan.chunks.iter().map(|c| c.len).sum();
-        self.cost.observe(tokens, started.elapsed().as_secs_f64() * 1e3);
+        self.cost.observe(tokens, took.as_secs_f64() * 1e3);
+        self.trace_real_time(&plan, started, took);
         let stats = self.scheduler.prefix_stats();
         self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
         self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
