@@ -177,6 +177,11 @@ pub struct EngineArgs {
     /// so that the next one does not wait behind a long batch step.
     #[arg(long, env = "LORRY_RT_LINGER_MS", default_value_t = 5000)]
     pub rt_linger_ms: u64,
+    /// Models whose one-token step is cheaper than this many milliseconds keep
+    /// `--rt-hold-steps` instead of the bound (their requests' time is mostly
+    /// outside the engine).
+    #[arg(long, env = "LORRY_RT_PACE_MIN_STEP_MS", default_value_t = 10.0)]
+    pub rt_pace_min_step_ms: f64,
     /// Reuse the computed keys and values of prompt prefixes already seen
     /// (same model, same adapter): `on` or `off`.
     #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
@@ -239,6 +244,7 @@ impl EngineArgs {
             rt_hold_steps: self.rt_hold_steps,
             rt_step_slack_percent: self.rt_step_slack_percent,
             rt_linger: std::time::Duration::from_millis(self.rt_linger_ms),
+            rt_pace_min_step_ms: self.rt_pace_min_step_ms,
             prefix_cache: self.prefix_cache,
             speculation: SpecConfig {
                 proposer: match self.speculate {

@@ -277,10 +277,16 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
         flooded.first_token.1 / idle.first_token.1,
         flooded.total.1 / idle.total.1
     );
-    println!(
-        "Batch tokens/s while it drains: {alone_rate:.0} alone, {probed_rate:.0} with the real-time requests ({:.2}x; goal >= 0.8x)",
-        probed_rate / alone_rate.max(1e-9)
-    );
+    if left == 0 {
+        println!(
+            "Batch tokens/s while it drains: {alone_rate:.0} alone; with the real-time requests not measured: the flood ended before the probes did (raise --flood)"
+        );
+    } else {
+        println!(
+            "Batch tokens/s while it drains: {alone_rate:.0} alone, {probed_rate:.0} with the real-time requests ({:.2}x; goal >= 0.8x)",
+            probed_rate / alone_rate.max(1e-9)
+        );
+    }
     println!(
         "Batch: {} requests x {} tokens, POST to completed in {drained:.1} s: {:.0} requests/s, {:.0} generated tokens/s",
         args.flood,

@@ -17,9 +17,10 @@
 //! its real-time work alone would cost, batch sequences taking turns (the
 //! least recently run first) when not all of them fit. A chat user's tokens
 //! so come at nearly an idle engine's pace whatever the model's size, and the
-//! batch lane keeps most of the engine. Before the engine has a measure of
-//! its steps, batch sequences instead sit out (keeping their blocks) for up
-//! to `rt_hold_steps` steps in a row, then share one step.
+//! batch lane keeps most of the engine. Without a pace (before the engine
+//! has a measure of its steps, or on a model whose steps are too cheap to be
+//! worth bounding), batch sequences instead sit out (keeping their blocks)
+//! for up to `rt_hold_steps` steps in a row, then share one step.
 //!
 //! Prefix caching: a sequence arrives with the hashes of its prompt's full
 //! blocks ([`crate::runtime::kv::prefix`]); when it is admitted, every leading block

@@ -66,6 +66,10 @@ pub struct EngineConfig {
     /// How long after the last real-time request steps stay bounded, so that
     /// the next one does not wait behind a long batch step.
     pub rt_linger: std::time::Duration,
+    /// Steps of one token cheaper than this (milliseconds) are not bounded:
+    /// on so small a model a request's time is mostly outside the engine,
+    /// and batch work sitting out `rt_hold_steps` at a time costs it less.
+    pub rt_pace_min_step_ms: f64,
 }
 
 impl Default for EngineConfig {
@@ -83,6 +87,7 @@ impl Default for EngineConfig {
             speculation: SpecConfig::default(),
             rt_step_slack_percent: 50,
             rt_linger: std::time::Duration::from_secs(5),
+            rt_pace_min_step_ms: 10.0,
         }
     }
 }
@@ -339,6 +344,7 @@ struct EngineLoop {
     last_real_time: Option<Instant>,
     rt_slack: f64,
     rt_linger: std::time::Duration,
+    rt_pace_min_step_ms: f64,
 }
 
 /// A step's cost as `base + per_token × tokens`, fitted by least squares
@@ -435,6 +441,7 @@ impl EngineLoop {
             last_real_time: None,
             rt_slack: config.rt_step_slack_percent as f64 / 100.0,
             rt_linger: config.rt_linger,
+            rt_pace_min_step_ms: config.rt_pace_min_step_ms,
         }
     }
 
@@ -447,7 +454,8 @@ impl EngineLoop {
         let recent =
             self.scheduler.has_real_time() || self.last_real_time.is_some_and(|t| t.elapsed() < self.rt_linger);
         let (base_ms, per_token_ms) = self.cost.fit()?;
-        (recent && self.rt_slack > 0.0).then_some(Pace {
+        let worth_it = base_ms + per_token_ms >= self.rt_pace_min_step_ms;
+        (recent && worth_it && self.rt_slack > 0.0).then_some(Pace {
             base_ms,
             per_token_ms,
             slack: self.rt_slack,
