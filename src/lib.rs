@@ -74,7 +74,6 @@ pub struct Application {
     port: Option<u16>,
     tasks: JoinSet<()>,
     stop: CancellationToken,
-    backends: Vec<Arc<dyn Backend>>,
     text_engines: Vec<TextEngine>,
 }
 
@@ -113,22 +112,16 @@ impl Application {
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
         tasks.spawn(relay::run(store.clone(), settings.relay(catalog.names()), stop.clone()));
-        let (mut backends, mut text_engines) = (Vec::new(), Vec::new());
+        let mut text_engines = Vec::new();
         if role.has_worker() {
             let adapters = Adapters::new(
                 Arc::new(AdapterTiers::new(objects.clone(), settings.adapter_tiers())),
                 settings.adapter_residency(),
             );
+            let backends;
             (backends, text_engines) = start_backends(&settings, &sources, &adapters).await?;
             spawn_worker(
-                &settings,
-                &store,
-                &objects,
-                &topology,
-                &catalog,
-                backends.clone(),
-                &stop,
-                &mut tasks,
+                &settings, &store, &objects, &topology, &catalog, backends, &stop, &mut tasks,
             );
         }
         let mut app = Application {
@@ -136,7 +129,6 @@ impl Application {
             port: None,
             tasks,
             stop,
-            backends,
             text_engines,
         };
         if role.has_api() {
@@ -150,12 +142,8 @@ impl Application {
         Ok(app)
     }
 
-    /// The engines this process's worker runs (none without a worker role).
-    pub fn backends(&self) -> &[Arc<dyn Backend>] {
-        &self.backends
-    }
-
-    /// The text-generation engines among them, whose counters say what they did.
+    /// The text-generation engines this process's worker runs (none without
+    /// a worker role), whose counters say what they did.
     pub fn text_engines(&self) -> &[TextEngine] {
         &self.text_engines
     }

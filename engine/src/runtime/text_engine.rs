@@ -217,12 +217,6 @@ impl TextEngine {
     pub fn counters(&self) -> &Counters {
         &self.counters
     }
-
-    fn send(jobs: &std_mpsc::Sender<Job>, job: Job) {
-        if let Err(std_mpsc::SendError(job)) = jobs.send(job) {
-            let _ = job.events.send(Event::Failed(EngineError::Stopped));
-        }
-    }
 }
 
 impl Backend for TextEngine {
@@ -237,37 +231,31 @@ impl Backend for TextEngine {
     fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
         let (events, stream) = mpsc::unbounded_channel();
         let Request { input, lane, adapter } = request;
+        let mut job = Job {
+            request: input,
+            lane,
+            submitted: Instant::now(),
+            adapter: None,
+            events,
+        };
         let Some(reference) = adapter else {
-            if let Some(named) = &input.lora {
+            if let Some(named) = &job.request.lora {
                 return Err(EngineError::Model(format!(
                     "the request names adapter {named} but carries no reference to its files"
                 )));
             }
-            let job = Job {
-                request: input,
-                lane,
-                submitted: Instant::now(),
-                adapter: None,
-                events,
-            };
             self.jobs.send(job).map_err(|_| EngineError::Stopped)?;
             return Ok(stream);
         };
         let Some(adapters) = self.adapters.clone() else {
-            return Request::new(input, lane)
-                .with_adapter(Some(reference))
-                .without_adapter(&self.name)
-                .map(|()| stream);
+            let field = job.request.adapter_field.as_str();
+            return Err(EngineError::Input(lorry_protocol::model::no_adapters(
+                &self.name, field,
+            )));
         };
         if let Some(lease) = adapters.try_acquire(&reference) {
             // Resident: the request joins in submission order, like any other.
-            let job = Job {
-                request: input,
-                lane,
-                submitted: Instant::now(),
-                adapter: Some(lease),
-                events,
-            };
+            job.adapter = Some(lease);
             self.jobs.send(job).map_err(|_| EngineError::Stopped)?;
             return Ok(stream);
         }
@@ -278,21 +266,17 @@ impl Backend for TextEngine {
             let lease = tokio::select! {
                 lease = adapters.acquire(&reference, &shape) => lease,
                 // The caller went away while the adapter loaded.
-                () = events.closed() => return,
+                () = job.events.closed() => return,
             };
             match lease {
-                Ok(lease) => TextEngine::send(
-                    &jobs,
-                    Job {
-                        request: input,
-                        lane,
-                        submitted: Instant::now(),
-                        adapter: Some(lease),
-                        events,
-                    },
-                ),
+                Ok(lease) => {
+                    job.adapter = Some(lease);
+                    if let Err(std_mpsc::SendError(job)) = jobs.send(job) {
+                        let _ = job.events.send(Event::Failed(EngineError::Stopped));
+                    }
+                }
                 Err(error) => {
-                    let _ = events.send(Event::Failed(error));
+                    let _ = job.events.send(Event::Failed(error));
                 }
             }
         });
