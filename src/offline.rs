@@ -182,6 +182,12 @@ pub struct EngineArgs {
     /// outside the engine).
     #[arg(long, env = "LORRY_RT_PACE_MIN_STEP_MS", default_value_t = 10.0)]
     pub rt_pace_min_step_ms: f64,
+    /// Batch pre-fill keeps every step within this many milliseconds, from
+    /// the measured step cost, so that a real-time request arriving while no
+    /// other runs waits at most about this long for the step in flight (0:
+    /// only `--token-budget` bounds a step).
+    #[arg(long, env = "LORRY_STEP_MAX_MS", default_value_t = 500.0)]
+    pub step_max_ms: f64,
     /// Reuse the computed keys and values of prompt prefixes already seen
     /// (same model, same adapter): `on` or `off`.
     #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
@@ -245,6 +251,7 @@ impl EngineArgs {
             rt_step_slack_percent: self.rt_step_slack_percent,
             rt_linger: std::time::Duration::from_millis(self.rt_linger_ms),
             rt_pace_min_step_ms: self.rt_pace_min_step_ms,
+            step_max_ms: self.step_max_ms,
             prefix_cache: self.prefix_cache,
             speculation: SpecConfig {
                 proposer: match self.speculate {

@@ -42,6 +42,11 @@ pub struct IsolationArgs {
     /// Tokens each batch request generates (enough that the batch outlasts the probe).
     #[arg(long, default_value_t = 32)]
     pub flood_tokens: u32,
+    /// Seconds the flood runs before its rate alone is measured: longer than
+    /// the engine keeps pacing after the last real-time request
+    /// (`LORRY_RT_LINGER_MS`), so that the idle phase's probes are behind it.
+    #[arg(long, default_value_t = 8.0)]
+    pub settle_secs: f64,
 }
 
 /// One real-time request's timings, or why it got none.
@@ -230,6 +235,7 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
     // The batch alone for as long as a probe phase lasts, then with the probes.
     let window = Duration::from_secs_f64(args.requests as f64 / args.rate.max(0.01));
     eprintln!("flood of {} running; the batch alone for {window:?}", args.flood);
+    tokio::time::sleep(Duration::from_secs_f64(args.settle_secs.max(0.0))).await;
     let (done_before, alone_from) = (succeeded(&http, args, &id).await?, Instant::now());
     tokio::time::sleep(window).await;
     let (done_alone, alone_seconds) = (succeeded(&http, args, &id).await?, alone_from.elapsed().as_secs_f64());

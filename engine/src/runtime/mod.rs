@@ -9,6 +9,7 @@ pub mod chat;
 pub mod echo;
 pub mod embedding;
 pub mod kv;
+pub(crate) mod pace;
 pub mod rng;
 pub mod sampling;
 pub mod scheduler;

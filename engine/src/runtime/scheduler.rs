@@ -20,7 +20,10 @@
 //! batch lane keeps most of the engine. Without a pace (before the engine
 //! has a measure of its steps, or on a model whose steps are too cheap to be
 //! worth bounding), batch sequences instead sit out (keeping their blocks)
-//! for up to `rt_hold_steps` steps in a row, then share one step.
+//! for up to `rt_hold_steps` steps in a row, then share one step. Whatever
+//! the lanes, batch pre-fill keeps a step within the tokens the engine
+//! allows it (its step-time bound): a real-time request that arrives while
+//! none runs waits for the step in flight, and that step is never a long one.
 //!
 //! Prefix caching: a sequence arrives with the hashes of its prompt's full
 //! blocks ([`crate::runtime::kv::prefix`]); when it is admitted, every leading block
@@ -42,6 +45,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::runtime::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
+pub(crate) use crate::runtime::pace::Pace;
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
@@ -71,29 +75,6 @@ pub(crate) struct SchedulerConfig {
     pub rt_hold_steps: usize,
     /// Admission policy.
     pub policy: Policy,
-}
-
-/// What a step costs, as the engine measured it: `base_ms + per_token_ms ×
-/// tokens`, and how much longer than its real-time work alone a step that
-/// carries batch work may run.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Pace {
-    /// The cost of a step of one token (reading the weights).
-    pub base_ms: f64,
-    /// The cost of each token more.
-    pub per_token_ms: f64,
-    /// The fraction a step may run over its real-time work's cost (0.5: 1.5×).
-    pub slack: f64,
-}
-
-impl Pace {
-    /// Batch tokens a step whose real-time work is `rt_tokens` may carry (at
-    /// least one, so the batch lane always moves).
-    pub(crate) fn batch_tokens(&self, rt_tokens: usize) -> usize {
-        let alone = self.base_ms + self.per_token_ms * rt_tokens.max(1) as f64;
-        let extra = self.slack * alone / self.per_token_ms.max(1e-6);
-        (extra.floor() as usize).max(1)
-    }
 }
 
 /// One sequence's work in a step: compute its tokens `start..start + len`.
@@ -329,8 +310,9 @@ impl Scheduler {
     }
 
     /// Decide the next step; `pace`, while real-time work is present or
-    /// recent, bounds the batch work the step carries.
-    pub fn schedule(&mut self, pace: Option<Pace>) -> Plan {
+    /// recent, bounds the batch work the step carries, and batch pre-fill
+    /// never takes a step past `max_tokens` (decodes run whole).
+    pub fn schedule(&mut self, pace: Option<Pace>, max_tokens: usize) -> Plan {
         let mut plan = Plan::default();
         self.admit_real_time(&mut plan);
         let mut budget = self.config.token_budget;
@@ -358,7 +340,9 @@ impl Scheduler {
         }
         // A real-time pre-fill leaves room for the batch decodes the pace allows.
         let rt_decode_tokens = self.config.token_budget - budget;
-        let reserve = pace.map_or(batch_decodes, |p| batch_decodes.min(p.batch_tokens(rt_decode_tokens)));
+        let reserve = pace.map_or(batch_decodes, |p| {
+            batch_decodes.min(p.batch_tokens(rt_decode_tokens, self.config.token_budget))
+        });
         for id in by_lane_and_age(Lane::RealTime, false, self) {
             self.plan_one(id, &mut budget, reserve, &mut plan);
         }
@@ -367,7 +351,7 @@ impl Scheduler {
         }
         if let Some(pace) = pace {
             let rt_tokens = self.config.token_budget - budget;
-            budget = budget.min(pace.batch_tokens(rt_tokens));
+            budget = budget.min(pace.batch_tokens(rt_tokens, budget));
         }
         // Least recently run first: when the budget cannot take every batch
         // decode, the ones left out go first next step.
@@ -391,6 +375,10 @@ impl Scheduler {
             first = false;
             self.plan_one(id, &mut budget, 0, &mut plan);
         }
+        // Pre-fill and admission within the step's bound, a token at least
+        // so that new work always starts.
+        let planned: usize = plan.chunks.iter().map(|c| c.len).sum();
+        budget = budget.min(max_tokens.saturating_sub(planned).max(1));
         for id in by_lane_and_age(Lane::Batch, false, self) {
             self.plan_one(id, &mut budget, 0, &mut plan);
         }
@@ -586,6 +574,7 @@ fn cache_blocks(seq: &mut Seq, pool: &mut BlockPool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::pace::StepCost;
     use crate::runtime::rng::SplitMix;
 
     fn config(max_seqs: usize, token_budget: usize) -> SchedulerConfig {
@@ -612,7 +601,7 @@ mod tests {
     fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
         let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 3, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -625,7 +614,7 @@ mod tests {
         );
         run(&mut s, &plan);
         s.add(2, Lane::Batch, 20, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         // Sequence 1 decodes its one token; sequence 2 gets the other seven.
         assert_eq!(
             plan.chunks,
@@ -647,7 +636,7 @@ mod tests {
             ]
         );
         run(&mut s, &plan);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(
             plan.chunks[1],
             Chunk {
@@ -668,11 +657,11 @@ mod tests {
         for id in 0..5 {
             s.add(id, Lane::Batch, 4, vec![]);
         }
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
         run(&mut s, &plan);
         s.add(10, Lane::RealTime, 4, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
     }
@@ -684,28 +673,28 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 4, vec![]);
         s.add(2, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(plan.chunks.len(), 2);
         s.add(10, Lane::RealTime, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         for _ in 0..3 {
-            let plan = s.schedule(None);
+            let plan = s.schedule(None, usize::MAX);
             assert_eq!(ids(&plan), vec![10], "batch work waits while real time runs");
             run(&mut s, &plan);
         }
         // Then one step for everything, batch admission included, and the hold again.
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(ids(&plan), vec![10, 1, 2, 3]);
         run(&mut s, &plan);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(ids(&plan), vec![10]);
         run(&mut s, &plan);
         // Once real time has ended, batch work runs every step.
         s.remove(10);
         for _ in 0..2 {
-            let plan = s.schedule(None);
+            let plan = s.schedule(None, usize::MAX);
             assert_eq!(ids(&plan), vec![1, 2, 3]);
             run(&mut s, &plan);
         }
@@ -719,18 +708,17 @@ mod tests {
         for id in 1..=6 {
             s.add(id, Lane::Batch, 4, vec![]);
         }
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         run(&mut s, &plan);
         s.add(10, Lane::RealTime, 4, vec![]);
         // A step costs 10 ms and 1 ms a token; half again over the real-time work's own cost.
         let pace = Pace {
-            base_ms: 10.0,
-            per_token_ms: 1.0,
+            cost: StepCost::linear(10.0, 1.0),
             slack: 0.5,
         };
         let batch_tokens = |plan: &Plan| -> usize { plan.chunks.iter().filter(|c| c.id != 10).map(|c| c.len).sum() };
         // The real-time pre-fill (4 tokens: 14 ms alone) leaves room for 7 batch tokens.
-        let plan = s.schedule(Some(pace));
+        let plan = s.schedule(Some(pace), usize::MAX);
         assert_eq!(plan.chunks[0].id, 10, "real time first");
         assert_eq!(batch_tokens(&plan), 6, "all six batch decodes fit within 7 tokens");
         run(&mut s, &plan);
@@ -739,7 +727,7 @@ mod tests {
         let mut ran: HashMap<SeqId, usize> = HashMap::new();
         let mut last: Vec<SeqId> = (1..=6).collect();
         for _ in 0..6 {
-            let plan = s.schedule(Some(pace));
+            let plan = s.schedule(Some(pace), usize::MAX);
             assert_eq!(plan.chunks[0].id, 10);
             assert_eq!(batch_tokens(&plan), 5);
             let now: Vec<SeqId> = plan.chunks.iter().map(|c| c.id).filter(|&id| id != 10).collect();
@@ -758,8 +746,30 @@ mod tests {
         assert!(ran.values().all(|&n| n == 5), "equal turns: {ran:?}");
         // Without real time and without a pace, every batch sequence decodes each step.
         s.remove(10);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(batch_tokens(&plan), 6);
+    }
+
+    #[test]
+    fn batch_pre_fill_keeps_a_step_within_its_bound_while_decodes_run_whole() {
+        let mut s = Scheduler::new(config(8, 64), BlockPool::new(256, 4));
+        for id in 1..=3 {
+            s.add(id, Lane::Batch, 2, vec![]);
+        }
+        let plan = s.schedule(None, usize::MAX);
+        run(&mut s, &plan);
+        s.add(4, Lane::Batch, 100, vec![]);
+        // Three decodes and 7 tokens of the long prompt make 10.
+        let plan = s.schedule(None, 10);
+        let decodes: Vec<usize> = plan.chunks.iter().filter(|c| c.id != 4).map(|c| c.len).collect();
+        assert_eq!(decodes, vec![1, 1, 1]);
+        let prompt = plan.chunks.iter().find(|c| c.id == 4).expect("the prompt starts");
+        assert_eq!(prompt.len, 7);
+        run(&mut s, &plan);
+        // A bound under the decodes alone still lets a token of pre-fill in.
+        let plan = s.schedule(None, 2);
+        assert_eq!(plan.chunks.iter().filter(|c| c.id != 4).count(), 3, "every decode runs");
+        assert_eq!(plan.chunks.iter().find(|c| c.id == 4).map(|c| c.len), Some(1));
     }
 
     #[test]
@@ -767,20 +777,19 @@ mod tests {
         for pace in [
             None,
             Some(Pace {
-                base_ms: 10.0,
-                per_token_ms: 0.5,
+                cost: StepCost::linear(10.0, 0.5),
                 slack: 0.5,
             }),
         ] {
             let mut s = Scheduler::new(config(4, 64), BlockPool::new(512, 4));
             s.add(1, Lane::Batch, 1000, vec![]);
-            let plan = s.schedule(pace);
+            let plan = s.schedule(pace, usize::MAX);
             run(&mut s, &plan);
             s.add(10, Lane::RealTime, 8, vec![]);
             let mut decoded = 0;
             let mut prefilled = 0;
             while decoded < 3 {
-                let plan = s.schedule(pace);
+                let plan = s.schedule(pace, usize::MAX);
                 for c in &plan.chunks {
                     match c.id {
                         10 if c.samples => decoded += 1,
@@ -801,11 +810,11 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(8, 4));
         s.add(1, Lane::Batch, 8, vec![]);
         s.add(2, Lane::Batch, 8, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
         assert_eq!(s.free_blocks(), 6);
         s.add(3, Lane::RealTime, 16, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
     }
 
@@ -816,18 +825,18 @@ mod tests {
         s.add(2, Lane::Batch, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         s.add(4, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         run(&mut s, &plan);
         assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
         // Every sequence now needs a second block: the newest give theirs up.
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.preempted, vec![4, 3]);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1, 2]);
         run(&mut s, &plan);
         // Sequence 4 lost its cache and will recompute all five of its tokens.
         s.remove(1);
         s.remove(2);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![
@@ -858,19 +867,19 @@ mod tests {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(16, 4));
         // 10 tokens: two full blocks and a partial one.
         s.add(1, Lane::Batch, 10, hashes(2, 0));
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!((plan.chunks[0].start, plan.chunks[0].len), (0, 10));
         s.step_done(&plan);
         s.append_token(1);
         // The same two blocks, then more: only the tail is planned, on shared blocks.
         s.add(2, Lane::Batch, 12, hashes(2, 0));
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 2).unwrap();
         assert_eq!((chunk.start, chunk.len), (8, 4));
         assert_eq!(&s.blocks(2)[..2], &s.blocks(1)[..2], "shared, not copied");
         // A prompt that is exactly its cached blocks still computes its last token.
         s.add(3, Lane::Batch, 8, hashes(2, 0));
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 3).unwrap();
         assert_eq!((chunk.start, chunk.len), (4, 4));
         assert_eq!(s.prefix_stats().hits, 3);
@@ -880,12 +889,12 @@ mod tests {
         }
         assert_eq!(s.free_blocks(), 16);
         s.add(4, Lane::Batch, 9, hashes(2, 0));
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks[0].start, 8, "found after its holders ended");
         // Other contents take the idle blocks when nothing else is free.
         s.remove(4);
         s.add(5, Lane::Batch, 64, hashes(16, 100));
-        s.schedule(None);
+        s.schedule(None, usize::MAX);
         assert!(s.prefix_stats().evicted > 0);
     }
 
@@ -893,10 +902,10 @@ mod tests {
     fn guesses_ride_with_a_decode_and_rejected_ones_are_rolled_back() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
         s.add(1, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         run(&mut s, &plan);
         s.propose(1, 3);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -914,11 +923,11 @@ mod tests {
         assert_eq!(s.decoding(), vec![1]);
         // Guesses that do not fit are dropped rather than preempting anyone.
         s.add(2, Lane::Batch, 7, vec![]);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(s.free_blocks(), 0);
         s.propose(1, 4);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert!(plan.preempted.is_empty());
         assert_eq!(plan.chunks[0].len, 1);
         assert_eq!(plan.chunks[0].draft, 0);
@@ -932,14 +941,14 @@ mod tests {
         for id in 0..3 {
             s.add(id, Lane::Batch, 2, vec![]);
         }
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
         run(&mut s, &plan);
         s.remove(0);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
         s.remove(1);
-        let plan = s.schedule(None);
+        let plan = s.schedule(None, usize::MAX);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![2]);
     }
 
@@ -973,7 +982,7 @@ mod tests {
                 remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
                 next += 1;
             }
-            let plan = s.schedule(None);
+            let plan = s.schedule(None, usize::MAX);
             assert!(plan.chunks.iter().map(|c| c.len).sum::<usize>() <= 24);
             for c in &plan.chunks {
                 if c.samples {

@@ -29,7 +29,8 @@ use crate::models::llama::SeqChunk;
 use crate::runtime::chat::{Decoding, TextModel};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
-use crate::runtime::scheduler::{Pace, Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::runtime::pace::{Pace, StepCost};
+use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::runtime::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
 use crate::{
     AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
@@ -70,6 +71,11 @@ pub struct EngineConfig {
     /// on so small a model a request's time is mostly outside the engine,
     /// and batch work sitting out `rt_hold_steps` at a time costs it less.
     pub rt_pace_min_step_ms: f64,
+    /// Batch pre-fill keeps any step within this many milliseconds, from the
+    /// measured step cost (0: no bound but `token_budget`), so that a
+    /// real-time request arriving waits at most about this long for the step
+    /// in flight. Decodes always run whole.
+    pub step_max_ms: f64,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +94,7 @@ impl Default for EngineConfig {
             rt_step_slack_percent: 50,
             rt_linger: std::time::Duration::from_secs(5),
             rt_pace_min_step_ms: 10.0,
+            step_max_ms: 500.0,
         }
     }
 }
@@ -306,6 +313,8 @@ struct RtTrace {
     waited: Option<std::time::Duration>,
     steps: u64,
     step_time: std::time::Duration,
+    /// Its longest step.
+    longest_step: std::time::Duration,
     batch_tokens: u64,
 }
 
@@ -329,46 +338,8 @@ struct EngineLoop {
     rt_slack: f64,
     rt_linger: std::time::Duration,
     rt_pace_min_step_ms: f64,
-}
-
-/// A step's cost as `base + per_token × tokens`, fitted by least squares
-/// over recent steps (each step weighing a little less than the next).
-#[derive(Debug, Default)]
-struct StepCost {
-    weight: f64,
-    tokens: f64,
-    ms: f64,
-    tokens2: f64,
-    tokens_ms: f64,
-}
-
-impl StepCost {
-    /// How much each older step counts less.
-    const DECAY: f64 = 0.97;
-
-    fn observe(&mut self, tokens: usize, ms: f64) {
-        let x = tokens as f64;
-        let d = Self::DECAY;
-        self.weight = self.weight * d + 1.0;
-        self.tokens = self.tokens * d + x;
-        self.ms = self.ms * d + ms;
-        self.tokens2 = self.tokens2 * d + x * x;
-        self.tokens_ms = self.tokens_ms * d + x * ms;
-    }
-
-    /// The fitted `(base_ms, per_token_ms)`, once a few steps were seen.
-    fn fit(&self) -> Option<(f64, f64)> {
-        if self.weight < 4.0 || self.tokens <= 0.0 {
-            return None;
-        }
-        let (mx, my) = (self.tokens / self.weight, self.ms / self.weight);
-        let var = self.tokens2 / self.weight - mx * mx;
-        let cov = self.tokens_ms / self.weight - mx * my;
-        // Steps all of one size say nothing of the split: all of it per token.
-        let per_token = if var > 1.0 && cov > 0.0 { cov / var } else { my / mx };
-        let base = (my - per_token * mx).max(0.0);
-        Some((base, per_token.max(1e-3)))
-    }
+    step_max_ms: f64,
+    token_budget: usize,
 }
 
 impl EngineLoop {
@@ -426,6 +397,8 @@ impl EngineLoop {
             rt_slack: config.rt_step_slack_percent as f64 / 100.0,
             rt_linger: config.rt_linger,
             rt_pace_min_step_ms: config.rt_pace_min_step_ms,
+            step_max_ms: config.step_max_ms,
+            token_budget: config.token_budget,
         }
     }
 
@@ -437,11 +410,9 @@ impl EngineLoop {
         }
         let recent =
             self.scheduler.has_real_time() || self.last_real_time.is_some_and(|t| t.elapsed() < self.rt_linger);
-        let (base_ms, per_token_ms) = self.cost.fit()?;
-        let worth_it = base_ms + per_token_ms >= self.rt_pace_min_step_ms;
+        let worth_it = self.cost.predict(1)? >= self.rt_pace_min_step_ms;
         (recent && worth_it && self.rt_slack > 0.0).then_some(Pace {
-            base_ms,
-            per_token_ms,
+            cost: self.cost,
             slack: self.rt_slack,
         })
     }
@@ -496,6 +467,7 @@ impl EngineLoop {
                             waited: None,
                             steps: 0,
                             step_time: std::time::Duration::ZERO,
+                            longest_step: std::time::Duration::ZERO,
                             batch_tokens: 0,
                         }),
                     },
@@ -535,6 +507,7 @@ impl EngineLoop {
                 waited_ms = waited.as_secs_f64() * 1e3,
                 steps = trace.steps,
                 step_ms = trace.step_time.as_secs_f64() * 1e3,
+                longest_step_ms = trace.longest_step.as_secs_f64() * 1e3,
                 batch_tokens_alongside = trace.batch_tokens,
                 in_engine_ms = trace.arrived.elapsed().as_secs_f64() * 1e3,
                 "real-time request ended"
@@ -565,6 +538,7 @@ impl EngineLoop {
                 trace.waited.get_or_insert(started.duration_since(trace.arrived));
                 trace.steps += 1;
                 trace.step_time += took;
+                trace.longest_step = trace.longest_step.max(took);
                 trace.batch_tokens += batch_tokens;
             }
         }
@@ -642,7 +616,13 @@ impl EngineLoop {
             self.speculation.proposer = Proposer::Off;
         }
         let pace = self.pace();
-        let plan = self.scheduler.schedule(pace);
+        // Until a step was measured, and without a bound, only the token budget counts.
+        let max_tokens = if self.step_max_ms > 0.0 && self.cost.predict(1).is_some() {
+            self.cost.tokens_within(self.step_max_ms, 1, self.token_budget)
+        } else {
+            usize::MAX
+        };
+        let plan = self.scheduler.schedule(pace, max_tokens);
         self.counters
             .preemptions
             .fetch_add(plan.preempted.len() as u64, Ordering::Relaxed);

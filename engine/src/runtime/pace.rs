@@ -1,0 +1,214 @@
+//! What a step costs, as the engine measured it, and the [`Pace`] that
+//! bounds the batch work a step carries while real-time work is present.
+//!
+//! A step's time is not one straight line in its tokens: a step of a few
+//! tokens costs reading the weights (memory-bound, nearly flat), a step of
+//! hundreds is bound by its multiply-adds (steeper). A single line fitted
+//! over both overestimates the small steps that real-time work runs alone —
+//! and so let too much batch work ride along with them. The cost is kept
+//! instead as a table: recent steps' time by their tokens in power-of-two
+//! buckets, each an exponentially weighted mean, read by interpolating
+//! between the buckets seen.
+
+/// Buckets of tokens per step: `[1], [2,3], [4,7], …, [2^15, …)`.
+const BUCKETS: usize = 16;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Point {
+    /// Mean tokens of the bucket's recent steps.
+    tokens: f64,
+    /// Their mean time.
+    ms: f64,
+    seen: bool,
+}
+
+/// A step's measured cost by its tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct StepCost {
+    points: [Point; BUCKETS],
+}
+
+impl StepCost {
+    /// How much a new step moves its bucket's means.
+    const WEIGHT: f64 = 0.2;
+
+    /// A cost of `base_ms + per_token_ms × tokens` (for tests and benchmarks).
+    #[cfg(test)]
+    pub(crate) fn linear(base_ms: f64, per_token_ms: f64) -> Self {
+        let mut cost = StepCost::default();
+        for b in 0..BUCKETS {
+            let tokens = (1usize << b) as f64;
+            cost.points[b] = Point {
+                tokens,
+                ms: base_ms + per_token_ms * tokens,
+                seen: true,
+            };
+        }
+        cost
+    }
+
+    fn bucket(tokens: usize) -> usize {
+        (usize::BITS - 1 - tokens.max(1).leading_zeros()).min(BUCKETS as u32 - 1) as usize
+    }
+
+    /// Count a step of `tokens` that took `ms`.
+    pub(crate) fn observe(&mut self, tokens: usize, ms: f64) {
+        if tokens == 0 || !ms.is_finite() {
+            return;
+        }
+        let p = &mut self.points[Self::bucket(tokens)];
+        if p.seen {
+            p.tokens += Self::WEIGHT * (tokens as f64 - p.tokens);
+            p.ms += Self::WEIGHT * (ms - p.ms);
+        } else {
+            *p = Point {
+                tokens: tokens as f64,
+                ms,
+                seen: true,
+            };
+        }
+    }
+
+    /// The predicted time of a step of `tokens`, once any step was seen:
+    /// between two buckets seen, on the line between them; beyond the last
+    /// (or before the first), on the line through the two nearest.
+    pub(crate) fn predict(&self, tokens: usize) -> Option<f64> {
+        let seen: Vec<Point> = self.points.iter().copied().filter(|p| p.seen).collect();
+        let x = tokens.max(1) as f64;
+        let proportional = |p: &Point| p.ms * x / p.tokens.max(1.0);
+        let (a, b) = match seen.as_slice() {
+            [] => return None,
+            [only] => return Some(proportional(only)),
+            points => {
+                let after = points.iter().position(|p| p.tokens >= x).unwrap_or(points.len());
+                let i = after.clamp(1, points.len() - 1);
+                (points[i - 1], points[i])
+            }
+        };
+        let line = if (b.tokens - a.tokens).abs() < 1e-9 {
+            b.ms
+        } else {
+            a.ms + (b.ms - a.ms) * (x - a.tokens) / (b.tokens - a.tokens)
+        };
+        // Outside the buckets seen, a line may head below zero: a step costs
+        // at least its share of a larger one's time (a step's time per token
+        // only falls as it grows), and no less than a smaller one's.
+        let floor = if x < a.tokens {
+            proportional(&a)
+        } else if x > b.tokens {
+            b.ms
+        } else {
+            0.0
+        };
+        Some(line.max(floor).max(0.0))
+    }
+
+    /// The most tokens (at least `at_least`, at most `at_most`) a step may
+    /// hold and still be predicted within `ms`.
+    pub(crate) fn tokens_within(&self, ms: f64, at_least: usize, at_most: usize) -> usize {
+        let mut tokens = at_least.min(at_most);
+        // The predicted cost is near enough monotone; doubling then halving
+        // finds the edge in a few dozen predictions.
+        let mut step = 1;
+        while tokens + step <= at_most && self.predict(tokens + step).is_some_and(|t| t <= ms) {
+            tokens += step;
+            step *= 2;
+        }
+        while step > 1 {
+            step /= 2;
+            if tokens + step <= at_most && self.predict(tokens + step).is_some_and(|t| t <= ms) {
+                tokens += step;
+            }
+        }
+        tokens
+    }
+}
+
+/// How much batch work a step may carry beside its real-time work: the
+/// measured step cost, and how much longer than its real-time work alone a
+/// step may run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Pace {
+    /// What steps cost.
+    pub cost: StepCost,
+    /// The fraction a step may run over its real-time work's cost (0.5: 1.5×).
+    pub slack: f64,
+}
+
+impl Pace {
+    /// Batch tokens a step whose real-time work is `rt_tokens` may carry (at
+    /// least one, so the batch lane always moves).
+    pub(crate) fn batch_tokens(&self, rt_tokens: usize, at_most: usize) -> usize {
+        let rt = rt_tokens.max(1);
+        let Some(alone) = self.cost.predict(rt) else { return 1 };
+        let total = self
+            .cost
+            .tokens_within((1.0 + self.slack) * alone, rt, rt + at_most.max(1));
+        total.saturating_sub(rt).max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_linear_cost_is_read_back_and_bounds_batch_tokens_by_its_slack() {
+        let cost = StepCost::linear(10.0, 1.0);
+        assert_eq!(cost.predict(1), Some(11.0));
+        assert_eq!(cost.predict(100), Some(110.0));
+        // A real-time pre-fill of 4 tokens costs 14 ms alone: 7 batch tokens fit in 21.
+        let pace = Pace { cost, slack: 0.5 };
+        assert_eq!(pace.batch_tokens(4, 512), 7);
+        assert_eq!(pace.batch_tokens(4, 3), 3, "never more than asked");
+        assert_eq!(pace.batch_tokens(1, 512), 5);
+        assert_eq!(cost.tokens_within(60.0, 1, 512), 50);
+        assert_eq!(cost.tokens_within(5.0, 1, 512), 1, "at least what was asked");
+    }
+
+    #[test]
+    fn small_steps_are_predicted_from_small_steps_not_from_a_line_through_large_ones() {
+        // Memory-bound below 16 tokens (30 ms and 1 ms a token), compute-bound above (3.3 ms a token).
+        let truth = |t: usize| {
+            if t <= 16 {
+                30.0 + t as f64
+            } else {
+                46.0 + 3.3 * (t - 16) as f64
+            }
+        };
+        let mut cost = StepCost::default();
+        for _ in 0..20 {
+            for t in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] {
+                cost.observe(t, truth(t));
+            }
+        }
+        for t in [1, 3, 8, 12, 16, 24, 200, 512, 1000] {
+            let p = cost.predict(t).unwrap();
+            assert!((p - truth(t)).abs() < 1e-6, "{t} tokens: {p} against {}", truth(t));
+        }
+        // Real time alone at 8 tokens costs 38 ms: within 57 ms the step
+        // holds 19 tokens (46 + 3.3 × 3 = 55.9; 20 would cost 59.2), 11 of them
+        // batch work.
+        let pace = Pace { cost, slack: 0.5 };
+        assert_eq!(pace.batch_tokens(8, 512), 11);
+    }
+
+    #[test]
+    fn a_bucket_follows_its_recent_steps() {
+        let mut cost = StepCost::default();
+        assert_eq!(cost.predict(4), None);
+        cost.observe(4, 100.0);
+        assert_eq!(cost.predict(4), Some(100.0));
+        assert_eq!(cost.predict(8), Some(200.0), "one bucket seen: proportional");
+        for _ in 0..60 {
+            cost.observe(4, 20.0);
+        }
+        assert!((cost.predict(4).unwrap() - 20.0).abs() < 0.01);
+        cost.observe(0, 5.0);
+        cost.observe(4, f64::NAN);
+        assert!(
+            (cost.predict(4).unwrap() - 20.0).abs() < 0.01,
+            "empty and unmeasured steps are not counted"
+        );
+    }
+}
