@@ -204,23 +204,6 @@ fn api_state(
     }
 }
 
-/// Lower the calling thread's scheduling priority by `nice` (Linux: a
-/// thread's own nice value; elsewhere nothing).
-fn lower_this_threads_priority(nice: u8) {
-    if nice == 0 {
-        return;
-    }
-    #[cfg(target_os = "linux")]
-    // SAFETY: gettid has no preconditions; setpriority on the caller's own
-    // thread id only changes that thread's nice value.
-    unsafe {
-        let tid = libc::gettid();
-        if libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, i32::from(nice)) != 0 {
-            tracing::warn!(nice, error = %std::io::Error::last_os_error(), "could not lower an engine thread's priority");
-        }
-    }
-}
-
 /// Load every model of the catalogue and start its engine (off the async runtime: loading reads the weights).
 async fn start_backends(
     settings: &Settings,
@@ -229,12 +212,8 @@ async fn start_backends(
 ) -> anyhow::Result<(Vec<Arc<dyn Backend>>, Vec<TextEngine>)> {
     // The engines' products run on rayon's global pool, sized once per process.
     let threads = settings.engine_threads();
-    let nice = settings.worker.engine_nice;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .start_handler(move |_| lower_this_threads_priority(nice));
-    match pool.build_global() {
-        Ok(()) => tracing::info!(threads, nice, "engine threads"),
+    match rayon::ThreadPoolBuilder::new().num_threads(threads).build_global() {
+        Ok(()) => tracing::info!(threads, "engine threads"),
         Err(_) => tracing::debug!("the engine thread pool was already sized in this process"),
     }
     let echo = EchoEngine::start(EchoConfig {

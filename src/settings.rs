@@ -198,11 +198,6 @@ pub struct WorkerSettings {
     /// the API, the worker's I/O and the services beside them keep a core.
     #[arg(long, env = "LORRY_ENGINE_THREADS", default_value_t = 0)]
     pub engine_threads: usize,
-    /// How much lower than the rest of the process the engines' compute
-    /// threads run (a `nice` increment, 0–19): when the CPUs are busy, the
-    /// API, the worker's I/O and the services beside them go first.
-    #[arg(long, env = "LORRY_ENGINE_NICE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=19))]
-    pub engine_nice: u8,
 }
 
 /// Completion webhooks.
