@@ -26,7 +26,10 @@ impl FromRequestParts<AppState> for Authenticated {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or_else(|| unauthorized("an Authorization: Bearer <token> header is required"))?;
-        match state.store.account_by_token(token).await? {
+        let started = std::time::Instant::now();
+        let account = state.store.account_by_token(token).await?;
+        tracing::trace!(ms = started.elapsed().as_secs_f64() * 1e3, "token looked up");
+        match account {
             Some(account) => Ok(Authenticated(account)),
             None => Err(unauthorized("the API token is not valid")),
         }

@@ -27,6 +27,7 @@ pub struct Call {
 /// Resolve the adapter `valid` names, and publish it for `model`.
 pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: ValidRequest) -> Result<Call, ApiError> {
     let stream = valid.stream;
+    let started = std::time::Instant::now();
     let mut requests = [NewRequest {
         custom_id: None,
         request: valid,
@@ -39,7 +40,14 @@ pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: Va
         account_id: Some(account.clone()),
     };
     let timeout = state.config.realtime_timeout;
+    let resolved_in = started.elapsed();
     let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
+    tracing::trace!(
+        %correlation,
+        resolve_ms = resolved_in.as_secs_f64() * 1e3,
+        publish_ms = (started.elapsed() - resolved_in).as_secs_f64() * 1e3,
+        "real-time request published"
+    );
     Ok(Call {
         stream,
         replies,

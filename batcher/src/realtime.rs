@@ -124,6 +124,7 @@ pub async fn forward(
     cancel: &CancellationToken,
 ) -> Result<(), BatcherError> {
     let mut pending = std::collections::VecDeque::new();
+    let mut sent = 0usize;
     loop {
         let event = tokio::select! {
             _ = cancel.cancelled() => return cancelled(reply),
@@ -140,6 +141,10 @@ pub async fn forward(
         // (the broker may be slow to confirm under load) ends the wait:
         // nobody reads the rest.
         pending.push_back(reply.send_pipelined(&message).await?);
+        if sent == 0 {
+            tracing::trace!(correlation = reply.correlation, "first real-time reply sent");
+        }
+        sent += 1;
         if pending.len() > MAX_UNCONFIRMED {
             let confirm = pending.pop_front().expect("not empty");
             tokio::select! {
@@ -364,6 +369,11 @@ fn dispatch(waiters: &Waiters, delivery: &lapin::message::Delivery) {
     let Ok(reply) = serde_json::from_slice::<Reply>(&delivery.data) else {
         return;
     };
+    tracing::trace!(
+        correlation = correlation.as_str(),
+        last = reply.is_last(),
+        "real-time reply received"
+    );
     let mut waiters = waiters.lock().expect("waiters lock");
     let last = reply.is_last();
     if let Some(tx) = waiters.get(correlation.as_str()) {

@@ -422,6 +422,7 @@ impl Worker {
                 return Settle::Ack;
             }
         };
+        tracing::trace!(%correlation, "real-time request taken");
         let inner = &self.inner;
         let cancel = inner.cancels.start(correlation.as_str());
         let started = match inner.backends.get(&request.model) {
