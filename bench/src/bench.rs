@@ -362,6 +362,8 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
         rt_reserved_seqs: 0,
         rt_reserved_blocks_percent: 0,
         policy,
+        // No real-time lane here: steps bounded only by the token budget, as measured before the bound.
+        step_max_ms: 0.0,
         speculation: lorry_engine::runtime::speculative::SpecConfig {
             proposer: lorry_engine::runtime::speculative::Proposer::Off,
             ..Default::default()

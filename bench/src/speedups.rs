@@ -152,6 +152,8 @@ fn engine_config(max_seqs: usize, speculation: SpecConfig, prefix_cache: bool) -
         rt_reserved_blocks_percent: 0,
         prefix_cache,
         speculation,
+        // No real-time lane here: steps bounded only by the token budget.
+        step_max_ms: 0.0,
         ..EngineConfig::default()
     }
 }

@@ -45,7 +45,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::runtime::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
-pub(crate) use crate::runtime::pace::Pace;
+use crate::runtime::pace::Pace;
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
