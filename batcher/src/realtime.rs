@@ -124,7 +124,7 @@ pub async fn forward(
     cancel: &CancellationToken,
 ) -> Result<(), BatcherError> {
     let mut pending = std::collections::VecDeque::new();
-    let mut sent = 0usize;
+    let mut first = true;
     loop {
         let event = tokio::select! {
             _ = cancel.cancelled() => return cancelled(reply),
@@ -141,10 +141,9 @@ pub async fn forward(
         // (the broker may be slow to confirm under load) ends the wait:
         // nobody reads the rest.
         pending.push_back(reply.send_pipelined(&message).await?);
-        if sent == 0 {
+        if std::mem::take(&mut first) {
             tracing::trace!(correlation = reply.correlation, "first real-time reply sent");
         }
-        sent += 1;
         if pending.len() > MAX_UNCONFIRMED {
             let confirm = pending.pop_front().expect("not empty");
             tokio::select! {

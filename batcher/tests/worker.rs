@@ -289,8 +289,9 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let lane = batch_of(pool, &["ok:batch"]).await;
     let before = lane.status().await;
     let connection = broker::connect(&amqp_url(), "lorry-test").await.unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    lane.topology.declare(&channel, [MODEL]).await.unwrap();
+    let publisher = broker::Publisher::open(&connection).await.unwrap();
+    let channel = publisher.channel();
+    lane.topology.declare(channel, [MODEL]).await.unwrap();
     let request = RtRequest {
         model: MODEL.into(),
         request: ValidRequest::parse(Task::Echo, &json!({"prompt": "ok:expired"})).unwrap(),
@@ -302,22 +303,15 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
         .with_reply_to("nobody".into())
         .with_correlation_id("expired".into())
         .with_expiration("1".into());
-    channel
-        .basic_publish(
-            "",
-            &lane.topology.rt_queue(MODEL),
-            Default::default(),
-            &serde_json::to_vec(&request).unwrap(),
-            properties,
-        )
-        .await
-        .unwrap()
+    let body = serde_json::to_vec(&request).unwrap();
+    publisher
+        .publish("", &lane.topology.rt_queue(MODEL), &body, properties)
         .await
         .unwrap();
     let dlq = lane.topology.dead_letter_queue();
     // Each look is a round trip to the broker, which paces the loop; no
     // deadline of its own (nextest's `terminate-after` reports a hang).
-    while depth(&channel, &dlq).await == 0 {
+    while depth(channel, &dlq).await == 0 {
         tokio::task::yield_now().await;
     }
     // A worker takes it off the dead-letter queue and drops it.
@@ -326,29 +320,17 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
         let (worker, stop) = (lane.worker.clone(), stop.clone());
         async move { worker.run(stop).await }
     });
-    while depth(&channel, &dlq).await > 0 {
+    while depth(channel, &dlq).await > 0 {
         tokio::task::yield_now().await;
     }
     // Taken is not yet acked. The dead-letter consumer holds one message at a
     // time: once a second one is taken too, the first was acked (a first
     // requeued instead would come back ahead of it, and the wait never end).
-    channel.confirm_select(Default::default()).await.unwrap();
     let properties = broker::json_properties()
         .with_reply_to("nobody".into())
         .with_correlation_id("expired-too".into());
-    channel
-        .basic_publish(
-            "",
-            &dlq,
-            Default::default(),
-            &serde_json::to_vec(&request).unwrap(),
-            properties,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    while depth(&channel, &dlq).await > 0 {
+    publisher.publish("", &dlq, &body, properties).await.unwrap();
+    while depth(channel, &dlq).await > 0 {
         tokio::task::yield_now().await;
     }
     stop.cancel();

@@ -73,10 +73,16 @@ impl StepCost {
     /// between two buckets seen, on the line between them; beyond the last
     /// (or before the first), on the line through the two nearest.
     pub(crate) fn predict(&self, tokens: usize) -> Option<f64> {
-        let seen: Vec<Point> = self.points.iter().copied().filter(|p| p.seen).collect();
+        // Called a few dozen times a step: the buckets seen, gathered on the stack.
+        let mut seen = [Point::default(); BUCKETS];
+        let mut count = 0;
+        for p in self.points.iter().filter(|p| p.seen) {
+            seen[count] = *p;
+            count += 1;
+        }
         let x = tokens.max(1) as f64;
         let proportional = |p: &Point| p.ms * x / p.tokens.max(1.0);
-        let (a, b) = match seen.as_slice() {
+        let (a, b) = match &seen[..count] {
             [] => return None,
             [only] => return Some(proportional(only)),
             points => {

@@ -165,6 +165,11 @@ impl Scheduler {
         }
     }
 
+    /// Tokens computed per step at most.
+    pub(crate) fn token_budget(&self) -> usize {
+        self.config.token_budget
+    }
+
     /// The most tokens one sequence can ever hold.
     pub(crate) fn capacity_tokens(&self) -> usize {
         self.pool.total_blocks() * self.pool.block_size()

@@ -339,7 +339,6 @@ struct EngineLoop {
     rt_linger: std::time::Duration,
     rt_pace_min_step_ms: f64,
     step_max_ms: f64,
-    token_budget: usize,
 }
 
 impl EngineLoop {
@@ -398,7 +397,6 @@ impl EngineLoop {
             rt_linger: config.rt_linger,
             rt_pace_min_step_ms: config.rt_pace_min_step_ms,
             step_max_ms: config.step_max_ms,
-            token_budget: config.token_budget,
         }
     }
 
@@ -618,7 +616,8 @@ impl EngineLoop {
         let pace = self.pace();
         // Until a step was measured, and without a bound, only the token budget counts.
         let max_tokens = if self.step_max_ms > 0.0 && self.cost.predict(1).is_some() {
-            self.cost.tokens_within(self.step_max_ms, 1, self.token_budget)
+            self.cost
+                .tokens_within(self.step_max_ms, 1, self.scheduler.token_budget())
         } else {
             usize::MAX
         };
