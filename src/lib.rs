@@ -27,7 +27,6 @@ use lorry_batcher::webhooks::WebhookSender;
 use lorry_batcher::worker::Worker;
 use lorry_engine::adapters::Adapters;
 use lorry_engine::catalog::ModelSource;
-use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::echo::{EchoConfig, EchoEngine};
 use lorry_engine::runtime::embedding::{Embedder, EmbeddingEngine};
 use lorry_engine::runtime::text_engine::TextEngine;
@@ -233,7 +232,7 @@ async fn start_backends(
                     (Arc::new(EmbeddingEngine::start(&source.name, embedder)), None)
                 }
                 _ => {
-                    let model = TextModel::open(&source.dir, &Device::Cpu).with_context(context)?;
+                    let model = engine_args.open_model(&source.dir).with_context(context)?;
                     let draft = engine_args
                         .draft_for(&model, source.draft.as_deref())
                         .with_context(context)?;

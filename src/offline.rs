@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::lora::{Adapter, AdapterLimits};
 use lorry_engine::models::bert::Pooling;
-use lorry_engine::models::llama::Llama;
+use lorry_engine::models::llama::{Llama, Products};
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::embedding::Embedder;
 use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
@@ -59,8 +59,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         }
     }
     let requests = generate_requests(&args.input, &adapter_dirs)?;
-    let model =
-        TextModel::open(&args.model, &Device::Cpu).with_context(|| format!("loading {}", args.model.display()))?;
+    let model = args.engine.open_model(&args.model)?;
     // Each adapter is checked here, so that a bad one is named before any work.
     let mut adapters: HashMap<String, AdapterRef> = HashMap::new();
     for (name, dir) in &adapter_dirs {
@@ -205,6 +204,12 @@ pub struct EngineArgs {
     /// unchanged, but a seed's draws then depend on what shares the batch).
     #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]
     pub speculate_sampled: bool,
+    /// How quantized weights are multiplied: `native` (a GGUF file's `Q8_0`,
+    /// `Q4_0` and `Q4_1` blocks as they are, each token row quantized to
+    /// 8-bit blocks) or `exact` (every weight dequantized at load and token
+    /// rows in f32: transformers' arithmetic, several times the bytes a step reads).
+    #[arg(long, env = "LORRY_PRODUCTS", default_value = "native", value_parser = products)]
+    pub products: Products,
 }
 
 /// `--speculate`.
@@ -232,6 +237,14 @@ impl Speculate {
     }
 }
 
+fn products(value: &str) -> Result<Products, String> {
+    match value {
+        "native" => Ok(Products::Native),
+        "exact" => Ok(Products::Exact),
+        _ => Err(format!("{value:?}: expected native or exact")),
+    }
+}
+
 fn on_off(value: &str) -> Result<bool, String> {
     match value {
         "on" => Ok(true),
@@ -241,6 +254,11 @@ fn on_off(value: &str) -> Result<bool, String> {
 }
 
 impl EngineArgs {
+    /// Load the text-generation checkpoint at `path` with these flags' products.
+    pub fn open_model(&self, path: &Path) -> anyhow::Result<TextModel> {
+        TextModel::open_with(path, &Device::Cpu, self.products).with_context(|| format!("loading {}", path.display()))
+    }
+
     /// The engine configuration these flags describe.
     pub fn config(&self) -> EngineConfig {
         EngineConfig {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::lora::{Adapter, AdapterLimits, LoraWeights, PackedAdapter, Target};
-use lorry_engine::models::llama::Config;
+use lorry_engine::models::llama::{Config, Products};
 use lorry_engine::ops::gemm::{self, Kernel, PackedMatrix, Precision};
 
 use anyhow::{bail, Context as _};
@@ -159,6 +159,11 @@ pub struct EngineBenchArgs {
     /// Weight precisions to write the `bench` fixture in and decode with (without `--model`).
     #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
     pub dtype: Vec<String>,
+    /// With `--model`: the products to measure it with, each in turn
+    /// (`native`: a GGUF file's quantized blocks as they are; `exact`: every
+    /// weight dequantized at load).
+    #[arg(long, value_delimiter = ',', default_value = "native")]
+    pub products: Vec<String>,
     /// Batch sizes to decode at.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub batch: Vec<usize>,
@@ -401,8 +406,16 @@ fn checkpoint_bytes(path: &std::path::Path) -> u64 {
 /// weight precision against the rooflines, then continuous versus static batching.
 pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let scratch = std::env::temp_dir().join(format!("lorry-bench-model-{}", std::process::id()));
-    let models: Vec<(String, PathBuf)> = match &args.model {
-        Some(dir) => vec![("checkpoint".to_string(), dir.clone())],
+    let models: Vec<(String, PathBuf, Products)> = match &args.model {
+        Some(dir) => args
+            .products
+            .iter()
+            .map(|name| match name.as_str() {
+                "native" => Ok((name.clone(), dir.clone(), Products::Native)),
+                "exact" => Ok((name.clone(), dir.clone(), Products::Exact)),
+                _ => bail!("--products {name}: expected native or exact"),
+            })
+            .collect::<anyhow::Result<_>>()?,
         None => args
             .dtype
             .iter()
@@ -411,11 +424,11 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 let dir = scratch.join(name);
                 eprintln!("writing the bench fixture in {name} to {}", dir.display());
                 fixtures::write_as(Fixture::Bench, &dir, dtype)?;
-                Ok((name.clone(), dir))
+                Ok((name.clone(), dir, Products::Native))
             })
             .collect::<anyhow::Result<_>>()?,
     };
-    let Some((_, first)) = models.first() else {
+    let Some((_, first, _)) = models.first() else {
         bail!("no model to measure: give --model or at least one --dtype");
     };
     let config = lorry_engine::models::llama::Llama::config_of(first)?;
@@ -447,9 +460,9 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut reference = None;
     let mut loads = Vec::new();
-    for (name, dir) in &models {
+    for (name, dir, products) in &models {
         let started = Instant::now();
-        let model = TextModel::open(dir, &Device::Cpu)?;
+        let model = TextModel::open_with(dir, &Device::Cpu, *products)?;
         let seconds = started.elapsed().as_secs_f64();
         loads.push(format!(
             "{name}: {seconds:.2} s; {:.0} MB of checkpoint, {:.0} MB of projection weights as served ({} bytes each), process resident {:.0} MB",

@@ -2,6 +2,9 @@
 //! tensors renamed to Hugging Face's names and dequantized, as transformers'
 //! GGUF loader (`integrations/ggml.py`, `modeling_gguf_pytorch_utils.py`)
 //! reads them. The file is read with candle-core's `quantized::gguf_file`.
+//! Projections in a block format the engine multiplies as it is (`Q8_0`,
+//! `Q4_0`, `Q4_1`: [`crate::ops::quant`]) are read as their blocks instead
+//! ([`GgufFile::blocks`]), unless the exact products are asked for.
 //!
 //! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of the
 //! `llama` architecture for its interleaved rotary embedding; the permutation
@@ -19,8 +22,9 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
-use super::llama::{Activation, Config, RopeScaling};
+use super::llama::{Activation, Config, QuantSource, RopeScaling};
 use super::ModelError;
+use crate::ops::quant::{QuantMatrix, QuantType};
 
 type Result<T> = std::result::Result<T, ModelError>;
 
@@ -411,6 +415,17 @@ impl GgufFile {
         Ok(VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone()))
     }
 
+    /// The projections held in a block format the products run on
+    /// ([`QuantType`]), read as blocks when the model asks for them; every
+    /// other tensor comes dequantized through [`GgufFile::var_builder`].
+    pub(crate) fn blocks(&self, config: &Config) -> Result<Blocks<'_>> {
+        Ok(Blocks {
+            file: self,
+            config: config.clone(),
+            names: self.hf_names()?,
+        })
+    }
+
     fn reader(&self) -> Result<BufReader<File>> {
         Ok(BufReader::new(
             File::open(&self.path).map_err(super::io_error(&self.path))?,
@@ -518,6 +533,53 @@ impl SimpleBackend for Lazy<'_> {
     }
 }
 
+/// A GGUF file's quantized projections, under Hugging Face's names
+/// ([`GgufFile::blocks`]).
+pub(crate) struct Blocks<'a> {
+    file: &'a GgufFile,
+    config: Config,
+    names: HashMap<String, String>,
+}
+
+impl QuantSource for Blocks<'_> {
+    fn quantized(&self, name: &str) -> Result<Option<QuantMatrix>> {
+        let Some(file_name) = self.names.get(name) else {
+            return Ok(None);
+        };
+        let info = &self.file.content.tensor_infos[file_name];
+        let Some(ty) = QuantType::from_ggml(info.ggml_dtype) else {
+            return Ok(None);
+        };
+        let Ok((rows, cols)) = info.shape.dims2() else {
+            return Ok(None);
+        };
+        let heads = if self.file.arch != Arch::Llama {
+            None
+        } else if file_name.ends_with("attn_q.weight") {
+            Some(self.config.num_heads)
+        } else if file_name.ends_with("attn_k.weight") {
+            Some(self.config.num_kv_heads)
+        } else {
+            None
+        };
+        let order = heads.map(|heads| unpermuted_rows(rows, heads)).transpose()?;
+        let q = self
+            .file
+            .content
+            .tensor(&mut self.file.reader()?, file_name, &Device::Cpu)
+            .and_then(|q| q.data().map(|d| d.into_owned()))
+            .map_err(|e| {
+                self.file.error(format!(
+                    "tensor {file_name}: {}",
+                    e.to_string().lines().next().unwrap_or_default()
+                ))
+            })?;
+        QuantMatrix::from_blocks(ty, &q, rows, cols, order.as_deref())
+            .map(Some)
+            .map_err(|e| self.file.error(format!("tensor {file_name}: {e}")))
+    }
+}
+
 /// Hugging Face's name of a llama.cpp tensor name.
 fn hf_name(name: &str) -> Option<String> {
     let fixed = match name {
@@ -549,6 +611,23 @@ fn hf_name(name: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// [`unpermute`] as a row order: row `r` of the result is row `order[r]`
+/// of the file's.
+fn unpermuted_rows(rows: usize, heads: usize) -> Result<Vec<usize>> {
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(ModelError::Gguf(format!(
+            "a query/key projection of {rows} rows does not split into {heads} heads"
+        )));
+    }
+    let half = rows / heads / 2;
+    Ok((0..rows)
+        .map(|r| {
+            let (head, within) = (r / (2 * half), r % (2 * half));
+            head * 2 * half + (within % half) * 2 + within / half
+        })
+        .collect())
 }
 
 /// Undo llama.cpp's `permute`: its rows of each head are the two rotary
@@ -637,6 +716,22 @@ mod tests {
         for (w, g) in want.iter().zip(&got) {
             assert!((w - g).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
         }
+    }
+
+    #[test]
+    fn the_unpermuted_row_order_is_the_unpermuted_tensor() {
+        let (rows, cols, heads) = (24, 3, 3);
+        let t = Tensor::arange(0f32, (rows * cols) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((rows, cols))
+            .unwrap();
+        let want = unpermute(&t, heads).unwrap().to_vec2::<f32>().unwrap();
+        let source = t.to_vec2::<f32>().unwrap();
+        let order = unpermuted_rows(rows, heads).unwrap();
+        for (r, &from) in order.iter().enumerate() {
+            assert_eq!(want[r], source[from], "row {r}");
+        }
+        assert!(unpermuted_rows(10, 3).is_err());
     }
 
     #[test]

@@ -33,6 +33,7 @@ use serde::Deserialize;
 use super::{load_tensors, read_config, ModelError};
 use crate::lora::{PackedAdapter, Target};
 use crate::ops::gemm::PackedMatrix;
+use crate::ops::quant::QuantMatrix;
 use crate::ops::sgmv::{CpuSgmv, Segment, Sgmv};
 use crate::runtime::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::runtime::sampling::{Sampler, SamplingParams};
@@ -428,25 +429,98 @@ enum Weight {
     Tensor(Tensor),
     /// On the CPU: panels for [`gemm`], laid out once.
     Packed(PackedMatrix),
+    /// On the CPU: a GGUF file's quantized blocks, multiplied as they are
+    /// ([`crate::ops::quant`]).
+    Quant(QuantMatrix),
+}
+
+/// Where a projection's weights may come as quantized blocks (a GGUF file).
+pub(crate) trait QuantSource {
+    /// The blocks of the weight under Hugging Face's `name`, where the
+    /// checkpoint holds them in a format the products run on.
+    fn quantized(&self, name: &str) -> Result<Option<QuantMatrix>>;
+}
+
+/// How a checkpoint's projections are multiplied.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Products {
+    /// Quantized blocks (GGUF's `Q8_0`, `Q4_0`, `Q4_1`) kept and multiplied
+    /// as they are, each token row quantized to 8-bit blocks; other weights
+    /// as [`Products::Exact`].
+    #[default]
+    Native,
+    /// Every weight dequantized at load (half precision kept and widened in
+    /// the product), token rows in f32: the arithmetic of transformers'
+    /// GGUF loader.
+    Exact,
+}
+
+/// What the projections of a load are read as: `dtype` for tensors, and
+/// the quantized blocks of `blocks` where it has them.
+#[derive(Clone, Copy)]
+struct Projections<'q> {
+    dtype: DType,
+    blocks: Option<&'q dyn QuantSource>,
 }
 
 impl Linear {
     /// `(outputs, inputs)` weights in `dtype` (the checkpoint's, so that
     /// half-precision panels stay half), with an f32 bias if asked.
-    fn load(vb: VarBuilder, inputs: usize, outputs: usize, bias: bool, dtype: DType) -> Result<Self> {
+    /// Where `p` has the weight as quantized blocks, those.
+    fn load(vb: VarBuilder, inputs: usize, outputs: usize, bias: bool, p: Projections<'_>) -> Result<Self> {
+        let bias = if bias { Some(vb.get(outputs, "bias")?) } else { None };
+        let name = format!("{}.weight", vb.prefix());
+        if let Some(q) = p.blocks.map(|b| b.quantized(&name)).transpose()?.flatten() {
+            if (q.outputs(), q.inputs()) != (outputs, inputs) {
+                return Err(ModelError::Config(format!(
+                    "{name} is {}×{}, the configuration makes it {outputs}×{inputs}",
+                    q.outputs(),
+                    q.inputs()
+                )));
+            }
+            return Ok(Linear {
+                weight: Weight::Quant(q),
+                bias,
+            });
+        }
         Ok(Linear {
-            weight: Weight::Tensor(vb.to_dtype(dtype).get((outputs, inputs), "weight")?),
-            bias: if bias { Some(vb.get(outputs, "bias")?) } else { None },
+            weight: Weight::Tensor(vb.to_dtype(p.dtype).get((outputs, inputs), "weight")?),
+            bias,
         })
     }
 
-    /// Several layers over the same input as one, their outputs side by side.
+    /// Several layers over the same input as one, their outputs side by
+    /// side: quantized blocks stay blocks where every part is quantized.
     fn stack(parts: &[Linear]) -> Result<Self> {
-        let weights = parts.iter().map(Linear::weight_tensor).collect::<Result<Vec<_>>>()?;
         let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
+        let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+        let quantized: Option<Vec<QuantMatrix>> = parts
+            .iter()
+            .map(|p| match &p.weight {
+                Weight::Quant(q) => Some(q.clone()),
+                _ => None,
+            })
+            .collect();
+        if let Some(stacked) = quantized.and_then(|q| QuantMatrix::stack(&q)) {
+            return Ok(Linear {
+                weight: Weight::Quant(stacked),
+                bias,
+            });
+        }
+        let weights = parts.iter().map(Linear::weight_tensor).collect::<Result<Vec<_>>>()?;
+        // Mixed parts: blocks dequantized, every part in the widest precision.
+        let dtype = if weights.iter().all(|w| w.dtype() == weights[0].dtype()) {
+            weights[0].dtype()
+        } else {
+            DType::F32
+        };
+        let weights = weights
+            .iter()
+            .map(|w| w.to_dtype(dtype))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Linear {
             weight: Weight::Tensor(Tensor::cat(&weights, 0)?),
-            bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
+            bias,
         })
     }
 
@@ -469,7 +543,7 @@ impl Linear {
     /// (`lora`: the pass, the layer, and where each adapted projection's
     /// outputs start), added where the product lies.
     fn forward_adapted(&self, x: &Tensor, lora: Option<Adapted<'_, '_>>) -> Result<Tensor> {
-        let Weight::Packed(w) = &self.weight else {
+        if let Weight::Tensor(_) = &self.weight {
             let y = x.matmul(&self.weight_tensor()?.t()?)?;
             let y = match &self.bias {
                 Some(b) => y.broadcast_add(b)?,
@@ -493,34 +567,55 @@ impl Linear {
             }
         };
         let segments = lora.as_ref().map(|a| a.pass.segments(a.layer, a.parts));
-        // Without a bias, the adapters' expand runs inside the product where
-        // that pays.
-        if let Some(segments) = segments.as_ref().filter(|s| self.bias.is_none() && CpuSgmv::fusable(s)) {
-            let product = CpuSgmv.apply_fused(w, rows, tokens, segments)?;
-            drop(storage);
-            return Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?);
-        }
-        let mut product = w.matmul(rows, tokens);
+        let (mut product, outputs) = match &self.weight {
+            Weight::Packed(w) => {
+                // Without a bias, the adapters' expand runs inside the product
+                // where that pays.
+                if let Some(segments) = segments.as_ref().filter(|s| self.bias.is_none() && CpuSgmv::fusable(s)) {
+                    let product = CpuSgmv.apply_fused(w, rows, tokens, segments)?;
+                    drop(storage);
+                    return Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?);
+                }
+                (w.matmul(rows, tokens), w.outputs())
+            }
+            Weight::Quant(q) => (q.matmul(rows, tokens), q.outputs()),
+            Weight::Tensor(_) => unreachable!("handled above"),
+        };
         if let Some(bias) = &self.bias {
             let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            for row in product.chunks_exact_mut(w.outputs()) {
+            for row in product.chunks_exact_mut(outputs) {
                 for (y, b) in row.iter_mut().zip(&bias) {
                     *y += b;
                 }
             }
         }
         if let Some(segments) = segments {
-            CpuSgmv.apply_rows(rows, inputs, &mut product, w.outputs(), &segments)?;
+            CpuSgmv.apply_rows(rows, inputs, &mut product, outputs, &segments)?;
         }
         drop(storage);
-        Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?)
+        Ok(Tensor::from_vec(product, (tokens, outputs), x.device())?)
     }
 
-    /// The weight as a tensor, where it is not packed.
-    fn weight_tensor(&self) -> Result<&Tensor> {
+    /// The weight as a tensor, where it is not packed (quantized blocks
+    /// dequantized to f32).
+    fn weight_tensor(&self) -> Result<Tensor> {
         match &self.weight {
-            Weight::Tensor(t) => Ok(t),
+            Weight::Tensor(t) => Ok(t.clone()),
+            Weight::Quant(q) => Ok(Tensor::from_vec(
+                q.dequantize(),
+                (q.outputs(), q.inputs()),
+                &Device::Cpu,
+            )?),
             Weight::Packed(_) => Err(ModelError::Config("packed weights have no tensor".into())),
+        }
+    }
+
+    /// Bytes the weight is read in, and its parameters.
+    fn weight_bytes(&self) -> (usize, usize) {
+        match &self.weight {
+            Weight::Packed(w) => (w.bytes(), w.outputs() * w.inputs()),
+            Weight::Quant(q) => (q.bytes(), q.outputs() * q.inputs()),
+            Weight::Tensor(t) => (t.elem_count() * t.dtype().size_in_bytes(), t.elem_count()),
         }
     }
 }
@@ -541,16 +636,16 @@ fn rows(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, p: Projections<'_>) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         Ok(Attention {
             qkv_proj: Linear::stack(&[
-                Linear::load(vb.pp("q_proj"), h, cfg.num_heads * d, cfg.qkv_bias, dtype)?,
-                Linear::load(vb.pp("k_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype)?,
-                Linear::load(vb.pp("v_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype)?,
+                Linear::load(vb.pp("q_proj"), h, cfg.num_heads * d, cfg.qkv_bias, p)?,
+                Linear::load(vb.pp("k_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, p)?,
+                Linear::load(vb.pp("v_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, p)?,
             ])?
             .packed()?,
-            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias, dtype)?.packed()?,
+            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias, p)?.packed()?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -657,15 +752,15 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, p: Projections<'_>) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Mlp {
             gate_up_proj: Linear::stack(&[
-                Linear::load(vb.pp("gate_proj"), h, i, false, dtype)?,
-                Linear::load(vb.pp("up_proj"), h, i, false, dtype)?,
+                Linear::load(vb.pp("gate_proj"), h, i, false, p)?,
+                Linear::load(vb.pp("up_proj"), h, i, false, p)?,
             ])?
             .packed()?,
-            down_proj: Linear::load(vb.pp("down_proj"), i, h, false, dtype)?.packed()?,
+            down_proj: Linear::load(vb.pp("down_proj"), i, h, false, p)?.packed()?,
             activation: cfg.activation,
             intermediate: i,
         })
@@ -704,12 +799,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Config, p: Projections<'_>) -> Result<Self> {
         Ok(DecoderLayer {
             input_layernorm: norm(vb.pp("input_layernorm"), cfg)?,
-            self_attn: Attention::load(vb.pp("self_attn"), cfg, dtype)?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg, p)?,
             post_attention_layernorm: norm(vb.pp("post_attention_layernorm"), cfg)?,
-            mlp: Mlp::load(vb.pp("mlp"), cfg, dtype)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg, p)?,
         })
     }
 
@@ -725,10 +820,50 @@ impl DecoderLayer {
     }
 }
 
+/// The token embedding.
+#[derive(Debug, Clone)]
+enum Embed {
+    /// A table of f32 rows.
+    Table(Embedding),
+    /// A GGUF file's quantized rows (on the CPU), dequantized as tokens ask
+    /// for them: the table costs its blocks' bytes, not four a weight.
+    Rows(QuantMatrix),
+}
+
+impl Embed {
+    fn device(&self) -> &Device {
+        match self {
+            Embed::Table(t) => t.embeddings().device(),
+            Embed::Rows(_) => &Device::Cpu,
+        }
+    }
+
+    /// The rows of `ids`, `(ids, hidden)`.
+    fn forward(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        match self {
+            Embed::Table(t) => Ok(t.forward(&Tensor::new(ids, device)?)?),
+            Embed::Rows(rows) => {
+                let hidden = rows.inputs();
+                let mut x = vec![0f32; ids.len() * hidden];
+                for (&id, out) in ids.iter().zip(x.chunks_exact_mut(hidden.max(1))) {
+                    if id as usize >= rows.outputs() {
+                        return Err(ModelError::Config(format!(
+                            "token {id} is outside the vocabulary of {}",
+                            rows.outputs()
+                        )));
+                    }
+                    rows.dequantize_row(id as usize, out);
+                }
+                Ok(Tensor::from_vec(x, (ids.len(), hidden), device)?)
+            }
+        }
+    }
+}
+
 /// A Llama-family causal language model.
 #[derive(Debug, Clone)]
 pub struct Llama {
-    embed_tokens: Embedding,
+    embed_tokens: Embed,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -742,17 +877,39 @@ impl Llama {
     /// bf16 weights are widened inside the product, not at load); everything
     /// else in the builder's dtype.
     pub fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
+        Llama::load_from(vb, cfg, Projections { dtype, blocks: None })
+    }
+
+    /// [`Llama::load`], projections read as `p` says.
+    fn load_from(vb: VarBuilder, cfg: &Config, p: Projections<'_>) -> Result<Self> {
         let model = vb.pp("model");
-        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, model.pp("embed_tokens"))?;
-        let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::load(model.pp("layers").pp(i), cfg, dtype))
-            .collect::<Result<Vec<_>>>()?;
-        let head = if cfg.tie_word_embeddings {
-            model.pp("embed_tokens")
-        } else {
-            vb.pp("lm_head")
+        let rows = p
+            .blocks
+            .map(|b| b.quantized("model.embed_tokens.weight"))
+            .transpose()?
+            .flatten();
+        let embed_tokens = match rows {
+            Some(rows) if (rows.outputs(), rows.inputs()) == (cfg.vocab_size, cfg.hidden_size) => Embed::Rows(rows),
+            _ => Embed::Table(embedding(cfg.vocab_size, cfg.hidden_size, model.pp("embed_tokens"))?),
         };
-        let lm_head = Linear::load(head, cfg.hidden_size, cfg.vocab_size, false, dtype)?.packed()?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| DecoderLayer::load(model.pp("layers").pp(i), cfg, p))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = match &embed_tokens {
+            // A tied head multiplies the embedding's own blocks.
+            Embed::Rows(rows) if cfg.tie_word_embeddings => Linear {
+                weight: Weight::Quant(rows.clone()),
+                bias: None,
+            },
+            _ => {
+                let head = if cfg.tie_word_embeddings {
+                    model.pp("embed_tokens")
+                } else {
+                    vb.pp("lm_head")
+                };
+                Linear::load(head, cfg.hidden_size, cfg.vocab_size, false, p)?.packed()?
+            }
+        };
         Ok(Llama {
             norm: norm(model.pp("norm"), cfg)?,
             rotary: Rotary::new(cfg),
@@ -763,12 +920,25 @@ impl Llama {
         })
     }
 
-    /// Bytes a projection weight is read in: 4 for f32, 2 for f16 and bf16.
+    /// Bytes a projection weight is read in, on average over every
+    /// projection a token passes: 4 for f32, 2 for f16 and bf16, 1.0625 for
+    /// `Q8_0`, 0.625 for `Q4_1`, ...
     pub fn weight_bytes_per_param(&self) -> f64 {
-        match &self.lm_head.weight {
-            Weight::Packed(w) => w.precision().bytes() as f64,
-            Weight::Tensor(t) => t.dtype().size_in_bytes() as f64,
-        }
+        let (bytes, params) = self
+            .layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    &l.self_attn.qkv_proj,
+                    &l.self_attn.o_proj,
+                    &l.mlp.gate_up_proj,
+                    &l.mlp.down_proj,
+                ]
+            })
+            .chain([&self.lm_head])
+            .map(Linear::weight_bytes)
+            .fold((0, 0), |(b, p), (lb, lp)| (b + lb, p + lp));
+        bytes as f64 / params.max(1) as f64
     }
 
     /// The configuration.
@@ -807,6 +977,39 @@ impl Llama {
         cache: &mut SequenceCache,
         adapter: Option<&PackedAdapter>,
     ) -> Result<Tensor> {
+        Ok(self.forward_positions(tokens, cache, adapter, 1)?.squeeze(0)?)
+    }
+
+    /// Mean negative log-likelihood (nats a token) of each of `tokens` after
+    /// the ones before it, the text run in pieces of `chunk` tokens.
+    pub fn mean_nll(&self, tokens: &[u32], chunk: usize) -> Result<f64> {
+        let mut cache = self.new_cache();
+        let (mut total, mut count) = (0f64, 0usize);
+        for (i, piece) in tokens.chunks(chunk.max(1)).enumerate() {
+            let logits = self.forward_positions(piece, &mut cache, None, piece.len())?;
+            let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            for (at, row) in logits.iter().enumerate() {
+                let Some(&next) = tokens.get(i * chunk.max(1) + at + 1) else {
+                    break;
+                };
+                let max = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) as f64;
+                let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+                total += max + sum.ln() - row[next as usize] as f64;
+                count += 1;
+            }
+        }
+        Ok(total / count.max(1) as f64)
+    }
+
+    /// Run `tokens` after what `cache` holds; the logits after each of the
+    /// last `positions` of them, `(positions, vocab)`.
+    fn forward_positions(
+        &self,
+        tokens: &[u32],
+        cache: &mut SequenceCache,
+        adapter: Option<&PackedAdapter>,
+        positions: usize,
+    ) -> Result<Tensor> {
         let start = cache.table.len();
         let short = cache.table.blocks_needed(&cache.pool, tokens.len());
         let short = short.saturating_sub(cache.pool.free_blocks());
@@ -820,10 +1023,10 @@ impl Llama {
             tokens,
             start,
             blocks: cache.table.blocks(),
-            logits: 1,
+            logits: positions,
             adapter,
         };
-        Ok(self.forward_batch(&[chunk], &mut cache.kv)?.squeeze(0)?)
+        self.forward_batch(&[chunk], &mut cache.kv)
     }
 
     /// One batched step: every chunk's tokens run together, keys and values go
@@ -837,7 +1040,7 @@ impl Llama {
                 c.start + c.tokens.len()
             )));
         }
-        let device = self.embed_tokens.embeddings().device();
+        let device = self.embed_tokens.device();
         let ids: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
         let pass = Pass {
             rotary: &self.rotary,
@@ -852,7 +1055,7 @@ impl Llama {
             positions: chunks.iter().flat_map(|c| c.start..c.start + c.tokens.len()).collect(),
             adapters: group_by_adapter(chunks),
         };
-        let mut x = self.embed_tokens.forward(&Tensor::new(ids.as_slice(), device)?)?;
+        let mut x = self.embed_tokens.forward(&ids, device)?;
         if self.config.scale_embeddings {
             x = (x * (self.config.hidden_size as f64).sqrt())?;
         }
@@ -911,12 +1114,18 @@ impl Llama {
         Llama::load(vb, &cfg, dtype)
     }
 
-    /// Load a GGUF file: its tensors dequantized one at a time as the layers
-    /// ask for them (f32, or the file's own f16/bf16 where every projection
-    /// is half precision).
-    pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device) -> Result<Self> {
+    /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0` or `Q4_1`
+    /// as their blocks (unless `products` is [`Products::Exact`]); other
+    /// tensors dequantized one at a time as the layers ask for them (f32, or
+    /// the file's own f16/bf16 where every projection is half precision).
+    pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device, products: Products) -> Result<Self> {
         let cfg = file.config()?;
-        Llama::load(file.var_builder(&cfg, device)?, &cfg, file.projection_dtype())
+        let blocks = file.blocks(&cfg)?;
+        let p = Projections {
+            dtype: file.projection_dtype(),
+            blocks: (products == Products::Native && device.is_cpu()).then_some(&blocks as &dyn QuantSource),
+        };
+        Llama::load_from(file.var_builder(&cfg, device)?, &cfg, p)
     }
 
     /// The configuration of a checkpoint (a GGUF file or a Hugging Face
@@ -932,7 +1141,7 @@ impl Llama {
     /// Load a checkpoint: a GGUF file or a Hugging Face directory.
     pub fn open(path: &Path, device: &Device) -> Result<Self> {
         if super::gguf::is_gguf(path) {
-            Llama::from_gguf(&super::gguf::GgufFile::open(path)?, device)
+            Llama::from_gguf(&super::gguf::GgufFile::open(path)?, device, Products::Native)
         } else {
             Llama::from_dir(path, device)
         }

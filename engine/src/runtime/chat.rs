@@ -22,7 +22,7 @@ use tokenizers::Tokenizer;
 
 use crate::input::{InputError, Message, Prompt};
 use crate::lora::PackedAdapter;
-use crate::models::llama::Llama;
+use crate::models::llama::{Llama, Products};
 use crate::models::ModelError;
 use crate::runtime::sampling::{Sampler, SamplingParams};
 use crate::EngineError;
@@ -123,17 +123,23 @@ fn generation_eos(config: &Value) -> Vec<u32> {
 }
 
 impl TextModel {
-    /// Load a checkpoint: a GGUF file or a Hugging Face directory.
+    /// Load a checkpoint: a GGUF file or a Hugging Face directory, its
+    /// quantized projections multiplied as they are ([`Products::Native`]).
     pub fn open(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        TextModel::open_with(path, device, Products::Native)
+    }
+
+    /// [`TextModel::open`], the products as `products` says.
+    pub fn open_with(path: &Path, device: &Device, products: Products) -> Result<Self, ModelError> {
         if crate::models::gguf::is_gguf(path) {
-            TextModel::from_gguf(path, device)
+            TextModel::from_gguf(path, device, products)
         } else {
             TextModel::from_dir(path, device)
         }
     }
 
     /// Load a GGUF file: weights, tokenizer and chat template from the one file.
-    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self, ModelError> {
+    pub fn from_gguf(path: &Path, device: &Device, products: Products) -> Result<Self, ModelError> {
         let file = crate::models::gguf::GgufFile::open(path)?;
         // The tokenizer first: a file without one fails before its weights are read.
         let (tokenizer, specials) = crate::models::vocab::from_gguf(&file)?;
@@ -141,7 +147,7 @@ impl TextModel {
             Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(compile(t.clone())?),
             _ => None,
         };
-        let model = Llama::from_gguf(&file, device)?;
+        let model = Llama::from_gguf(&file, device, products)?;
         Ok(TextModel {
             model,
             tokenizer,
