@@ -10,11 +10,13 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::lora::{Adapter, AdapterLimits, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::{Config, Products};
 use lorry_engine::ops::gemm::{self, Kernel, PackedMatrix, Precision};
+use lorry_engine::ops::quant::{QuantKernel, QuantMatrix, QuantType};
 
 use anyhow::{bail, Context as _};
 use lorry_engine::fixtures::{self, Fixture};
@@ -224,9 +226,18 @@ fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
     })
 }
 
+/// A step's weights as one run of the products table multiplies them.
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    Panels(&'a [PackedMatrix], Kernel),
+    Blocks(&'a [QuantMatrix], QuantKernel),
+}
+
 /// One step's products (every layer's own weights, so that they stream from
 /// memory as in the model), timed at each batch size: candle's `matmul`
-/// against the packed kernel in each precision.
+/// against the packed kernel in each precision, and the quantized kernels
+/// on the same weights in `Q8_0` and `Q4_1` (rates counted as the f32
+/// product's multiply-adds).
 fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
     let shapes = config.matmul_shapes();
     let weights: Vec<Tensor> = shapes
@@ -256,14 +267,34 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         .filter(|k| *k != Kernel::Portable)
         .collect();
     let best = *kernels.first().unwrap_or(&Kernel::Portable);
-    let mut runs: Vec<(String, &[PackedMatrix], Kernel)> = Vec::new();
+    let mut runs: Vec<(String, Weights<'_>)> = Vec::new();
     for (i, (name, matrices)) in packed.iter().enumerate() {
         if i == 0 {
             for &kernel in &kernels {
-                runs.push((format!("{name} {kernel:?}"), matrices, kernel));
+                runs.push((format!("{name} {kernel:?}"), Weights::Panels(matrices, kernel)));
             }
         } else {
-            runs.push((format!("{name} {best:?}"), matrices, best));
+            runs.push((format!("{name} {best:?}"), Weights::Panels(matrices, best)));
+        }
+    }
+    // The same weights in GGUF's blocks, on every quantized kernel this CPU has.
+    let blocks: Vec<(&str, Vec<QuantMatrix>)> = [("Q8_0", QuantType::Q8_0, GgmlDType::Q8_0), ("Q4_1", QuantType::Q4_1, GgmlDType::Q4_1)]
+        .into_iter()
+        .map(|(name, ty, ggml)| {
+            let matrices = weights
+                .iter()
+                .map(|w| {
+                    let (n, k) = w.dims2()?;
+                    let data = QTensor::quantize(w, ggml)?.data()?.into_owned();
+                    QuantMatrix::from_blocks(ty, &data, n, k, None).map_err(|e| anyhow::anyhow!("{e}"))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok((name, matrices))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for (name, matrices) in &blocks {
+        for kernel in QuantKernel::available().into_iter().filter(|k| *k != QuantKernel::Portable) {
+            runs.push((format!("{name} {kernel:?}"), Weights::Blocks(matrices, kernel)));
         }
     }
     println!(
@@ -295,12 +326,23 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
             Ok(())
         })?);
         let mut times = Vec::new();
-        for (_, matrices, kernel) in &runs {
+        for (_, weights) in &runs {
             times.push(best_of(3, || {
-                for (w, x) in matrices.iter().zip(&rows) {
-                    let mut out = vec![0f32; m * w.outputs()];
-                    w.matmul_into(x, m, &mut out, *kernel);
-                    std::hint::black_box(out);
+                match *weights {
+                    Weights::Panels(matrices, kernel) => {
+                        for (w, x) in matrices.iter().zip(&rows) {
+                            let mut out = vec![0f32; m * w.outputs()];
+                            w.matmul_into(x, m, &mut out, kernel);
+                            std::hint::black_box(out);
+                        }
+                    }
+                    Weights::Blocks(matrices, kernel) => {
+                        for (w, x) in matrices.iter().zip(&rows) {
+                            let mut out = vec![0f32; m * w.outputs()];
+                            w.matmul_into(x, m, &mut out, kernel);
+                            std::hint::black_box(out);
+                        }
+                    }
                 }
                 Ok(())
             })?);

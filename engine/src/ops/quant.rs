@@ -32,17 +32,76 @@ use candle_core::quantized::GgmlDType;
 use half::f16;
 use rayon::prelude::*;
 
-use super::gemm::Kernel;
-
 /// Weights (and inputs) per block.
 pub const QK: usize = 32;
 
 /// Weight rows per group: the outputs of one tile.
 pub(crate) const WR: usize = 4;
 
-/// Token rows per tile: with [`WR`] weight rows, 8 accumulators of the 16
-/// AVX registers, the rest for the inputs and the unpacked weights.
+/// Token rows per tile with the 16 AVX registers: with [`WR`] weight rows, 8
+/// accumulators, the rest for the inputs and the unpacked weights.
 const XR: usize = 2;
+
+/// Token rows per tile with AVX-512VL's 32: 16 accumulators, so each
+/// unpacked weight block serves twice the rows.
+const XR_WIDE: usize = 4;
+
+/// Which kernel a quantized product runs on. All give the same bits: the
+/// integer dot products are exact whichever instructions compute them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKernel {
+    /// The best this CPU has.
+    Auto,
+    /// AVX-512 VNNI's `vpdpbusd` on 256-bit registers (with AVX-512VL's 32
+    /// of them): tiles of [`XR_WIDE`] token rows.
+    Avx512Vnni,
+    /// AVX-VNNI's `vpdpbusd` (VEX): tiles of [`XR`].
+    AvxVnni,
+    /// AVX2's `vpmaddubsw` + `vpmaddwd`: tiles of [`XR`].
+    Avx2,
+    /// Plain Rust, any CPU: the reference.
+    Portable,
+}
+
+impl QuantKernel {
+    /// The kernels this CPU can run, best first (always ending with `Portable`).
+    pub fn available() -> Vec<QuantKernel> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c");
+            if avx2 && std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+                kernels.push(QuantKernel::Avx512Vnni);
+            }
+            if avx2 && std::is_x86_feature_detected!("avxvnni") {
+                kernels.push(QuantKernel::AvxVnni);
+            }
+            if avx2 {
+                kernels.push(QuantKernel::Avx2);
+            }
+        }
+        kernels.push(QuantKernel::Portable);
+        kernels
+    }
+
+    /// The best kernel this CPU runs (found once).
+    pub fn best() -> QuantKernel {
+        static BEST: std::sync::OnceLock<QuantKernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| QuantKernel::available()[0])
+    }
+
+    /// `Auto` made concrete; a kernel this CPU lacks falls back to the best it has.
+    fn resolve(self) -> QuantKernel {
+        match self {
+            QuantKernel::Auto => QuantKernel::best(),
+            QuantKernel::Portable => QuantKernel::Portable,
+            wanted if QuantKernel::available().contains(&wanted) => wanted,
+            _ => QuantKernel::best(),
+        }
+    }
+}
 
 /// Token rows per pass over the weights: a large pre-fill's quantized rows
 /// are taken in chunks that stay in the core's L2 while the weights stream by.
@@ -324,20 +383,18 @@ impl QuantMatrix {
     /// `x · Wᵀ` for `x` of `m × k` row-major: `m × n` row-major.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let mut out = vec![0f32; m * self.n];
-        self.matmul_into(x, m, &mut out, Kernel::Auto);
+        self.matmul_into(x, m, &mut out, QuantKernel::Auto);
         out
     }
 
-    /// [`QuantMatrix::matmul`] into `out` (`m × n`), on the kernel chosen
-    /// (`Avx2` and `Avx512` run the same AVX2 kernel; one this CPU lacks falls
-    /// back to the best it has).
-    pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel) {
+    /// [`QuantMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
+    pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel) {
         assert_eq!(x.len(), m * self.k, "input shape");
         assert_eq!(out.len(), m * self.n, "output shape");
         if out.is_empty() {
             return;
         }
-        let simd = kernel_simd(kernel);
+        let kernel = kernel.resolve();
         let rows = QuantizedRows::new(x, m, self.k);
         let target = OutPtr(out.as_mut_ptr());
         let threads = rayon::current_num_threads();
@@ -351,18 +408,9 @@ impl QuantMatrix {
                 // SAFETY: this task alone writes the columns of its groups, all
                 // inside `out` (`m × n`), and nothing reads `out` until every
                 // task is done.
-                unsafe { part_product(part, groups, &rows, self.n, target, simd) };
+                unsafe { part_product(part, groups, &rows, self.n, target, kernel) };
             });
         }
-    }
-}
-
-/// Whether `kernel` (made concrete) runs the AVX2 kernel.
-fn kernel_simd(kernel: Kernel) -> bool {
-    let best = Kernel::best();
-    match kernel {
-        Kernel::Portable => false,
-        _ => best != Kernel::Portable,
     }
 }
 
@@ -455,15 +503,15 @@ unsafe impl Sync for OutPtr {}
 /// `out` (`m × n`).
 ///
 /// # Safety
-/// Nothing else may touch those columns meanwhile; on `simd`, the CPU must
-/// have AVX2, FMA and F16C.
+/// Nothing else may touch those columns meanwhile; the CPU must have
+/// `kernel` (resolved).
 unsafe fn part_product(
     part: &Part,
     groups: std::ops::Range<usize>,
     x: &QuantizedRows,
     n: usize,
     out: OutPtr,
-    simd: bool,
+    kernel: QuantKernel,
 ) {
     let nb = x.blocks();
     let bb = part.ty.block_bytes();
@@ -484,7 +532,7 @@ unsafe fn part_product(
         for g in groups.clone() {
             let cols = WR.min(part.rows - g * WR);
             let first_col = part.first + g * WR;
-            if !simd {
+            if kernel == QuantKernel::Portable {
                 for r in chunk.clone() {
                     for j in 0..cols {
                         let y = dot_reference(part.ty, &part.data, nb, g * WR + j, x, r);
@@ -497,9 +545,10 @@ unsafe fn part_product(
             #[cfg(target_arch = "x86_64")]
             {
                 let blocks = part.data[g * nb * WR * bb..][..nb * WR * bb].as_ptr();
+                let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let mut r = chunk.start;
                 while r < chunk.end {
-                    let rows = XR.min(chunk.end - r);
+                    let rows = height.min(chunk.end - r);
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
                     unsafe {
@@ -512,13 +561,10 @@ unsafe fn part_product(
                             ldo: n,
                             cols,
                         };
-                        match (part.ty, rows) {
-                            (QuantType::Q8_0, 1) => x86::tile::<x86::Q8, 1>(&tile),
-                            (QuantType::Q8_0, _) => x86::tile::<x86::Q8, XR>(&tile),
-                            (QuantType::Q4_0, 1) => x86::tile::<x86::Q4<false>, 1>(&tile),
-                            (QuantType::Q4_0, _) => x86::tile::<x86::Q4<false>, XR>(&tile),
-                            (QuantType::Q4_1, 1) => x86::tile::<x86::Q4<true>, 1>(&tile),
-                            (QuantType::Q4_1, _) => x86::tile::<x86::Q4<true>, XR>(&tile),
+                        match part.ty {
+                            QuantType::Q8_0 => x86::tile::<x86::Q8>(kernel, rows, &tile),
+                            QuantType::Q4_0 => x86::tile::<x86::Q4<false>>(kernel, rows, &tile),
+                            QuantType::Q4_1 => x86::tile::<x86::Q4<true>>(kernel, rows, &tile),
                         }
                     }
                     r += rows;
@@ -532,7 +578,7 @@ unsafe fn part_product(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{QuantizedRows, QK, WR};
+    use super::{QuantKernel, QuantizedRows, QK, WR};
 
     /// A group's tile: [`WR`] weight rows (of which `cols` are real) times
     /// token rows `row..row + X` of `x`.
@@ -553,10 +599,33 @@ mod x86 {
         const MIN: bool;
         /// Scale and minimum (0 where there is none).
         unsafe fn scale_min(p: *const u8) -> (f32, f32);
-        /// The block's weights, one byte each in order, ready for [`Block::dot`].
+        /// The block's weights, one byte each in order.
         unsafe fn weights(p: *const u8) -> __m256i;
-        /// The eight lanes `Σ_{i=4l}^{4l+3} w[i]·x[i]`.
-        unsafe fn dot(w: __m256i, x: __m256i) -> __m256i;
+        /// The weights and inputs as the unsigned and signed operands of a
+        /// byte dot product with the same sums.
+        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i);
+    }
+
+    /// The eight lanes `Σ_{i=4l}^{4l+3} u[i]·s[i]` (`u` unsigned, `s` signed
+    /// bytes; pairs' sums within i16, as [`Block::operands`] keeps them).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    }
+
+    /// [`dot_avx2`] in one instruction (AVX-VNNI).
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    fn dot_avx_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+    }
+
+    /// [`dot_avx2`] in one instruction (AVX-512 VNNI on 256 bits).
+    #[inline]
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    fn dot_avx512_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
     }
 
     #[inline(always)]
@@ -587,14 +656,12 @@ mod x86 {
         }
 
         #[inline(always)]
-        unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
-            // |w| times x with w's sign: one operand unsigned, as `vpmaddubsw`
-            // wants; |w| ≤ 128 and |x| ≤ 127 keep each pair's sum in i16.
+        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
+            // |w| times x with w's sign: one operand unsigned, as the byte
+            // dot products want; |w| ≤ 128 and |x| ≤ 127 keep each pair's sum
+            // in i16.
             // SAFETY: AVX2 is there.
-            unsafe {
-                let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-                _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
-            }
+            unsafe { (_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) }
         }
     }
 
@@ -626,9 +693,9 @@ mod x86 {
         }
 
         #[inline(always)]
-        unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
-            // SAFETY: AVX2 is there; w ≤ 15 keeps each pair's sum in i16.
-            unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)) }
+        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
+            // w ≤ 15 keeps each pair's sum in i16.
+            (w, x)
         }
     }
 
@@ -642,53 +709,86 @@ mod x86 {
         }
     }
 
-    /// [`WR`] weight rows times `X` token rows: `out[r][j]` for `j < cols`.
+    /// [`WR`] weight rows times `rows` token rows (at most the kernel's
+    /// tile height): `out[r][j]` for `j < cols`.
     ///
     /// # Safety
     /// `tile.blocks` must hold `nb × WR` blocks of `B`, `x` rows
-    /// `row..row + X`, `out` room for `cols` floats at each of `X` rows `ldo`
-    /// apart; the CPU must have AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<B: Block, const X: usize>(tile: &Tile<'_>) {
-        let &Tile {
-            blocks,
-            nb,
-            x,
-            row,
-            out,
-            ldo,
-            cols,
-        } = tile;
-        let mut acc = [[_mm256_setzero_ps(); X]; WR];
-        let mut min = [[0f32; X]; WR];
-        let xq: [*const i8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr());
-        let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * nb..][..nb]);
-        let xs: [&[f32]; X] = std::array::from_fn(|r| &x.s[(row + r) * nb..][..nb]);
-        for b in 0..nb {
-            // SAFETY: the caller's contract: block `b` of each row lies in range.
-            unsafe {
-                let xv: [__m256i; X] = std::array::from_fn(|r| _mm256_loadu_si256(xq[r].add(b * QK) as *const __m256i));
-                for j in 0..WR {
-                    let p = blocks.add((b * WR + j) * B::BYTES);
-                    let (d, m) = B::scale_min(p);
-                    let w = B::weights(p);
-                    for r in 0..X {
-                        let sums = _mm256_cvtepi32_ps(B::dot(w, xv[r]));
-                        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), sums, acc[j][r]);
-                        if B::MIN {
-                            min[j][r] = m.mul_add(xs[r][b], min[j][r]);
-                        }
-                    }
-                }
-            }
-        }
-        for (j, (acc, min)) in acc.iter().zip(&min).enumerate().take(cols) {
-            for r in 0..X {
-                // SAFETY: the caller's contract.
-                unsafe { *out.add(r * ldo + j) = hsum(acc[r]) + min[r] };
+    /// `row..row + rows`, `out` room for `cols` floats at each of `rows` rows
+    /// `ldo` apart; the CPU must have `kernel` (AVX2, FMA, F16C and its own).
+    pub(super) unsafe fn tile<B: Block>(kernel: QuantKernel, rows: usize, tile: &Tile<'_>) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (kernel, rows) {
+                (QuantKernel::Avx512Vnni, 1) => tile_avx512_vnni::<B, 1>(tile),
+                (QuantKernel::Avx512Vnni, 2) => tile_avx512_vnni::<B, 2>(tile),
+                (QuantKernel::Avx512Vnni, 3) => tile_avx512_vnni::<B, 3>(tile),
+                (QuantKernel::Avx512Vnni, _) => tile_avx512_vnni::<B, { super::XR_WIDE }>(tile),
+                (QuantKernel::AvxVnni, 1) => tile_avx_vnni::<B, 1>(tile),
+                (QuantKernel::AvxVnni, _) => tile_avx_vnni::<B, { super::XR }>(tile),
+                (_, 1) => tile_avx2::<B, 1>(tile),
+                (_, _) => tile_avx2::<B, { super::XR }>(tile),
             }
         }
     }
+
+    /// One tile kernel for each byte dot product: the same body, built for
+    /// the instructions its features allow.
+    macro_rules! tile_kernel {
+        ($name:ident, $features:literal, $dot:ident) => {
+            /// [`WR`] weight rows times `X` token rows, as [`tile`].
+            ///
+            /// # Safety
+            /// As [`tile`], with exactly `X` rows.
+            #[target_feature(enable = $features)]
+            unsafe fn $name<B: Block, const X: usize>(tile: &Tile<'_>) {
+                let &Tile {
+                    blocks,
+                    nb,
+                    x,
+                    row,
+                    out,
+                    ldo,
+                    cols,
+                } = tile;
+                let mut acc = [[_mm256_setzero_ps(); X]; WR];
+                let mut min = [[0f32; X]; WR];
+                let xq: [*const i8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr());
+                let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * nb..][..nb]);
+                let xs: [&[f32]; X] = std::array::from_fn(|r| &x.s[(row + r) * nb..][..nb]);
+                for b in 0..nb {
+                    // SAFETY: the caller's contract: block `b` of each row lies in range.
+                    unsafe {
+                        let xv: [__m256i; X] =
+                            std::array::from_fn(|r| _mm256_loadu_si256(xq[r].add(b * QK) as *const __m256i));
+                        for j in 0..WR {
+                            let p = blocks.add((b * WR + j) * B::BYTES);
+                            let (d, m) = B::scale_min(p);
+                            let w = B::weights(p);
+                            for r in 0..X {
+                                let (u, s) = B::operands(w, xv[r]);
+                                let sums = _mm256_cvtepi32_ps($dot(u, s));
+                                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), sums, acc[j][r]);
+                                if B::MIN {
+                                    min[j][r] = m.mul_add(xs[r][b], min[j][r]);
+                                }
+                            }
+                        }
+                    }
+                }
+                for (j, (acc, min)) in acc.iter().zip(&min).enumerate().take(cols) {
+                    for r in 0..X {
+                        // SAFETY: the caller's contract.
+                        unsafe { *out.add(r * ldo + j) = hsum(acc[r]) + min[r] };
+                    }
+                }
+            }
+        };
+    }
+
+    tile_kernel!(tile_avx2, "avx2,fma,f16c", dot_avx2);
+    tile_kernel!(tile_avx_vnni, "avx2,fma,f16c,avxvnni", dot_avx_vnni);
+    tile_kernel!(tile_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dot_avx512_vnni);
 }
 
 #[cfg(test)]
@@ -770,7 +870,7 @@ mod tests {
     /// on odd shapes, partial groups and 1 to 64 token rows, stacked formats too.
     #[test]
     fn every_kernel_matches_the_reference_bit_for_bit() {
-        let kernels: Vec<Kernel> = Kernel::available();
+        let kernels = QuantKernel::available();
         for (n, k) in [(1, 32), (3, 64), (4, 96), (5, 576), (17, 160), (64, 64)] {
             let parts: Vec<QuantMatrix> = TYPES
                 .iter()
