@@ -278,22 +278,28 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         }
     }
     // The same weights in GGUF's blocks, on every quantized kernel this CPU has.
-    let blocks: Vec<(&str, Vec<QuantMatrix>)> = [("Q8_0", QuantType::Q8_0, GgmlDType::Q8_0), ("Q4_1", QuantType::Q4_1, GgmlDType::Q4_1)]
-        .into_iter()
-        .map(|(name, ty, ggml)| {
-            let matrices = weights
-                .iter()
-                .map(|w| {
-                    let (n, k) = w.dims2()?;
-                    let data = QTensor::quantize(w, ggml)?.data()?.into_owned();
-                    QuantMatrix::from_blocks(ty, &data, n, k, None).map_err(|e| anyhow::anyhow!("{e}"))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            Ok((name, matrices))
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let blocks: Vec<(&str, Vec<QuantMatrix>)> = [
+        ("Q8_0", QuantType::Q8_0, GgmlDType::Q8_0),
+        ("Q4_1", QuantType::Q4_1, GgmlDType::Q4_1),
+    ]
+    .into_iter()
+    .map(|(name, ty, ggml)| {
+        let matrices = weights
+            .iter()
+            .map(|w| {
+                let (n, k) = w.dims2()?;
+                let data = QTensor::quantize(w, ggml)?.data()?.into_owned();
+                QuantMatrix::from_blocks(ty, &data, n, k, None).map_err(|e| anyhow::anyhow!("{e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok((name, matrices))
+    })
+    .collect::<anyhow::Result<_>>()?;
     for (name, matrices) in &blocks {
-        for kernel in QuantKernel::available().into_iter().filter(|k| *k != QuantKernel::Portable) {
+        for kernel in QuantKernel::available()
+            .into_iter()
+            .filter(|k| *k != QuantKernel::Portable)
+        {
             runs.push((format!("{name} {kernel:?}"), Weights::Blocks(matrices, kernel)));
         }
     }

@@ -5,26 +5,30 @@
 //! weights as small integers: `Q8_0` (8-bit, `d·q`), `Q4_0` (4-bit,
 //! `d·(q − 8)`) and `Q4_1` (4-bit, `d·q + m`). Dequantizing them at load
 //! multiplies the bytes every decode step reads by 4–6; here the blocks stay
-//! as they are and the product runs on them, as llama.cpp's does: each token
-//! row is quantized to 8-bit blocks of its own (`d = max|x| / 127`, one scale
-//! per [`QK`] values), a block of weights times a block of inputs is an
-//! integer dot product (AVX2 `vpmaddubsw` + `vpmaddwd`, exact), and the two
-//! scales are applied to it in f32.
+//! blocks and the product runs on them, as llama.cpp's does: each token row
+//! is quantized to 8-bit blocks of its own (`d = max|x| / 127`, one scale per
+//! [`QK`] values), a block of weights times a block of inputs is an integer
+//! dot product (exact), and the two scales are applied to it in f32.
 //!
-//! At load the rows are re-laid in groups of [`WR`], block by block (the
-//! first block of each of the group's rows, then the second, ...), so that a
-//! tile of [`WR`] outputs reads one stream of weights. A tile is [`WR`]
-//! weight rows times up to [`XR`] token rows; a task is a run of groups, and
-//! the tasks split the weights between the cores, so each weight byte is read
-//! once per product whatever the number of token rows.
+//! At load the rows are re-laid in groups of [`WR`] (as llama.cpp re-packs
+//! `Q4_0` for AVX2), block by block: the group's [`WR`] scales, its minimums,
+//! then its quants interleaved four bytes a row, so that one 32-byte load
+//! holds four consecutive weights of each of the eight rows. A byte dot
+//! product (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`) against four input
+//! bytes broadcast then adds into lane `l` what row `l` contributes: one
+//! register of integer sums serves all eight outputs, the scales apply eight
+//! at a time, and nothing is summed across lanes. A group takes the bytes
+//! the file's blocks take. A tile is a group's rows times up to a few token
+//! rows; a task is a run of groups, and the tasks split the weights between
+//! the cores, so each weight byte is read once per product whatever the
+//! number of token rows.
 //!
 //! The arithmetic of one output, the same on every kernel and bit for bit
-//! ([`dot_reference`] writes it out): eight f32 lanes, lane `l` adding, block
-//! by block, `(d_w·d_x) · Σ_{i=4l}^{4l+3} q_w[i]·q_x[i]` with one fused
-//! multiply-add; the lanes summed as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`;
-//! then, for the types with a minimum, `Σ_b m_b · d_x·Σq_x` (block by block,
-//! fused) added. A row's result depends on that row alone, never on what else
-//! is in the product.
+//! ([`dot_reference`] writes it out): block by block, `acc = (d_w·d_x) ·
+//! Σ q_w·q_x + acc` with one rounding (a fused multiply-add; the integer sum
+//! is exact), and, for the types with a minimum, `min = m_w · (d_x·Σq_x) +
+//! min`, fused too; the output is `acc + min`. A row's result depends on
+//! that row alone, never on what else is in the product.
 
 use std::sync::Arc;
 
@@ -35,16 +39,19 @@ use rayon::prelude::*;
 /// Weights (and inputs) per block.
 pub const QK: usize = 32;
 
-/// Weight rows per group: the outputs of one tile.
-pub(crate) const WR: usize = 4;
+/// Weight rows per group: the eight f32 lanes of one register of outputs.
+pub(crate) const WR: usize = 8;
 
-/// Token rows per tile with the 16 AVX registers: with [`WR`] weight rows, 8
-/// accumulators, the rest for the inputs and the unpacked weights.
-const XR: usize = 2;
+/// Token rows per tile with the 16 AVX registers: an integer and an f32
+/// accumulator each, the rest for the group's scales and unpacked weights.
+const XR: usize = 4;
 
-/// Token rows per tile with AVX-512VL's 32: 16 accumulators, so each
-/// unpacked weight block serves twice the rows.
-const XR_WIDE: usize = 4;
+/// Token rows per tile with AVX-512VL's 32 registers.
+const XR_WIDE: usize = 8;
+
+/// Token rows per pass over the weights: a large pre-fill's quantized rows
+/// are taken in chunks that stay in the core's L2 while the weights stream by.
+const MC: usize = 64;
 
 /// Which kernel a quantized product runs on. All give the same bits: the
 /// integer dot products are exact whichever instructions compute them.
@@ -103,10 +110,6 @@ impl QuantKernel {
     }
 }
 
-/// Token rows per pass over the weights: a large pre-fill's quantized rows
-/// are taken in chunks that stay in the core's L2 while the weights stream by.
-const MC: usize = 64;
-
 /// A quantized block format the products run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QuantType {
@@ -156,32 +159,69 @@ impl QuantType {
     }
 }
 
-/// One block's scale and minimum, as f32.
-fn scale_min(ty: QuantType, block: &[u8]) -> (f32, f32) {
-    let half = |at: usize| f16::from_bits(u16::from_le_bytes([block[at], block[at + 1]])).to_f32();
-    let d = half(0);
-    match ty {
-        QuantType::Q8_0 => (d, 0.0),
-        // Exact: a power of two times a half-precision value.
-        QuantType::Q4_0 => (d, -8.0 * d),
-        QuantType::Q4_1 => (d, half(2)),
+/// A block format's layout in a group of [`WR`] rows: the bytes of one block
+/// of every row, and where the minimums and the quants start.
+impl QuantType {
+    fn group_bytes(self) -> usize {
+        WR * self.block_bytes()
+    }
+
+    fn group_minimums(self) -> usize {
+        2 * WR
+    }
+
+    fn group_quants(self) -> usize {
+        match self {
+            QuantType::Q4_1 => 4 * WR,
+            _ => 2 * WR,
+        }
     }
 }
 
-/// One block's weights as the integers the dot product multiplies: `Q8_0`
-/// signed, the 4-bit types unsigned (their offset is in the minimum).
-fn quants(ty: QuantType, block: &[u8]) -> [i32; QK] {
-    let qs = &block[ty.quants_at()..];
-    match ty {
-        QuantType::Q8_0 => std::array::from_fn(|i| qs[i] as i8 as i32),
+/// Re-lay one block of each of a group's rows (`blocks[l]`, as the file
+/// holds them; fewer than [`WR`] for the last group, the rest zero) into
+/// `out` (`group_bytes`).
+fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
+    let quants = ty.group_quants();
+    for (l, block) in blocks.iter().enumerate() {
+        out[2 * l..2 * l + 2].copy_from_slice(&block[..2]);
+        if ty == QuantType::Q4_1 {
+            out[ty.group_minimums() + 2 * l..][..2].copy_from_slice(&block[2..4]);
+        }
+        let qs = &block[ty.quants_at()..];
+        // Chunk `c` holds bytes `4c..4c + 4` of every row's quants, row by row.
+        for (c, four) in qs.chunks_exact(4).enumerate() {
+            out[quants + c * 4 * WR + 4 * l..][..4].copy_from_slice(four);
+        }
+    }
+}
+
+/// Row `l` of a group's block (`group`, `group_bytes`): its scale, its
+/// minimum (`-8·d` for `Q4_0`, 0 for `Q8_0`) and its weights as the integers
+/// the dot product multiplies (`Q8_0` signed, the 4-bit types unsigned,
+/// their offset in the minimum).
+fn group_row(ty: QuantType, group: &[u8], l: usize) -> (f32, f32, [i32; QK]) {
+    let half = |at: usize| f16::from_bits(u16::from_le_bytes([group[at], group[at + 1]])).to_f32();
+    let d = half(2 * l);
+    let m = match ty {
+        QuantType::Q8_0 => 0.0,
+        // Exact: a power of two times a half-precision value.
+        QuantType::Q4_0 => -8.0 * d,
+        QuantType::Q4_1 => half(ty.group_minimums() + 2 * l),
+    };
+    let quants = &group[ty.group_quants()..];
+    let byte = |i: usize| quants[(i / 4) * 4 * WR + 4 * l + i % 4];
+    let w = match ty {
+        QuantType::Q8_0 => std::array::from_fn(|i| byte(i) as i8 as i32),
         QuantType::Q4_0 | QuantType::Q4_1 => std::array::from_fn(|i| {
             if i < QK / 2 {
-                (qs[i] & 0x0f) as i32
+                (byte(i) & 0x0f) as i32
             } else {
-                (qs[i - QK / 2] >> 4) as i32
+                (byte(i - QK / 2) >> 4) as i32
             }
         }),
-    }
+    };
+    (d, m, w)
 }
 
 /// Rows of one format: `rows` rows re-laid in groups of [`WR`] (the last
@@ -198,6 +238,12 @@ struct Part {
 impl Part {
     fn groups(&self) -> usize {
         self.rows.div_ceil(WR)
+    }
+
+    /// Block `b` of group `g` (`group_bytes`), with `nb` blocks a row.
+    fn group(&self, g: usize, b: usize, nb: usize) -> &[u8] {
+        let gb = self.ty.group_bytes();
+        &self.data[(g * nb + b) * gb..][..gb]
     }
 }
 
@@ -263,15 +309,16 @@ impl QuantMatrix {
             }
         }
         let source = |r: usize| order.map_or(r, |o| o[r]);
-        let groups = n.div_ceil(WR);
-        let mut laid = vec![0u8; groups * nb * WR * bb];
+        let gb = ty.group_bytes();
+        let mut laid = vec![0u8; n.div_ceil(WR) * nb * gb];
         if nb > 0 {
-            laid.par_chunks_mut(nb * WR * bb).enumerate().for_each(|(g, group)| {
-                for j in 0..WR.min(n - g * WR) {
-                    let row = &data[source(g * WR + j) * nb * bb..][..nb * bb];
-                    for (b, block) in row.chunks_exact(bb).enumerate() {
-                        group[(b * WR + j) * bb..][..bb].copy_from_slice(block);
-                    }
+            laid.par_chunks_mut(nb * gb).enumerate().for_each(|(g, group)| {
+                let rows: Vec<&[u8]> = (g * WR..n.min((g + 1) * WR))
+                    .map(|r| &data[source(r) * nb * bb..][..nb * bb])
+                    .collect();
+                for (b, out) in group.chunks_exact_mut(gb).enumerate() {
+                    let blocks: Vec<&[u8]> = rows.iter().map(|row| &row[b * bb..][..bb]).collect();
+                    lay_group(ty, &blocks, out);
                 }
             });
         }
@@ -369,13 +416,11 @@ impl QuantMatrix {
             .iter()
             .find(|p| (p.first..p.first + p.rows).contains(&row))
             .expect("the parts cover every row");
-        let (nb, bb, r) = (self.k / QK, p.ty.block_bytes(), row - p.first);
-        let (g, j) = (r / WR, r % WR);
+        let (nb, r) = (self.k / QK, row - p.first);
         for (b, out) in out.chunks_exact_mut(QK).enumerate() {
-            let block = &p.data[((g * nb + b) * WR + j) * bb..][..bb];
-            let (d, m) = scale_min(p.ty, block);
-            for (w, q) in out.iter_mut().zip(quants(p.ty, block)) {
-                *w = d * q as f32 + m;
+            let (d, m, w) = group_row(p.ty, p.group(r / WR, b, nb), r % WR);
+            for (out, q) in out.iter_mut().zip(w) {
+                *out = d * q as f32 + m;
             }
         }
     }
@@ -459,35 +504,21 @@ impl QuantizedRows {
     }
 }
 
-/// The lanes of one output summed in the one order every kernel uses.
-fn hsum(l: [f32; 8]) -> f32 {
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
-}
-
-/// One output: weight row `row` of a part's blocks (`nb` a row, laid out in
-/// groups) times token row `r` of `x`, in the arithmetic the module comment
-/// gives, written out plainly. The portable kernel; the reference the SIMD
-/// kernels are held to, bit for bit.
-fn dot_reference(ty: QuantType, data: &[u8], nb: usize, row: usize, x: &QuantizedRows, r: usize) -> f32 {
-    let bb = ty.block_bytes();
-    let (g, j) = (row / WR, row % WR);
-    let mut lanes = [0f32; 8];
-    let mut min = 0f32;
+/// One output: weight row `row` of a part times token row `r` of `x`, in
+/// the arithmetic the module comment gives, written out plainly. The
+/// portable kernel; the reference the SIMD kernels are held to, bit for bit.
+fn dot_reference(part: &Part, nb: usize, row: usize, x: &QuantizedRows, r: usize) -> f32 {
+    let (mut acc, mut min) = (0f32, 0f32);
     for b in 0..nb {
-        let block = &data[((g * nb + b) * WR + j) * bb..][..bb];
-        let (d, m) = scale_min(ty, block);
-        let w = quants(ty, block);
+        let (d, m, w) = group_row(part.ty, part.group(row / WR, b, nb), row % WR);
         let xq = &x.q[r * x.k + b * QK..][..QK];
-        let scale = d * x.d[r * nb + b];
-        for (l, lane) in lanes.iter_mut().enumerate() {
-            let sum: i32 = (4 * l..4 * l + 4).map(|i| w[i] * xq[i] as i32).sum();
-            *lane = scale.mul_add(sum as f32, *lane);
-        }
-        if ty != QuantType::Q8_0 {
+        let sum: i32 = w.iter().zip(xq).map(|(&w, &x)| w * x as i32).sum();
+        acc = (d * x.d[r * nb + b]).mul_add(sum as f32, acc);
+        if part.ty != QuantType::Q8_0 {
             min = m.mul_add(x.s[r * nb + b], min);
         }
     }
-    hsum(lanes) + min
+    acc + min
 }
 
 /// The output buffer, shared by tasks that write disjoint columns of it.
@@ -514,7 +545,7 @@ unsafe fn part_product(
     kernel: QuantKernel,
 ) {
     let nb = x.blocks();
-    let bb = part.ty.block_bytes();
+    let gb = part.ty.group_bytes();
     let m = x.d.len() / nb.max(1);
     if nb == 0 {
         for g in groups {
@@ -535,7 +566,7 @@ unsafe fn part_product(
             if kernel == QuantKernel::Portable {
                 for r in chunk.clone() {
                     for j in 0..cols {
-                        let y = dot_reference(part.ty, &part.data, nb, g * WR + j, x, r);
+                        let y = dot_reference(part, nb, g * WR + j, x, r);
                         // SAFETY: the caller's contract; inside `out`.
                         unsafe { *out.0.add(r * n + first_col + j) = y };
                     }
@@ -544,11 +575,12 @@ unsafe fn part_product(
             }
             #[cfg(target_arch = "x86_64")]
             {
-                let blocks = part.data[g * nb * WR * bb..][..nb * WR * bb].as_ptr();
+                let blocks = part.data[g * nb * gb..][..nb * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let mut r = chunk.start;
                 while r < chunk.end {
-                    let rows = height.min(chunk.end - r);
+                    // Tiles of a power of two rows: 3 rows are 2 and 1.
+                    let rows = 1 << height.min(chunk.end - r).ilog2();
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
                     unsafe {
@@ -561,11 +593,7 @@ unsafe fn part_product(
                             ldo: n,
                             cols,
                         };
-                        match part.ty {
-                            QuantType::Q8_0 => x86::tile::<x86::Q8>(kernel, rows, &tile),
-                            QuantType::Q4_0 => x86::tile::<x86::Q4<false>>(kernel, rows, &tile),
-                            QuantType::Q4_1 => x86::tile::<x86::Q4<true>>(kernel, rows, &tile),
-                        }
+                        x86::tile(kernel, part.ty, rows, &tile);
                     }
                     r += rows;
                 }
@@ -578,11 +606,12 @@ unsafe fn part_product(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{QuantKernel, QuantizedRows, QK, WR};
+    use super::{QuantKernel, QuantType, QuantizedRows, QK};
 
-    /// A group's tile: [`WR`] weight rows (of which `cols` are real) times
-    /// token rows `row..row + X` of `x`.
+    /// A group's tile: its [`super::WR`] weight rows (of which `cols` are
+    /// real) times token rows `row..row + X` of `x`.
     pub(super) struct Tile<'a> {
+        /// The group's first block (each `group_bytes`, `nb` of them).
         pub blocks: *const u8,
         pub nb: usize,
         pub x: &'a QuantizedRows,
@@ -593,141 +622,63 @@ mod x86 {
         pub cols: usize,
     }
 
-    /// A block format as the AVX2 kernel reads it.
-    pub(super) trait Block {
-        const BYTES: usize;
-        const MIN: bool;
-        /// Scale and minimum (0 where there is none).
-        unsafe fn scale_min(p: *const u8) -> (f32, f32);
-        /// The block's weights, one byte each in order.
-        unsafe fn weights(p: *const u8) -> __m256i;
-        /// The weights and inputs as the unsigned and signed operands of a
-        /// byte dot product with the same sums.
-        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i);
-    }
+    /// The formats as const parameters of the kernels.
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q4_1: u8 = 2;
 
-    /// The eight lanes `Σ_{i=4l}^{4l+3} u[i]·s[i]` (`u` unsigned, `s` signed
-    /// bytes; pairs' sums within i16, as [`Block::operands`] keeps them).
+    /// `acc + Σ_{i=4l}^{4l+3} u[i]·s[i]` in each lane `l` (`u` unsigned, `s`
+    /// signed bytes, each pair's sum within i16 as the callers keep them).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
     }
 
     /// [`dot_avx2`] in one instruction (AVX-VNNI).
     #[inline]
     #[target_feature(enable = "avx2,avxvnni")]
-    fn dot_avx_vnni(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+    fn dot_avx_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, u, s)
     }
 
     /// [`dot_avx2`] in one instruction (AVX-512 VNNI on 256 bits).
     #[inline]
     #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-    fn dot_avx512_vnni(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    fn dot_avx512_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
     }
 
-    #[inline(always)]
-    unsafe fn half(p: *const u8) -> f32 {
-        // SAFETY: the caller's block holds two bytes at `p`; F16C is there.
-        unsafe {
-            let bits = (p as *const u16).read_unaligned();
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-        }
-    }
-
-    pub(super) struct Q8;
-
-    impl Block for Q8 {
-        const BYTES: usize = 34;
-        const MIN: bool = false;
-
-        #[inline(always)]
-        unsafe fn scale_min(p: *const u8) -> (f32, f32) {
-            // SAFETY: as `half`.
-            (unsafe { half(p) }, 0.0)
-        }
-
-        #[inline(always)]
-        unsafe fn weights(p: *const u8) -> __m256i {
-            // SAFETY: a Q8_0 block holds 32 quants after its scale.
-            unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) }
-        }
-
-        #[inline(always)]
-        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
-            // |w| times x with w's sign: one operand unsigned, as the byte
-            // dot products want; |w| ≤ 128 and |x| ≤ 127 keep each pair's sum
-            // in i16.
-            // SAFETY: AVX2 is there.
-            unsafe { (_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) }
-        }
-    }
-
-    /// The 4-bit formats: `Q4_1` (`MIN`, scale and minimum) or `Q4_0`.
-    pub(super) struct Q4<const MIN: bool>;
-
-    impl<const M: bool> Block for Q4<M> {
-        const BYTES: usize = if M { 20 } else { 18 };
-        const MIN: bool = true;
-
-        #[inline(always)]
-        unsafe fn scale_min(p: *const u8) -> (f32, f32) {
-            // SAFETY: as `half`.
-            unsafe {
-                let d = half(p);
-                (d, if M { half(p.add(2)) } else { -8.0 * d })
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn weights(p: *const u8) -> __m256i {
-            // SAFETY: a 4-bit block holds 16 bytes of nibbles after its
-            // scale(s): low nibbles are weights 0..16, high ones 16..32.
-            unsafe {
-                let packed = _mm_loadu_si128(p.add(if M { 4 } else { 2 }) as *const __m128i);
-                let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-                _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn operands(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
-            // w ≤ 15 keeps each pair's sum in i16.
-            (w, x)
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: AVX is there. ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as `super::hsum`.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-        }
-    }
-
-    /// [`WR`] weight rows times `rows` token rows (at most the kernel's
-    /// tile height): `out[r][j]` for `j < cols`.
+    /// A group's rows times `rows` token rows (a power of two, at most the
+    /// kernel's tile height): `out[r][j]` for `j < cols`.
     ///
     /// # Safety
-    /// `tile.blocks` must hold `nb × WR` blocks of `B`, `x` rows
-    /// `row..row + rows`, `out` room for `cols` floats at each of `rows` rows
-    /// `ldo` apart; the CPU must have `kernel` (AVX2, FMA, F16C and its own).
-    pub(super) unsafe fn tile<B: Block>(kernel: QuantKernel, rows: usize, tile: &Tile<'_>) {
+    /// `tile.blocks` must hold `nb` groups of `ty`, `x` rows `row..row +
+    /// rows`, `out` room for `cols` floats at each of `rows` rows `ldo` apart;
+    /// the CPU must have `kernel` (AVX2, FMA, F16C and its own).
+    pub(super) unsafe fn tile(kernel: QuantKernel, ty: QuantType, rows: usize, tile: &Tile<'_>) {
+        macro_rules! by_type {
+            ($kernel:ident, $x:literal) => {
+                match ty {
+                    QuantType::Q8_0 => $kernel::<Q8_0, $x>(tile),
+                    QuantType::Q4_0 => $kernel::<Q4_0, $x>(tile),
+                    QuantType::Q4_1 => $kernel::<Q4_1, $x>(tile),
+                }
+            };
+        }
         // SAFETY: the caller's contract.
         unsafe {
             match (kernel, rows) {
-                (QuantKernel::Avx512Vnni, 1) => tile_avx512_vnni::<B, 1>(tile),
-                (QuantKernel::Avx512Vnni, 2) => tile_avx512_vnni::<B, 2>(tile),
-                (QuantKernel::Avx512Vnni, 3) => tile_avx512_vnni::<B, 3>(tile),
-                (QuantKernel::Avx512Vnni, _) => tile_avx512_vnni::<B, { super::XR_WIDE }>(tile),
-                (QuantKernel::AvxVnni, 1) => tile_avx_vnni::<B, 1>(tile),
-                (QuantKernel::AvxVnni, _) => tile_avx_vnni::<B, { super::XR }>(tile),
-                (_, 1) => tile_avx2::<B, 1>(tile),
-                (_, _) => tile_avx2::<B, { super::XR }>(tile),
+                (QuantKernel::Avx512Vnni, 1) => by_type!(tile_avx512_vnni, 1),
+                (QuantKernel::Avx512Vnni, 2) => by_type!(tile_avx512_vnni, 2),
+                (QuantKernel::Avx512Vnni, 4) => by_type!(tile_avx512_vnni, 4),
+                (QuantKernel::Avx512Vnni, _) => by_type!(tile_avx512_vnni, 8),
+                (QuantKernel::AvxVnni, 1) => by_type!(tile_avx_vnni, 1),
+                (QuantKernel::AvxVnni, 2) => by_type!(tile_avx_vnni, 2),
+                (QuantKernel::AvxVnni, _) => by_type!(tile_avx_vnni, 4),
+                (_, 1) => by_type!(tile_avx2, 1),
+                (_, 2) => by_type!(tile_avx2, 2),
+                (_, _) => by_type!(tile_avx2, 4),
             }
         }
     }
@@ -736,12 +687,13 @@ mod x86 {
     /// the instructions its features allow.
     macro_rules! tile_kernel {
         ($name:ident, $features:literal, $dot:ident) => {
-            /// [`WR`] weight rows times `X` token rows, as [`tile`].
+            /// A group's rows times `X` token rows, as [`tile`], on blocks of
+            /// format `TY`.
             ///
             /// # Safety
             /// As [`tile`], with exactly `X` rows.
             #[target_feature(enable = $features)]
-            unsafe fn $name<B: Block, const X: usize>(tile: &Tile<'_>) {
+            unsafe fn $name<const TY: u8, const X: usize>(tile: &Tile<'_>) {
                 let &Tile {
                     blocks,
                     nb,
@@ -751,35 +703,78 @@ mod x86 {
                     ldo,
                     cols,
                 } = tile;
-                let mut acc = [[_mm256_setzero_ps(); X]; WR];
-                let mut min = [[0f32; X]; WR];
-                let xq: [*const i8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr());
+                let ty = match TY {
+                    Q8_0 => QuantType::Q8_0,
+                    Q4_0 => QuantType::Q4_0,
+                    _ => QuantType::Q4_1,
+                };
+                let (gb, quants) = (ty.group_bytes(), ty.group_quants());
+                let (mut acc, mut min) = ([_mm256_setzero_ps(); X], [_mm256_setzero_ps(); X]);
+                // Independent chains of integer sums per row, so that a tile of
+                // few rows does not wait on one chain's latency (integer sums:
+                // the split changes nothing).
+                let chains = (4 / X).max(1);
+                let xq: [*const u8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr() as *const u8);
                 let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * nb..][..nb]);
                 let xs: [&[f32]; X] = std::array::from_fn(|r| &x.s[(row + r) * nb..][..nb]);
+                let nibble = _mm256_set1_epi8(0x0f);
                 for b in 0..nb {
-                    // SAFETY: the caller's contract: block `b` of each row lies in range.
+                    // SAFETY: the caller's contract: group block `b` and the
+                    // rows' block `b` lie in range; unaligned reads.
                     unsafe {
-                        let xv: [__m256i; X] =
-                            std::array::from_fn(|r| _mm256_loadu_si256(xq[r].add(b * QK) as *const __m256i));
-                        for j in 0..WR {
-                            let p = blocks.add((b * WR + j) * B::BYTES);
-                            let (d, m) = B::scale_min(p);
-                            let w = B::weights(p);
-                            for r in 0..X {
-                                let (u, s) = B::operands(w, xv[r]);
-                                let sums = _mm256_cvtepi32_ps($dot(u, s));
-                                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), sums, acc[j][r]);
-                                if B::MIN {
-                                    min[j][r] = m.mul_add(xs[r][b], min[j][r]);
+                        let p = blocks.add(b * gb);
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let q = p.add(quants);
+                        let four = |r: usize, at: usize| {
+                            _mm256_set1_epi32((xq[r].add(b * QK + at) as *const i32).read_unaligned())
+                        };
+                        let mut sums = [[_mm256_setzero_si256(); X]; 4];
+                        if TY == Q8_0 {
+                            for c in 0..QK / 4 {
+                                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                                let u = _mm256_abs_epi8(w);
+                                let sums = &mut sums[c % chains];
+                                for r in 0..X {
+                                    sums[r] = $dot(sums[r], u, _mm256_sign_epi8(four(r, 4 * c), w));
                                 }
+                            }
+                        } else {
+                            for c in 0..QK / 8 {
+                                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                                let low = _mm256_and_si256(w, nibble);
+                                let high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                                let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
+                                for r in 0..X {
+                                    sums[first][r] = $dot(sums[first][r], low, four(r, 4 * c));
+                                    sums[second][r] = $dot(sums[second][r], high, four(r, QK / 2 + 4 * c));
+                                }
+                            }
+                        }
+                        for chain in 1..chains {
+                            for r in 0..X {
+                                sums[0][r] = _mm256_add_epi32(sums[0][r], sums[chain][r]);
+                            }
+                        }
+                        let sums = sums[0];
+                        let m = match TY {
+                            Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * super::WR) as *const __m128i)),
+                            _ => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                        };
+                        for r in 0..X {
+                            let scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+                            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                            if TY != Q8_0 {
+                                min[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), min[r]);
                             }
                         }
                     }
                 }
-                for (j, (acc, min)) in acc.iter().zip(&min).enumerate().take(cols) {
-                    for r in 0..X {
-                        // SAFETY: the caller's contract.
-                        unsafe { *out.add(r * ldo + j) = hsum(acc[r]) + min[r] };
+                for (r, (acc, min)) in acc.iter().zip(&min).enumerate() {
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: `lanes` holds 8 floats; the caller's contract for `out`.
+                    unsafe {
+                        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(*acc, *min));
+                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.add(r * ldo), cols);
                     }
                 }
             }
@@ -889,7 +884,7 @@ mod tests {
                         let rows = &rows;
                         parts.iter().flat_map(move |p| {
                             let part = &p.parts[0];
-                            (0..n).map(move |c| dot_reference(part.ty, &part.data, k / QK, c, rows, r))
+                            (0..n).map(move |c| dot_reference(part, k / QK, c, rows, r))
                         })
                     })
                     .collect();
