@@ -381,13 +381,50 @@ fn best_of(runs: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Re
 
 /// Requests of `prompt_tokens` bytes each (one token a byte on the fixtures' tokenizer), greedy, to `new_tokens`.
 fn bench_requests(count: usize, prompt_tokens: usize, new_tokens: &dyn Fn(usize) -> usize) -> Vec<ValidRequest> {
+    requests_of(count, &|i| bench_text(i, prompt_tokens), new_tokens)
+}
+
+/// Request `i`'s prompt text, `chars` characters.
+fn bench_text(i: usize, chars: usize) -> String {
+    format!("{i:04} lorem ipsum dolor sit amet consectetur ")
+        .chars()
+        .cycle()
+        .take(chars)
+        .collect()
+}
+
+/// [`bench_requests`] with prompts of `prompt_tokens` tokens on `model`'s
+/// own tokenizer (the fewest characters that make that many).
+fn model_requests(
+    model: &TextModel,
+    count: usize,
+    prompt_tokens: usize,
+    new_tokens: &dyn Fn(usize) -> usize,
+) -> anyhow::Result<Vec<ValidRequest>> {
+    let mut lengths = Vec::with_capacity(count);
+    for i in 0..count {
+        let tokens = |chars: usize| model.encode_raw(&bench_text(i, chars)).map(|t| t.len());
+        let (mut low, mut high) = (0, prompt_tokens.max(1));
+        while tokens(high)? < prompt_tokens {
+            (low, high) = (high, 2 * high);
+        }
+        while high - low > 1 {
+            let mid = (low + high) / 2;
+            if tokens(mid)? < prompt_tokens {
+                low = mid;
+            } else {
+                high = mid;
+            }
+        }
+        lengths.push(high);
+    }
+    Ok(requests_of(count, &|i| bench_text(i, lengths[i]), new_tokens))
+}
+
+fn requests_of(count: usize, text: &dyn Fn(usize) -> String, new_tokens: &dyn Fn(usize) -> usize) -> Vec<ValidRequest> {
     (0..count)
         .map(|i| {
-            let text: String = format!("{i:04} lorem ipsum dolor sit amet consectetur ")
-                .chars()
-                .cycle()
-                .take(prompt_tokens)
-                .collect();
+            let text = text(i);
             let body = json!({"prompt": text, "raw": true, "max_tokens": new_tokens(i), "ignore_eos": true});
             ValidRequest::parse(Task::TextGeneration, &body).expect("benchmark requests are valid")
         })
@@ -417,6 +454,9 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
         policy,
         // No real-time lane here: steps bounded only by the token budget, as measured before the bound.
         step_max_ms: 0.0,
+        // Each batch size runs its prompts twice (pre-fill alone, then whole):
+        // the second run must compute them again for the difference to be decoding.
+        prefix_cache: false,
         speculation: lorry_engine::runtime::speculative::SpecConfig {
             proposer: lorry_engine::runtime::speculative::Proposer::Off,
             ..Default::default()
@@ -503,9 +543,9 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     products(&config, &args.batch)?;
     let compute_roof = ceilings.peak_flops.max(ceilings.gemm_flops);
     println!(
-        "| weights | batch | decode tok/s | ms/step | memory roofline tok/s | compute roofline tok/s | of roofline | vs batch 1 |"
+        "| weights | batch | decode tok/s | ms/step | memory roofline tok/s | compute roofline tok/s | of roofline | vs batch 1 | prompt tok/s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut reference = None;
     let mut loads = Vec::new();
     for (name, dir, products) in &models {
@@ -526,13 +566,13 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             model.clone(),
             bench_engine_config(max_batch, Policy::Continuous),
         );
-        timed(&engine, &bench_requests(1, args.prompt_tokens, &|_| 2)).await?; // warm up
+        timed(&engine, &model_requests(&model, 1, args.prompt_tokens, &|_| 2)?).await?; // warm up
         let mut batch_one = None;
         for &batch in &args.batch {
-            let prefill = timed(&engine, &bench_requests(batch, args.prompt_tokens, &|_| 1)).await?;
+            let prefill = timed(&engine, &model_requests(&model, batch, args.prompt_tokens, &|_| 1)?).await?;
             let total = timed(
                 &engine,
-                &bench_requests(batch, args.prompt_tokens, &|_| args.new_tokens),
+                &model_requests(&model, batch, args.prompt_tokens, &|_| args.new_tokens)?,
             )
             .await?;
             let steps = (args.new_tokens - 1) as f64;
@@ -543,9 +583,10 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             let roof = memory_roof.min(compute_roof);
             let speedup = rate / *batch_one.get_or_insert(rate);
             println!(
-                "| {name} | {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x |",
+                "| {name} | {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x | {:.1} |",
                 1e3 * decode / steps,
-                100.0 * rate / roof
+                100.0 * rate / roof,
+                (batch * args.prompt_tokens) as f64 / prefill.as_secs_f64()
             );
         }
         drop(engine);
