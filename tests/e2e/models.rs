@@ -237,7 +237,7 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
 
     // Real time, the Workers AI shape and OpenAI's.
     let question =
-        json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24});
+        json!({"messages": [{"role": "user", "content": "Name the capital city of France."}], "max_tokens": 24});
     let answer: Value = app
         .post(&format!("{RUN}/@cf/lorry/smollm2"), &question)
         .await
