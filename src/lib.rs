@@ -232,7 +232,9 @@ async fn start_backends(
                     (Arc::new(EmbeddingEngine::start(&source.name, embedder)), None)
                 }
                 _ => {
-                    let model = engine_args.open_model(&source.dir).with_context(context)?;
+                    let model = engine_args
+                        .open_model(&source.dir, source.quantize)
+                        .with_context(context)?;
                     let draft = engine_args
                         .draft_for(&model, source.draft.as_deref())
                         .with_context(context)?;

@@ -13,6 +13,7 @@ use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::lora::{Adapter, AdapterLimits};
 use lorry_engine::models::bert::Pooling;
 use lorry_engine::models::llama::{Llama, Products};
+use lorry_engine::ops::quant::QuantType;
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::embedding::Embedder;
 use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
@@ -59,7 +60,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         }
     }
     let requests = generate_requests(&args.input, &adapter_dirs)?;
-    let model = args.engine.open_model(&args.model)?;
+    let model = args.engine.open_model(&args.model, None)?;
     // Each adapter is checked here, so that a bad one is named before any work.
     let mut adapters: HashMap<String, AdapterRef> = HashMap::new();
     for (name, dir) in &adapter_dirs {
@@ -210,6 +211,11 @@ pub struct EngineArgs {
     /// rows in f32: transformers' arithmetic, several times the bytes a step reads).
     #[arg(long, env = "LORRY_PRODUCTS", default_value = "native", value_parser = products)]
     pub products: Products,
+    /// Quantize a checkpoint's f32, f16 and bf16 projections at load (weight
+    /// only): `q8_0`, `q4_1` or `q4_0`, multiplied as a GGUF file's blocks
+    /// are. A catalogue entry's own `"quantize"` wins over this.
+    #[arg(long, env = "LORRY_QUANTIZE", value_parser = QuantType::parse)]
+    pub quantize: Option<QuantType>,
 }
 
 /// `--speculate`.
@@ -254,9 +260,16 @@ fn on_off(value: &str) -> Result<bool, String> {
 }
 
 impl EngineArgs {
-    /// Load the text-generation checkpoint at `path` with these flags' products.
-    pub fn open_model(&self, path: &Path) -> anyhow::Result<TextModel> {
-        TextModel::open_with(path, &Device::Cpu, self.products).with_context(|| format!("loading {}", path.display()))
+    /// Load the text-generation checkpoint at `path` with these flags'
+    /// products, quantized at load to `quantize` (a catalogue entry's) or
+    /// else to `--quantize`.
+    pub fn open_model(&self, path: &Path, quantize: Option<QuantType>) -> anyhow::Result<TextModel> {
+        let products = match (self.products, quantize.or(self.quantize)) {
+            (Products::Exact, Some(_)) => bail!("quantizing at load needs the native products (LORRY_PRODUCTS=native)"),
+            (_, Some(ty)) => Products::Quantize(ty),
+            (products, None) => products,
+        };
+        TextModel::open_with(path, &Device::Cpu, products).with_context(|| format!("loading {}", path.display()))
     }
 
     /// The engine configuration these flags describe.

@@ -161,9 +161,10 @@ pub struct EngineBenchArgs {
     /// Weight precisions to write the `bench` fixture in and decode with (without `--model`).
     #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
     pub dtype: Vec<String>,
-    /// With `--model`: the products to measure it with, each in turn
-    /// (`native`: a GGUF file's quantized blocks as they are; `exact`: every
-    /// weight dequantized at load).
+    /// The products to measure each model with, in turn (`native`: a GGUF
+    /// file's quantized blocks as they are, other weights in their own
+    /// precision; `exact`: every weight dequantized at load; `q8_0`, `q4_1`,
+    /// `q4_0`: the projections quantized at load, as `--quantize`).
     #[arg(long, value_delimiter = ',', default_value = "native")]
     pub products: Vec<String>,
     /// Batch sizes to decode at.
@@ -494,16 +495,19 @@ fn checkpoint_bytes(path: &std::path::Path) -> u64 {
 /// weight precision against the rooflines, then continuous versus static batching.
 pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let scratch = std::env::temp_dir().join(format!("lorry-bench-model-{}", std::process::id()));
-    let models: Vec<(String, PathBuf, Products)> = match &args.model {
-        Some(dir) => args
-            .products
-            .iter()
-            .map(|name| match name.as_str() {
-                "native" => Ok((name.clone(), dir.clone(), Products::Native)),
-                "exact" => Ok((name.clone(), dir.clone(), Products::Exact)),
-                _ => bail!("--products {name}: expected native or exact"),
-            })
-            .collect::<anyhow::Result<_>>()?,
+    let ways: Vec<(String, Products)> = args
+        .products
+        .iter()
+        .map(|name| match name.as_str() {
+            "native" => Ok((name.clone(), Products::Native)),
+            "exact" => Ok((name.clone(), Products::Exact)),
+            other => QuantType::parse(other)
+                .map(|ty| (name.clone(), Products::Quantize(ty)))
+                .map_err(|why| anyhow::anyhow!("--products {why}; or native, exact")),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let checkpoints: Vec<(String, PathBuf)> = match &args.model {
+        Some(dir) => vec![("checkpoint".to_string(), dir.clone())],
         None => args
             .dtype
             .iter()
@@ -512,10 +516,22 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 let dir = scratch.join(name);
                 eprintln!("writing the bench fixture in {name} to {}", dir.display());
                 fixtures::write_as(Fixture::Bench, &dir, dtype)?;
-                Ok((name.clone(), dir, Products::Native))
+                Ok((name.clone(), dir))
             })
             .collect::<anyhow::Result<_>>()?,
     };
+    // Each checkpoint with each of the products, named by both where both vary.
+    let mut models: Vec<(String, PathBuf, Products)> = Vec::new();
+    for (name, dir) in &checkpoints {
+        for (how, products) in &ways {
+            let label = match (checkpoints.len(), ways.len()) {
+                (1, _) => how.clone(),
+                (_, 1) => name.clone(),
+                _ => format!("{name} {how}"),
+            };
+            models.push((label, dir.clone(), *products));
+        }
+    }
     let Some((_, first, _)) = models.first() else {
         bail!("no model to measure: give --model or at least one --dtype");
     };
@@ -911,8 +927,12 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     let same_as_alone = mixed_tokens.iter().zip(&alone_tokens).filter(|(a, b)| a == b).count();
     let changed = mixed_tokens.iter().zip(&base_tokens).filter(|(a, b)| a != b).count();
     println!(
-        "bench model, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each, best of {} rounds\n",
-        args.rank, args.adapter_dtype, args.new_tokens, args.rounds.max(1)
+        "{}, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each, best of {} rounds\n",
+        args.model.as_ref().map_or("bench model".to_string(), |m| m.display().to_string()),
+        args.rank,
+        args.adapter_dtype,
+        args.new_tokens,
+        args.rounds.max(1)
     );
     println!("| run | decode tok/s | vs no adapter |");
     println!("|---|---:|---:|");

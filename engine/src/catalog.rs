@@ -21,6 +21,7 @@ use serde_json::Value;
 use crate::fixtures::{self, Fixture};
 use crate::models::llama::{Config, Llama};
 use crate::models::ModelError;
+use crate::ops::quant::QuantType;
 pub use lorry_protocol::model::{no_adapters, Catalog, ModelSpec, Task, ECHO_MODEL};
 /// A tiny random-weight Llama served when no catalogue is configured.
 pub(crate) const DEMO_LLAMA: &str = "@lorry/demo-llama";
@@ -49,6 +50,9 @@ pub struct ModelSource {
     /// A draft model for speculative decoding (text generation): a smaller
     /// checkpoint sharing the tokenizer.
     pub draft: Option<PathBuf>,
+    /// Quantize the checkpoint's projections at load to this format (the
+    /// entry's `"quantize"`).
+    pub quantize: Option<QuantType>,
 }
 
 impl ModelSource {
@@ -69,6 +73,7 @@ impl ModelSource {
             task,
             base,
             draft: None,
+            quantize: None,
         })
     }
 
@@ -100,9 +105,10 @@ fn task_of(dir: &Path) -> Result<Task, ModelError> {
 }
 
 /// Read a catalogue file (`LORRY_MODELS`): a JSON object from served names to
-/// checkpoint directories or GGUF files, each a path or `{"path": …, "draft": …}` (`draft`:
+/// checkpoint directories or GGUF files, each a path or `{"path": …, "draft": …, "quantize": …}` (`draft`:
 /// a smaller text-generation checkpoint sharing the tokenizer, for
-/// speculative decoding); relative paths start at the file's directory.
+/// speculative decoding; `quantize`: `q8_0`, `q4_1` or `q4_0`, the
+/// projections quantized at load); relative paths start at the file's directory.
 pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
     let fail = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
@@ -114,16 +120,17 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
     entries
         .iter()
         .map(|(name, entry)| {
-            let (dir, draft) = match entry {
-                Value::String(dir) => (dir.as_str(), None),
-                Value::Object(o) if o.keys().all(|k| k == "path" || k == "draft") => (
+            let (dir, draft, quantize) = match entry {
+                Value::String(dir) => (dir.as_str(), None, None),
+                Value::Object(o) if o.keys().all(|k| k == "path" || k == "draft" || k == "quantize") => (
                     o.get("path").and_then(Value::as_str).unwrap_or_default(),
                     o.get("draft").map(|d| d.as_str().filter(|d| !d.is_empty())),
+                    o.get("quantize"),
                 ),
                 _ => {
                     return Err(fail(format!(
-                        "{name}: give a directory or {{\"path\": directory, \"draft\": directory}}"
-                    )))
+                    "{name}: give a directory or {{\"path\": directory, \"draft\": directory, \"quantize\": \"q8_0\"}}"
+                )))
                 }
             };
             if dir.is_empty() || name.is_empty() || name == ECHO_MODEL {
@@ -132,6 +139,17 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
                 )));
             }
             let mut source = ModelSource::new(name, base.join(dir))?;
+            if let Some(quantize) = quantize {
+                match quantize.as_str().map(QuantType::parse) {
+                    Some(Ok(ty)) if source.task == Task::TextGeneration => source.quantize = Some(ty),
+                    Some(Err(why)) => return Err(fail(format!("{name}: quantize {why}"))),
+                    _ => {
+                        return Err(fail(format!(
+                            "{name}: quantize is a format name, for a text-generation model"
+                        )))
+                    }
+                }
+            }
             match draft {
                 None => {}
                 Some(Some(draft)) if source.task == Task::TextGeneration => source.draft = Some(base.join(draft)),
@@ -333,6 +351,27 @@ mod tests {
         .unwrap();
         let with_draft = read_catalog_file(&file).unwrap();
         assert_eq!(with_draft[0].draft, Some(root.join("models/demo-llama")));
+        assert_eq!(with_draft[0].quantize, None);
+        std::fs::write(
+            &file,
+            r#"{"@cf/meta/llama": {"path": "models/demo-llama", "quantize": "q8_0"}}"#,
+        )
+        .unwrap();
+        assert_eq!(read_catalog_file(&file).unwrap()[0].quantize, Some(QuantType::Q8_0));
+        for bad in [r#""q4_k""#, r#""q9""#, "8"] {
+            let entry = format!(r#"{{"@cf/meta/llama": {{"path": "models/demo-llama", "quantize": {bad}}}}}"#);
+            std::fs::write(&file, entry).unwrap();
+            assert!(
+                read_catalog_file(&file).unwrap_err().to_string().contains("quantize"),
+                "{bad}"
+            );
+        }
+        std::fs::write(
+            &file,
+            r#"{"@cf/baai/bge": {"path": "models/demo-bge", "quantize": "q8_0"}}"#,
+        )
+        .unwrap();
+        assert!(read_catalog_file(&file).unwrap_err().to_string().contains("quantize"));
         std::fs::write(
             &file,
             r#"{"@cf/baai/bge": {"path": "models/demo-bge", "draft": "models/demo-bge"}}"#,

@@ -163,3 +163,48 @@ fn a_half_precision_checkpoint_gives_the_logits_its_widened_weights_give() {
         let _ = std::fs::remove_dir_all(&wide);
     }
 }
+
+/// `--quantize`: a checkpoint's f32 and half-precision projections
+/// quantized at load to GGUF's blocks (weight only) read a block format's
+/// bytes and give logits near the full-precision ones.
+#[test]
+fn projections_quantized_at_load_follow_the_full_precision_weights() {
+    use lorry_engine::models::llama::Products;
+    use lorry_engine::ops::quant::QuantType;
+    for (dtype, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+        let dir = std::env::temp_dir().join(format!("lorry-loading-quantize-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        fixtures::write_as(Fixture::TinyLlama, &dir, dtype).unwrap();
+        let full = Llama::from_dir(&dir, &Device::Cpu).unwrap();
+        let prompt = [5u32, 17, 42, 99, 3, 64, 8];
+        let logits = |model: &Llama| {
+            let mut cache = model.new_cache();
+            model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+        };
+        let want = logits(&full);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Bytes a weight, and the largest difference allowed as a share of the
+        // largest logit (measured: Q8_0 2.8–2.9%, Q4_1 38–41%: four bits hold
+        // this fixture's Gaussian weights coarsely, and its logits are small).
+        for (ty, bytes, bound) in [
+            (QuantType::Q8_0, 34.0 / 32.0, 0.06),
+            (QuantType::Q4_1, 20.0 / 32.0, 0.6),
+        ] {
+            let quantized = Llama::from_dir_with(&dir, &Device::Cpu, Products::Quantize(ty)).unwrap();
+            assert_eq!(quantized.weight_bytes_per_param(), bytes, "{tag} {}", ty.name());
+            let got = logits(&quantized);
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            eprintln!(
+                "{tag} {}: largest logit difference {} of the largest logit",
+                ty.name(),
+                worst / scale
+            );
+            assert!(
+                worst > 0.0 && worst <= bound * scale,
+                "{tag} {}: {worst} of {scale}",
+                ty.name()
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

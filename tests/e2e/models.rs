@@ -312,7 +312,7 @@ async fn a_catalogued_gguf_file_serves_both_lanes_with_adapters() {
     assert_each_index_once(&lines, 6);
     for line in &lines {
         let index = line["index"].as_u64().unwrap() as usize;
-        let want = alone(&bodies[index], index % 3 == 0);
+        let want = alone(&bodies[index], index.is_multiple_of(3));
         assert_eq!(line["response"]["body"]["response"], json!(want), "request {index}");
     }
     app.stop().await;

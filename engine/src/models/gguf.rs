@@ -616,7 +616,7 @@ fn hf_name(name: &str) -> Option<String> {
 /// [`unpermute`] as a row order: row `r` of the result is row `order[r]`
 /// of the file's.
 fn unpermuted_rows(rows: usize, heads: usize) -> Result<Vec<usize>> {
-    if heads == 0 || rows % (2 * heads) != 0 {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(ModelError::Gguf(format!(
             "a query/key projection of {rows} rows does not split into {heads} heads"
         )));

@@ -33,7 +33,7 @@ use serde::Deserialize;
 use super::{load_tensors, read_config, ModelError};
 use crate::lora::{PackedAdapter, Target};
 use crate::ops::gemm::PackedMatrix;
-use crate::ops::quant::QuantMatrix;
+use crate::ops::quant::{QuantMatrix, QuantType, QK};
 use crate::ops::sgmv::{CpuSgmv, Segment, Sgmv};
 use crate::runtime::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::runtime::sampling::{Sampler, SamplingParams};
@@ -217,14 +217,15 @@ impl LlamaConfigFile {
                 "model_type {model_type:?} is not a Llama-family model"
             )));
         }
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 && self.head_dim.is_none()
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads) && self.head_dim.is_none()
         {
             return Err(ModelError::Config(
                 "hidden_size must divide into num_attention_heads".into(),
             ));
         }
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        if num_kv_heads == 0 || self.num_attention_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::Config(
                 "num_attention_heads must be a multiple of num_key_value_heads".into(),
             ));
@@ -453,14 +454,34 @@ pub enum Products {
     /// the product), token rows in f32: the arithmetic of transformers'
     /// GGUF loader.
     Exact,
+    /// As [`Products::Native`], and every f32, f16 or bf16 projection
+    /// quantized at load to this format (weight-only quantization): a
+    /// Hugging Face checkpoint served at a quantized file's speed.
+    Quantize(QuantType),
+}
+
+impl Products {
+    fn projections<'q>(self, dtype: DType, blocks: Option<&'q dyn QuantSource>, device: &Device) -> Projections<'q> {
+        let cpu = device.is_cpu();
+        Projections {
+            dtype,
+            blocks: blocks.filter(|_| cpu && self != Products::Exact),
+            quantize: match self {
+                Products::Quantize(ty) if cpu => Some(ty),
+                _ => None,
+            },
+        }
+    }
 }
 
 /// What the projections of a load are read as: `dtype` for tensors, and
-/// the quantized blocks of `blocks` where it has them.
+/// the quantized blocks of `blocks` where it has them; the other ones
+/// quantized at load to `quantize`, where set.
 #[derive(Clone, Copy)]
 struct Projections<'q> {
     dtype: DType,
     blocks: Option<&'q dyn QuantSource>,
+    quantize: Option<QuantType>,
 }
 
 impl Linear {
@@ -524,9 +545,16 @@ impl Linear {
         })
     }
 
-    /// Ready for the forward pass: packed on the CPU, f32 elsewhere.
-    fn packed(self) -> Result<Self> {
+    /// Ready for the forward pass: packed on the CPU (quantized to blocks
+    /// where `p` asks and the inputs are whole blocks), f32 elsewhere.
+    fn packed(self, p: Projections<'_>) -> Result<Self> {
         let weight = match self.weight {
+            Weight::Tensor(t) if t.device().is_cpu() && p.quantize.is_some() && t.dim(1)? % QK == 0 => {
+                let (n, k) = t.dims2()?;
+                let w = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let ty = p.quantize.expect("checked");
+                Weight::Quant(QuantMatrix::quantize(ty, &w, n, k).map_err(|e| ModelError::Config(e.to_string()))?)
+            }
             Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(PackedMatrix::from_tensor(&t)?),
             Weight::Tensor(t) => Weight::Tensor(t.to_dtype(DType::F32)?),
             packed => packed,
@@ -644,8 +672,8 @@ impl Attention {
                 Linear::load(vb.pp("k_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, p)?,
                 Linear::load(vb.pp("v_proj"), h, cfg.num_kv_heads * d, cfg.qkv_bias, p)?,
             ])?
-            .packed()?,
-            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias, p)?.packed()?,
+            .packed(p)?,
+            o_proj: Linear::load(vb.pp("o_proj"), cfg.num_heads * d, h, cfg.o_bias, p)?.packed(p)?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -759,8 +787,8 @@ impl Mlp {
                 Linear::load(vb.pp("gate_proj"), h, i, false, p)?,
                 Linear::load(vb.pp("up_proj"), h, i, false, p)?,
             ])?
-            .packed()?,
-            down_proj: Linear::load(vb.pp("down_proj"), i, h, false, p)?.packed()?,
+            .packed(p)?,
+            down_proj: Linear::load(vb.pp("down_proj"), i, h, false, p)?.packed(p)?,
             activation: cfg.activation,
             intermediate: i,
         })
@@ -877,7 +905,15 @@ impl Llama {
     /// bf16 weights are widened inside the product, not at load); everything
     /// else in the builder's dtype.
     pub fn load(vb: VarBuilder, cfg: &Config, dtype: DType) -> Result<Self> {
-        Llama::load_from(vb, cfg, Projections { dtype, blocks: None })
+        Llama::load_from(
+            vb,
+            cfg,
+            Projections {
+                dtype,
+                blocks: None,
+                quantize: None,
+            },
+        )
     }
 
     /// [`Llama::load`], projections read as `p` says.
@@ -907,7 +943,7 @@ impl Llama {
                 } else {
                     vb.pp("lm_head")
                 };
-                Linear::load(head, cfg.hidden_size, cfg.vocab_size, false, p)?.packed()?
+                Linear::load(head, cfg.hidden_size, cfg.vocab_size, false, p)?.packed(p)?
             }
         };
         Ok(Llama {
@@ -1104,6 +1140,12 @@ impl Llama {
     /// Load a Hugging Face checkpoint directory: f32 activations; projections
     /// packed in the checkpoint's precision (f32, f16 or bf16).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        Llama::from_dir_with(dir, device, Products::Native)
+    }
+
+    /// [`Llama::from_dir`], projections quantized at load where `products`
+    /// says ([`Products::Quantize`]).
+    pub fn from_dir_with(dir: &Path, device: &Device, products: Products) -> Result<Self> {
         let cfg = read_config::<LlamaConfigFile>(dir)?.into_config()?;
         let tensors = load_tensors(dir, device)?;
         // Projections stay in the checkpoint's precision.
@@ -1111,7 +1153,7 @@ impl Llama {
             .get("model.layers.0.mlp.down_proj.weight")
             .map_or(DType::F32, |t| t.dtype());
         let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
-        Llama::load(vb, &cfg, dtype)
+        Llama::load_from(vb, &cfg, products.projections(dtype, None, device))
     }
 
     /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0` or `Q4_1`
@@ -1121,10 +1163,7 @@ impl Llama {
     pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device, products: Products) -> Result<Self> {
         let cfg = file.config()?;
         let blocks = file.blocks(&cfg)?;
-        let p = Projections {
-            dtype: file.projection_dtype(),
-            blocks: (products == Products::Native && device.is_cpu()).then_some(&blocks as &dyn QuantSource),
-        };
+        let p = products.projections(file.projection_dtype(), Some(&blocks), device);
         Llama::load_from(file.var_builder(&cfg, device)?, &cfg, p)
     }
 

@@ -141,6 +141,18 @@ impl QuantType {
         }
     }
 
+    /// A format by the lower-case name `--quantize` takes (`q8_0`, `q4_1`,
+    /// `q4_0`).
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "q8_0" => Ok(QuantType::Q8_0),
+            "q4_1" => Ok(QuantType::Q4_1),
+            "q4_0" => Ok(QuantType::Q4_0),
+            "q4_k" => Err("\"q4_k\": the K-quant products are not built yet; use q8_0, q4_1 or q4_0".into()),
+            _ => Err(format!("{name:?}: expected q8_0, q4_1 or q4_0")),
+        }
+    }
+
     /// The name llama.cpp gives it.
     pub fn name(self) -> &'static str {
         match self {
@@ -192,6 +204,45 @@ fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
         // Chunk `c` holds bytes `4c..4c + 4` of every row's quants, row by row.
         for (c, four) in qs.chunks_exact(4).enumerate() {
             out[quants + c * 4 * WR + 4 * l..][..4].copy_from_slice(four);
+        }
+    }
+}
+
+/// One block of [`QK`] weights in `ty`'s file layout ([`QuantMatrix::quantize`]).
+fn quantize_block(ty: QuantType, w: &[f32], block: &mut [u8]) {
+    let half = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    match ty {
+        QuantType::Q8_0 => {
+            let amax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block[..2].copy_from_slice(&half(d));
+            for (q, &v) in block[2..].iter_mut().zip(w) {
+                *q = (v * id).round() as i8 as u8;
+            }
+        }
+        QuantType::Q4_0 => {
+            let max = w.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block[..2].copy_from_slice(&half(d));
+            let q = |v: f32| ((v * id + 8.5) as i32).min(15) as u8;
+            for i in 0..QK / 2 {
+                block[2 + i] = q(w[i]) | (q(w[i + QK / 2]) << 4);
+            }
+        }
+        QuantType::Q4_1 => {
+            let (min, max) = w
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let d = (max - min) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block[..2].copy_from_slice(&half(d));
+            block[2..4].copy_from_slice(&half(min));
+            let q = |v: f32| (((v - min) * id + 0.5) as i32).min(15) as u8;
+            for i in 0..QK / 2 {
+                block[4 + i] = q(w[i]) | (q(w[i + QK / 2]) << 4);
+            }
         }
     }
 }
@@ -284,7 +335,7 @@ impl QuantMatrix {
         k: usize,
         order: Option<&[usize]>,
     ) -> Result<Self, QuantError> {
-        if k % QK != 0 {
+        if !k.is_multiple_of(QK) {
             return Err(QuantError::Inputs { inputs: k });
         }
         let (nb, bb) = (k / QK, ty.block_bytes());
@@ -332,6 +383,24 @@ impl QuantMatrix {
                 data: Arc::from(laid),
             }]),
         })
+    }
+
+    /// `n × k` f32 weights (row-major) quantized to `ty` as llama.cpp's
+    /// reference quantizer does (`Q8_0`: `d = max|w| / 127`, `q =
+    /// round(w / d)`; `Q4_0`: `d = w_maxabs / -8`, `q = w/d + 8.5` truncated;
+    /// `Q4_1`: `d = (max − min) / 15`, `m = min`, `q = (w − m)/d + 0.5`
+    /// truncated), the scales stored in half precision.
+    pub fn quantize(ty: QuantType, w: &[f32], n: usize, k: usize) -> Result<Self, QuantError> {
+        if !k.is_multiple_of(QK) {
+            return Err(QuantError::Inputs { inputs: k });
+        }
+        assert_eq!(w.len(), n * k, "weight shape");
+        let bb = ty.block_bytes();
+        let mut data = vec![0u8; n * k / QK * bb];
+        data.par_chunks_mut(bb)
+            .zip(w.par_chunks(QK))
+            .for_each(|(block, w)| quantize_block(ty, w, block));
+        QuantMatrix::from_blocks(ty, &data, n, k, None)
     }
 
     /// Several matrices over the same inputs as one, their outputs side by
@@ -472,7 +541,7 @@ impl QuantizedRows {
     /// Quantize `m` rows of `k` values (`k` a multiple of [`QK`]): per
     /// block `d = max|x| / 127`, `q = round(x / d)` (halves away from zero).
     pub(crate) fn new(x: &[f32], m: usize, k: usize) -> Self {
-        assert!(k % QK == 0 && x.len() == m * k, "quantized rows' shape");
+        assert!(k.is_multiple_of(QK) && x.len() == m * k, "quantized rows' shape");
         let blocks = m * k / QK;
         let mut rows = QuantizedRows {
             k,
@@ -841,6 +910,25 @@ mod tests {
                 assert_eq!(got[r * k..][..k], want[(n - 1 - r) * k..][..k], "{} row {r}", ty.name());
             }
             assert_eq!(m.bytes(), n.div_ceil(WR) * WR * k / QK * ty.block_bytes());
+        }
+    }
+
+    /// Quantizing at load gives the blocks llama.cpp's reference quantizer
+    /// (as candle implements it) writes, byte for byte.
+    #[test]
+    fn quantizing_gives_the_reference_quantizers_blocks() {
+        let (n, k) = (9, 128);
+        let mut w = values(n * k, 31);
+        w[5 * k..6 * k].fill(0.0);
+        for (ty, ggml) in TYPES {
+            let want = QTensor::quantize(&Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(), ggml)
+                .unwrap()
+                .data()
+                .unwrap()
+                .into_owned();
+            let from_file = QuantMatrix::from_blocks(ty, &want, n, k, None).unwrap();
+            let ours = QuantMatrix::quantize(ty, &w, n, k).unwrap();
+            assert_eq!(ours.parts[0].data, from_file.parts[0].data, "{}", ty.name());
         }
     }
 

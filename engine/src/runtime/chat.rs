@@ -134,7 +134,7 @@ impl TextModel {
         if crate::models::gguf::is_gguf(path) {
             TextModel::from_gguf(path, device, products)
         } else {
-            TextModel::from_dir(path, device)
+            TextModel::from_dir_with(path, device, products)
         }
     }
 
@@ -162,6 +162,12 @@ impl TextModel {
     /// Load a Hugging Face directory: the model, `tokenizer.json`,
     /// `tokenizer_config.json`, the chat template and `generation_config.json`.
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        TextModel::from_dir_with(dir, device, Products::Native)
+    }
+
+    /// [`TextModel::from_dir`], projections quantized at load where
+    /// `products` says.
+    pub fn from_dir_with(dir: &Path, device: &Device, products: Products) -> Result<Self, ModelError> {
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.exists() && dir.join("tokenizer.model").exists() {
             return Err(ModelError::Config(format!(
@@ -171,7 +177,7 @@ impl TextModel {
             )));
         }
         let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| config_error("tokenizer.json", e))?;
-        let model = Llama::from_dir(dir, device)?;
+        let model = Llama::from_dir_with(dir, device, products)?;
         let config = optional_json(&dir.join("tokenizer_config.json"))?;
         let generation = optional_json(&dir.join("generation_config.json"))?;
         let template = match std::fs::read_to_string(dir.join("chat_template.jinja")) {

@@ -977,8 +977,8 @@ mod tests {
             if step >= 2_000 && s.is_idle() {
                 break;
             }
-            if step < 2_000 && rng.next_u64() % 3 == 0 {
-                let lane = if rng.next_u64() % 4 == 0 {
+            if step < 2_000 && rng.next_u64().is_multiple_of(3) {
+                let lane = if rng.next_u64().is_multiple_of(4) {
                     Lane::RealTime
                 } else {
                     Lane::Batch

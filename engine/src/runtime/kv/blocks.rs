@@ -329,7 +329,7 @@ mod tests {
         let mut rng = SplitMix::new(3);
         for _ in 0..5_000 {
             let t = (rng.next_u64() % 10) as usize;
-            if rng.next_u64() % 4 == 0 {
+            if rng.next_u64().is_multiple_of(4) {
                 tables[t].release(&mut pool);
             } else {
                 let _ = tables[t].append(&mut pool, (rng.next_u64() % 40) as usize);
