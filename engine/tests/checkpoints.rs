@@ -336,6 +336,30 @@ fn permuted_quantized_projections_follow_the_dequantized_weights() {
     assert!(worst <= 0.02 * scale, "logits differ by {worst} (largest {scale})");
 }
 
+/// A file mixing block formats (the tiny Qwen2: K-quants, Q5_1, Q8_0, with
+/// biases): projections whose parts are all in formats the products run on
+/// stay blocks, the others are dequantized; logits near the exact ones.
+#[test]
+fn mixed_block_formats_follow_the_dequantized_weights() {
+    let path = data("tiny-qwen2.gguf");
+    let native = TextModel::open(&path, &Device::Cpu).unwrap();
+    let exact = TextModel::open_with(&path, &Device::Cpu, Products::Exact).unwrap();
+    assert!(native.model.weight_bytes_per_param() < exact.model.weight_bytes_per_param());
+    let prompt = exact.encode_raw("Mixed formats, one model.").unwrap();
+    let logits = |m: &TextModel| {
+        let mut cache = m.model.new_cache();
+        m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (a, b) = (logits(&native), logits(&exact));
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    eprintln!("largest logit difference {} of the largest logit", worst / scale);
+    assert!(
+        worst > 0.0 && worst <= 0.05 * scale,
+        "logits differ by {worst} (largest {scale})"
+    );
+}
+
 #[test]
 fn a_peft_adapter_on_smollm2_gives_transformers_tokens() {
     let model = TextModel::open_with(&smollm2_gguf(), &Device::Cpu, Products::Exact).unwrap();

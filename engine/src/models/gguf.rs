@@ -3,7 +3,7 @@
 //! GGUF loader (`integrations/ggml.py`, `modeling_gguf_pytorch_utils.py`)
 //! reads them. The file is read with candle-core's `quantized::gguf_file`.
 //! Projections in a block format the engine multiplies as it is (`Q8_0`,
-//! `Q4_0`, `Q4_1`: [`crate::ops::quant`]) are read as their blocks instead
+//! `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`: [`crate::ops::quant`]) are read as their blocks instead
 //! ([`GgufFile::blocks`]), unless the exact products are asked for.
 //!
 //! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of the

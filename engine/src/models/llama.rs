@@ -445,7 +445,7 @@ pub(crate) trait QuantSource {
 /// How a checkpoint's projections are multiplied.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Products {
-    /// Quantized blocks (GGUF's `Q8_0`, `Q4_0`, `Q4_1`) kept and multiplied
+    /// Quantized blocks (GGUF's `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`) kept and multiplied
     /// as they are, each token row quantized to 8-bit blocks; other weights
     /// as [`Products::Exact`].
     #[default]
@@ -1156,7 +1156,7 @@ impl Llama {
         Llama::load_from(vb, &cfg, products.projections(dtype, None, device))
     }
 
-    /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0` or `Q4_1`
+    /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0` or `Q5_1`
     /// as their blocks (unless `products` is [`Products::Exact`]); other
     /// tensors dequantized one at a time as the layers ask for them (f32, or
     /// the file's own f16/bf16 where every projection is half precision).

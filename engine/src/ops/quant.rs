@@ -1,9 +1,12 @@
 //! Matrix products on GGUF's quantized blocks, kept as the file holds them.
 //!
 //! A quantized weight row is a run of blocks of [`QK`] weights, each block a
-//! half-precision scale (and, for `Q4_1`, a half-precision minimum) and the
-//! weights as small integers: `Q8_0` (8-bit, `d·q`), `Q4_0` (4-bit,
-//! `d·(q − 8)`) and `Q4_1` (4-bit, `d·q + m`). Dequantizing them at load
+//! half-precision scale (and, for `Q4_1` and `Q5_1`, a half-precision
+//! minimum) and the weights as small integers: `Q8_0` (8-bit, `d·q`), `Q4_0`
+//! (4-bit, `d·(q − 8)`), `Q4_1` (4-bit, `d·q + m`), `Q5_0` (5-bit,
+//! `d·(q − 16)`) and `Q5_1` (5-bit, `d·q + m`; the fifth bits of a block kept
+//! apart as one `u32`, spread back into each weight's byte in the kernel
+//! before its dot product). Dequantizing them at load
 //! multiplies the bytes every decode step reads by 4–6; here the blocks stay
 //! blocks and the product runs on them, as llama.cpp's does: each token row
 //! is quantized to 8-bit blocks of its own (`d = max|x| / 127`, one scale per
@@ -119,6 +122,10 @@ pub enum QuantType {
     Q4_0,
     /// `d·q + m`, `q` 4-bit: 20 bytes a block.
     Q4_1,
+    /// `d·(q − 16)`, `q` 5-bit (4 bits and a fifth apart): 22 bytes a block.
+    Q5_0,
+    /// `d·q + m`, `q` 5-bit: 24 bytes a block.
+    Q5_1,
 }
 
 impl QuantType {
@@ -128,6 +135,8 @@ impl QuantType {
             GgmlDType::Q8_0 => Some(QuantType::Q8_0),
             GgmlDType::Q4_0 => Some(QuantType::Q4_0),
             GgmlDType::Q4_1 => Some(QuantType::Q4_1),
+            GgmlDType::Q5_0 => Some(QuantType::Q5_0),
+            GgmlDType::Q5_1 => Some(QuantType::Q5_1),
             _ => None,
         }
     }
@@ -138,6 +147,8 @@ impl QuantType {
             QuantType::Q8_0 => 34,
             QuantType::Q4_0 => 18,
             QuantType::Q4_1 => 20,
+            QuantType::Q5_0 => 22,
+            QuantType::Q5_1 => 24,
         }
     }
 
@@ -159,15 +170,30 @@ impl QuantType {
             QuantType::Q8_0 => "Q8_0",
             QuantType::Q4_0 => "Q4_0",
             QuantType::Q4_1 => "Q4_1",
+            QuantType::Q5_0 => "Q5_0",
+            QuantType::Q5_1 => "Q5_1",
         }
     }
 
     /// Where a block's quants start.
     fn quants_at(self) -> usize {
         match self {
+            QuantType::Q8_0 | QuantType::Q4_0 => 2,
             QuantType::Q4_1 => 4,
-            _ => 2,
+            QuantType::Q5_0 => 6,
+            QuantType::Q5_1 => 8,
         }
+    }
+
+    /// Whether a block has a minimum of its own (the others' is a fixed
+    /// offset times the scale, or none).
+    fn has_minimum(self) -> bool {
+        matches!(self, QuantType::Q4_1 | QuantType::Q5_1)
+    }
+
+    /// Whether the quants have a fifth bit, kept apart (32 bits a block).
+    fn has_fifth_bits(self) -> bool {
+        matches!(self, QuantType::Q5_0 | QuantType::Q5_1)
     }
 }
 
@@ -182,11 +208,17 @@ impl QuantType {
         2 * WR
     }
 
-    fn group_quants(self) -> usize {
-        match self {
-            QuantType::Q4_1 => 4 * WR,
-            _ => 2 * WR,
+    /// Where the group's fifth bits start (`Q5_0`, `Q5_1`: a `u32` a row).
+    fn group_fifth_bits(self) -> usize {
+        if self.has_minimum() {
+            4 * WR
+        } else {
+            2 * WR
         }
+    }
+
+    fn group_quants(self) -> usize {
+        self.group_fifth_bits() + if self.has_fifth_bits() { 4 * WR } else { 0 }
     }
 }
 
@@ -197,8 +229,12 @@ fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
     let quants = ty.group_quants();
     for (l, block) in blocks.iter().enumerate() {
         out[2 * l..2 * l + 2].copy_from_slice(&block[..2]);
-        if ty == QuantType::Q4_1 {
+        if ty.has_minimum() {
             out[ty.group_minimums() + 2 * l..][..2].copy_from_slice(&block[2..4]);
+        }
+        if ty.has_fifth_bits() {
+            let at = ty.quants_at() - 4;
+            out[ty.group_fifth_bits() + 4 * l..][..4].copy_from_slice(&block[at..at + 4]);
         }
         let qs = &block[ty.quants_at()..];
         // Chunk `c` holds bytes `4c..4c + 4` of every row's quants, row by row.
@@ -244,13 +280,45 @@ fn quantize_block(ty: QuantType, w: &[f32], block: &mut [u8]) {
                 block[4 + i] = q(w[i]) | (q(w[i + QK / 2]) << 4);
             }
         }
+        QuantType::Q5_0 => {
+            let max = w.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            let d = max / -16.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block[..2].copy_from_slice(&half(d));
+            let q: Vec<u8> = w.iter().map(|&v| ((v * id + 16.5) as i32).min(31) as u8).collect();
+            fifth_bits(&q, &mut block[2..]);
+        }
+        QuantType::Q5_1 => {
+            let (min, max) = w
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let d = (max - min) / 31.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block[..2].copy_from_slice(&half(d));
+            block[2..4].copy_from_slice(&half(min));
+            let q: Vec<u8> = w
+                .iter()
+                .map(|&v| (((v - min) * id + 0.5) as i32).min(31) as u8)
+                .collect();
+            fifth_bits(&q, &mut block[4..]);
+        }
+    }
+}
+
+/// 32 five-bit quants as a `Q5` block stores them in `out`: their fifth bits
+/// (a little-endian `u32`), then the low four bits two to a byte.
+fn fifth_bits(q: &[u8], out: &mut [u8]) {
+    let high: u32 = q.iter().enumerate().map(|(i, &q)| ((q as u32 >> 4) & 1) << i).sum();
+    out[..4].copy_from_slice(&high.to_le_bytes());
+    for i in 0..QK / 2 {
+        out[4 + i] = (q[i] & 0x0f) | ((q[i + QK / 2] & 0x0f) << 4);
     }
 }
 
 /// Row `l` of a group's block (`group`, `group_bytes`): its scale, its
-/// minimum (`-8·d` for `Q4_0`, 0 for `Q8_0`) and its weights as the integers
-/// the dot product multiplies (`Q8_0` signed, the 4-bit types unsigned,
-/// their offset in the minimum).
+/// minimum (`-8·d` for `Q4_0`, `-16·d` for `Q5_0`, 0 for `Q8_0`) and its
+/// weights as the integers the dot product multiplies (`Q8_0` signed, the
+/// others unsigned, their offset in the minimum).
 fn group_row(ty: QuantType, group: &[u8], l: usize) -> (f32, f32, [i32; QK]) {
     let half = |at: usize| f16::from_bits(u16::from_le_bytes([group[at], group[at + 1]])).to_f32();
     let d = half(2 * l);
@@ -258,18 +326,26 @@ fn group_row(ty: QuantType, group: &[u8], l: usize) -> (f32, f32, [i32; QK]) {
         QuantType::Q8_0 => 0.0,
         // Exact: a power of two times a half-precision value.
         QuantType::Q4_0 => -8.0 * d,
-        QuantType::Q4_1 => half(ty.group_minimums() + 2 * l),
+        QuantType::Q5_0 => -16.0 * d,
+        QuantType::Q4_1 | QuantType::Q5_1 => half(ty.group_minimums() + 2 * l),
+    };
+    let fifth = if ty.has_fifth_bits() {
+        let at = ty.group_fifth_bits() + 4 * l;
+        u32::from_le_bytes([group[at], group[at + 1], group[at + 2], group[at + 3]])
+    } else {
+        0
     };
     let quants = &group[ty.group_quants()..];
     let byte = |i: usize| quants[(i / 4) * 4 * WR + 4 * l + i % 4];
     let w = match ty {
         QuantType::Q8_0 => std::array::from_fn(|i| byte(i) as i8 as i32),
-        QuantType::Q4_0 | QuantType::Q4_1 => std::array::from_fn(|i| {
-            if i < QK / 2 {
-                (byte(i) & 0x0f) as i32
+        _ => std::array::from_fn(|i| {
+            let low = if i < QK / 2 {
+                byte(i) & 0x0f
             } else {
-                (byte(i - QK / 2) >> 4) as i32
-            }
+                byte(i - QK / 2) >> 4
+            };
+            low as i32 | (((fifth >> i) & 1) << 4) as i32
         }),
     };
     (d, m, w)
@@ -695,6 +771,8 @@ mod x86 {
     const Q8_0: u8 = 0;
     const Q4_0: u8 = 1;
     const Q4_1: u8 = 2;
+    const Q5_0: u8 = 3;
+    const Q5_1: u8 = 4;
 
     /// `acc + Σ_{i=4l}^{4l+3} u[i]·s[i]` in each lane `l` (`u` unsigned, `s`
     /// signed bytes, each pair's sum within i16 as the callers keep them).
@@ -718,6 +796,24 @@ mod x86 {
         _mm256_dpbusd_epi32(acc, u, s)
     }
 
+    /// The fifth bits of weights `from..from + 4` of each row (`bits`: a
+    /// `u32` a row), as `0x10` or 0 in the byte of each weight.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn fifth_bit(bits: __m256i, from: usize) -> __m256i {
+        let shifted = _mm256_srl_epi32(bits, _mm_cvtsi32_si128(from as i32));
+        // Each row's low byte into its four bytes, then byte `t` keeps bit `t`.
+        let spread = _mm256_shuffle_epi8(
+            shifted,
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+            ),
+        );
+        let select = _mm256_set1_epi32(0x0804_0201);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+
     /// A group's rows times `rows` token rows (a power of two, at most the
     /// kernel's tile height): `out[r][j]` for `j < cols`.
     ///
@@ -732,6 +828,8 @@ mod x86 {
                     QuantType::Q8_0 => $kernel::<Q8_0, $x>(tile),
                     QuantType::Q4_0 => $kernel::<Q4_0, $x>(tile),
                     QuantType::Q4_1 => $kernel::<Q4_1, $x>(tile),
+                    QuantType::Q5_0 => $kernel::<Q5_0, $x>(tile),
+                    QuantType::Q5_1 => $kernel::<Q5_1, $x>(tile),
                 }
             };
         }
@@ -775,7 +873,9 @@ mod x86 {
                 let ty = match TY {
                     Q8_0 => QuantType::Q8_0,
                     Q4_0 => QuantType::Q4_0,
-                    _ => QuantType::Q4_1,
+                    Q4_1 => QuantType::Q4_1,
+                    Q5_0 => QuantType::Q5_0,
+                    _ => QuantType::Q5_1,
                 };
                 let (gb, quants) = (ty.group_bytes(), ty.group_quants());
                 let (mut acc, mut min) = ([_mm256_setzero_ps(); X], [_mm256_setzero_ps(); X]);
@@ -808,10 +908,19 @@ mod x86 {
                                 }
                             }
                         } else {
+                            let fifth = if ty.has_fifth_bits() {
+                                _mm256_loadu_si256(p.add(ty.group_fifth_bits()) as *const __m256i)
+                            } else {
+                                _mm256_setzero_si256()
+                            };
                             for c in 0..QK / 8 {
                                 let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                                let low = _mm256_and_si256(w, nibble);
-                                let high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                                let mut low = _mm256_and_si256(w, nibble);
+                                let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                                if TY == Q5_0 || TY == Q5_1 {
+                                    low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
+                                    high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
+                                }
                                 let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
                                 for r in 0..X {
                                     sums[first][r] = $dot(sums[first][r], low, four(r, 4 * c));
@@ -826,7 +935,8 @@ mod x86 {
                         }
                         let sums = sums[0];
                         let m = match TY {
-                            Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * super::WR) as *const __m128i)),
+                            Q4_1 | Q5_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * super::WR) as *const __m128i)),
+                            Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
                             _ => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
                         };
                         for r in 0..X {
@@ -875,10 +985,12 @@ mod tests {
             .collect()
     }
 
-    const TYPES: [(QuantType, GgmlDType); 3] = [
+    const TYPES: [(QuantType, GgmlDType); 5] = [
         (QuantType::Q8_0, GgmlDType::Q8_0),
         (QuantType::Q4_0, GgmlDType::Q4_0),
         (QuantType::Q4_1, GgmlDType::Q4_1),
+        (QuantType::Q5_0, GgmlDType::Q5_0),
+        (QuantType::Q5_1, GgmlDType::Q5_1),
     ];
 
     /// `n × k` weights quantized by candle, as a GGUF file holds them, and
@@ -977,7 +1089,7 @@ mod tests {
                     })
                     .collect();
                 for &kernel in &kernels {
-                    let mut got = vec![f32::NAN; m * 3 * n];
+                    let mut got = vec![f32::NAN; m * TYPES.len() * n];
                     stacked.matmul_into(&x, m, &mut got, kernel);
                     assert!(
                         got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
