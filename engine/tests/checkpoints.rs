@@ -318,13 +318,15 @@ fn smollm2_quantized_products_follow_the_dequantized_weights() {
 /// A `llama` file whose q/k rows llama.cpp permuted, with Q8_0 and Q4_0
 /// projections: the blocks are un-permuted row by row (logits within 2% of
 /// the largest).
-#[test]
-fn permuted_quantized_projections_follow_the_dequantized_weights() {
-    let path = data("tiny-llama-spm.gguf");
-    let native = TextModel::open(&path, &Device::Cpu).unwrap();
-    let exact = TextModel::open_with(&path, &Device::Cpu, Products::Exact).unwrap();
+/// The file at `path` with the native products and with the exact ones: the
+/// native model reads fewer bytes a weight; the largest difference between
+/// their last-position logits after `text`, as a share of the largest exact
+/// logit.
+fn native_logit_drift(path: &Path, text: &str) -> f32 {
+    let native = TextModel::open(path, &Device::Cpu).unwrap();
+    let exact = TextModel::open_with(path, &Device::Cpu, Products::Exact).unwrap();
     assert!(native.model.weight_bytes_per_param() < exact.model.weight_bytes_per_param());
-    let prompt = exact.encode_raw("The quick brown fox jumps over the lazy dog").unwrap();
+    let prompt = exact.encode_raw(text).unwrap();
     let logits = |m: &TextModel| {
         let mut cache = m.model.new_cache();
         m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
@@ -332,32 +334,34 @@ fn permuted_quantized_projections_follow_the_dequantized_weights() {
     let (a, b) = (logits(&native), logits(&exact));
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(worst > 0.0, "the blocks were multiplied as blocks");
-    assert!(worst <= 0.02 * scale, "logits differ by {worst} (largest {scale})");
+    eprintln!(
+        "{}: largest logit difference {} of the largest logit",
+        path.display(),
+        worst / scale
+    );
+    worst / scale
+}
+
+/// A `llama` file whose q/k rows llama.cpp permuted, with Q8_0 and Q4_0
+/// projections: the blocks are un-permuted row by row (logits within 2% of
+/// the largest).
+#[test]
+fn permuted_quantized_projections_follow_the_dequantized_weights() {
+    let drift = native_logit_drift(
+        &data("tiny-llama-spm.gguf"),
+        "The quick brown fox jumps over the lazy dog",
+    );
+    assert!(drift > 0.0 && drift <= 0.02, "{drift}");
 }
 
 /// A file mixing block formats (the tiny Qwen2: K-quants, Q5_1, Q8_0, with
 /// biases): projections whose parts are all in formats the products run on
-/// stay blocks, the others are dequantized; logits near the exact ones.
+/// stay blocks, the others are dequantized (logits within 5% of the
+/// largest; measured 1.7%).
 #[test]
 fn mixed_block_formats_follow_the_dequantized_weights() {
-    let path = data("tiny-qwen2.gguf");
-    let native = TextModel::open(&path, &Device::Cpu).unwrap();
-    let exact = TextModel::open_with(&path, &Device::Cpu, Products::Exact).unwrap();
-    assert!(native.model.weight_bytes_per_param() < exact.model.weight_bytes_per_param());
-    let prompt = exact.encode_raw("Mixed formats, one model.").unwrap();
-    let logits = |m: &TextModel| {
-        let mut cache = m.model.new_cache();
-        m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
-    };
-    let (a, b) = (logits(&native), logits(&exact));
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    eprintln!("largest logit difference {} of the largest logit", worst / scale);
-    assert!(
-        worst > 0.0 && worst <= 0.05 * scale,
-        "logits differ by {worst} (largest {scale})"
-    );
+    let drift = native_logit_drift(&data("tiny-qwen2.gguf"), "Mixed formats, one model.");
+    assert!(drift > 0.0 && drift <= 0.05, "{drift}");
 }
 
 #[test]
