@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -563,17 +563,15 @@ impl QuantSource for Blocks<'_> {
             None
         };
         let order = heads.map(|heads| unpermuted_rows(rows, heads)).transpose()?;
-        let q = self
-            .file
-            .content
-            .tensor(&mut self.file.reader()?, file_name, &Device::Cpu)
-            .and_then(|q| q.data().map(|d| d.into_owned()))
-            .map_err(|e| {
-                self.file.error(format!(
-                    "tensor {file_name}: {}",
-                    e.to_string().lines().next().unwrap_or_default()
-                ))
-            })?;
+        // The blocks read straight into one buffer (the offsets and sizes were
+        // checked against the file's length when it was opened), so a
+        // tensor costs its bytes once more while it is re-laid, not thrice.
+        let bytes = rows * cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let mut q = vec![0u8; bytes];
+        let mut file = File::open(&self.file.path).map_err(super::io_error(&self.file.path))?;
+        file.seek(SeekFrom::Start(self.file.content.tensor_data_offset + info.offset))
+            .and_then(|_| file.read_exact(&mut q))
+            .map_err(|e| self.file.error(format!("tensor {file_name}: {e}")))?;
         QuantMatrix::from_blocks(ty, &q, rows, cols, order.as_deref())
             .map(Some)
             .map_err(|e| self.file.error(format!("tensor {file_name}: {e}")))
