@@ -359,7 +359,8 @@ struct Part {
     /// The part's first row among the matrix's outputs.
     first: usize,
     rows: usize,
-    data: Arc<[u8]>,
+    /// Kept as laid out (an `Arc<[u8]>` would copy the blocks once more).
+    data: Arc<Vec<u8>>,
 }
 
 impl Part {
@@ -456,7 +457,7 @@ impl QuantMatrix {
                 ty,
                 first: 0,
                 rows: n,
-                data: Arc::from(laid),
+                data: Arc::new(laid),
             }]),
         })
     }
@@ -465,7 +466,8 @@ impl QuantMatrix {
     /// reference quantizer does (`Q8_0`: `d = max|w| / 127`, `q =
     /// round(w / d)`; `Q4_0`: `d = w_maxabs / -8`, `q = w/d + 8.5` truncated;
     /// `Q4_1`: `d = (max − min) / 15`, `m = min`, `q = (w − m)/d + 0.5`
-    /// truncated), the scales stored in half precision.
+    /// truncated; `Q5_0` and `Q5_1` as the 4-bit ones over 32 levels), the
+    /// scales stored in half precision.
     pub fn quantize(ty: QuantType, w: &[f32], n: usize, k: usize) -> Result<Self, QuantError> {
         if !k.is_multiple_of(QK) {
             return Err(QuantError::Inputs { inputs: k });
