@@ -227,11 +227,16 @@ fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
     })
 }
 
-/// A step's weights as one run of the products table multiplies them.
-#[derive(Clone, Copy)]
-enum Weights<'a> {
-    Panels(&'a [PackedMatrix], Kernel),
-    Blocks(&'a [QuantMatrix], QuantKernel),
+/// One run of the products table: matrix `i` of the step times `m` rows `x`.
+type Run<'a> = Box<dyn Fn(usize, &[f32], usize) -> Vec<f32> + 'a>;
+
+/// A products-table run on packed panels.
+fn panel_run(matrices: &[PackedMatrix], kernel: Kernel) -> Run<'_> {
+    Box::new(move |i, x, m| {
+        let mut out = vec![0f32; m * matrices[i].outputs()];
+        matrices[i].matmul_into(x, m, &mut out, kernel);
+        out
+    })
 }
 
 /// One step's products (every layer's own weights, so that they stream from
@@ -268,17 +273,7 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         .filter(|k| *k != Kernel::Portable)
         .collect();
     let best = *kernels.first().unwrap_or(&Kernel::Portable);
-    let mut runs: Vec<(String, Weights<'_>)> = Vec::new();
-    for (i, (name, matrices)) in packed.iter().enumerate() {
-        if i == 0 {
-            for &kernel in &kernels {
-                runs.push((format!("{name} {kernel:?}"), Weights::Panels(matrices, kernel)));
-            }
-        } else {
-            runs.push((format!("{name} {best:?}"), Weights::Panels(matrices, best)));
-        }
-    }
-    // The same weights in GGUF's blocks, on every quantized kernel this CPU has.
+    // The same weights in GGUF's blocks.
     let blocks: Vec<(&str, Vec<QuantMatrix>)> = [
         ("Q8_0", QuantType::Q8_0, GgmlDType::Q8_0),
         ("Q4_1", QuantType::Q4_1, GgmlDType::Q4_1),
@@ -296,12 +291,28 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         Ok((name, matrices))
     })
     .collect::<anyhow::Result<_>>()?;
+    let mut runs: Vec<(String, Run<'_>)> = Vec::new();
+    for (i, (name, matrices)) in packed.iter().enumerate() {
+        if i == 0 {
+            for &kernel in &kernels {
+                runs.push((format!("{name} {kernel:?}"), panel_run(matrices, kernel)));
+            }
+        } else {
+            runs.push((format!("{name} {best:?}"), panel_run(matrices, best)));
+        }
+    }
+    // The blocks on every quantized kernel this CPU has.
     for (name, matrices) in &blocks {
         for kernel in QuantKernel::available()
             .into_iter()
             .filter(|k| *k != QuantKernel::Portable)
         {
-            runs.push((format!("{name} {kernel:?}"), Weights::Blocks(matrices, kernel)));
+            let run: Run<'_> = Box::new(move |i, x, m| {
+                let mut out = vec![0f32; m * matrices[i].outputs()];
+                matrices[i].matmul_into(x, m, &mut out, kernel);
+                out
+            });
+            runs.push((format!("{name} {kernel:?}"), run));
         }
     }
     println!(
@@ -333,23 +344,10 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
             Ok(())
         })?);
         let mut times = Vec::new();
-        for (_, weights) in &runs {
+        for (_, run) in &runs {
             times.push(best_of(3, || {
-                match *weights {
-                    Weights::Panels(matrices, kernel) => {
-                        for (w, x) in matrices.iter().zip(&rows) {
-                            let mut out = vec![0f32; m * w.outputs()];
-                            w.matmul_into(x, m, &mut out, kernel);
-                            std::hint::black_box(out);
-                        }
-                    }
-                    Weights::Blocks(matrices, kernel) => {
-                        for (w, x) in matrices.iter().zip(&rows) {
-                            let mut out = vec![0f32; m * w.outputs()];
-                            w.matmul_into(x, m, &mut out, kernel);
-                            std::hint::black_box(out);
-                        }
-                    }
+                for (i, x) in rows.iter().enumerate() {
+                    std::hint::black_box(run(i, x, m));
                 }
                 Ok(())
             })?);
@@ -394,14 +392,10 @@ fn bench_text(i: usize, chars: usize) -> String {
         .collect()
 }
 
-/// [`bench_requests`] with prompts of `prompt_tokens` tokens on `model`'s
-/// own tokenizer (the fewest characters that make that many).
-fn model_requests(
-    model: &TextModel,
-    count: usize,
-    prompt_tokens: usize,
-    new_tokens: &dyn Fn(usize) -> usize,
-) -> anyhow::Result<Vec<ValidRequest>> {
+/// The length of each of `count` requests' prompt text ([`bench_text`])
+/// that makes `prompt_tokens` tokens on `model`'s own tokenizer (the fewest
+/// characters that make that many).
+fn prompt_lengths(model: &TextModel, count: usize, prompt_tokens: usize) -> anyhow::Result<Vec<usize>> {
     let mut lengths = Vec::with_capacity(count);
     for i in 0..count {
         let tokens = |chars: usize| model.encode_raw(&bench_text(i, chars)).map(|t| t.len());
@@ -419,7 +413,7 @@ fn model_requests(
         }
         lengths.push(high);
     }
-    Ok(requests_of(count, &|i| bench_text(i, lengths[i]), new_tokens))
+    Ok(lengths)
 }
 
 fn requests_of(count: usize, text: &dyn Fn(usize) -> String, new_tokens: &dyn Fn(usize) -> usize) -> Vec<ValidRequest> {
@@ -582,15 +576,15 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             model.clone(),
             bench_engine_config(max_batch, Policy::Continuous),
         );
-        timed(&engine, &model_requests(&model, 1, args.prompt_tokens, &|_| 2)?).await?; // warm up
+        // Prompts of `--prompt-tokens` on this model's tokenizer, found once.
+        let lengths = prompt_lengths(&model, max_batch, args.prompt_tokens)?;
+        let requests =
+            |count: usize, new_tokens: usize| requests_of(count, &|i| bench_text(i, lengths[i]), &|_| new_tokens);
+        timed(&engine, &requests(1, 2)).await?; // warm up
         let mut batch_one = None;
         for &batch in &args.batch {
-            let prefill = timed(&engine, &model_requests(&model, batch, args.prompt_tokens, &|_| 1)?).await?;
-            let total = timed(
-                &engine,
-                &model_requests(&model, batch, args.prompt_tokens, &|_| args.new_tokens)?,
-            )
-            .await?;
+            let prefill = timed(&engine, &requests(batch, 1)).await?;
+            let total = timed(&engine, &requests(batch, args.new_tokens)).await?;
             let steps = (args.new_tokens - 1) as f64;
             let decode = (total.saturating_sub(prefill)).as_secs_f64();
             let rate = batch as f64 * steps / decode;

@@ -128,9 +128,8 @@ pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
                     o.get("quantize"),
                 ),
                 _ => {
-                    return Err(fail(format!(
-                    "{name}: give a directory or {{\"path\": directory, \"draft\": directory, \"quantize\": \"q8_0\"}}"
-                )))
+                    let shape = r#"{"path": directory, "draft": directory, "quantize": "q8_0"}"#;
+                    return Err(fail(format!("{name}: give a directory or {shape}")));
                 }
             };
             if dir.is_empty() || name.is_empty() || name == ECHO_MODEL {

@@ -4,7 +4,7 @@
 //! reads them. The file is read with candle-core's `quantized::gguf_file`.
 //! Projections in a block format the engine multiplies as it is (`Q8_0`,
 //! `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`: [`crate::ops::quant`]) are read as their blocks instead
-//! ([`GgufFile::blocks`]), unless the exact products are asked for.
+//! ([`QuantSource`]), unless the exact products are asked for.
 //!
 //! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of the
 //! `llama` architecture for its interleaved rotary embedding; the permutation
@@ -392,10 +392,8 @@ impl GgufFile {
     /// One tensor, dequantized, with llama.cpp's changes undone.
     fn read_hf(&self, reader: &mut BufReader<File>, name: &str, config: &Config) -> Result<Tensor> {
         let t = self.read_tensor(reader, name)?;
-        Ok(if self.arch == Arch::Llama && name.ends_with("attn_q.weight") {
-            unpermute(&t, config.num_heads)?
-        } else if self.arch == Arch::Llama && name.ends_with("attn_k.weight") {
-            unpermute(&t, config.num_kv_heads)?
+        Ok(if let Some(heads) = self.permuted_heads(name, config) {
+            unpermute(&t, heads)?
         } else if self.arch == Arch::Gemma && name.ends_with("norm.weight") {
             (t.to_dtype(DType::F32)? - 1.0)?
         } else {
@@ -403,23 +401,25 @@ impl GgufFile {
         })
     }
 
-    /// The model's tensors as a `VarBuilder` that reads each one when the
-    /// model asks for it: besides what is already packed, only the tensor at
-    /// hand is held dequantized.
-    pub(crate) fn var_builder<'a>(&'a self, config: &Config, device: &Device) -> Result<VarBuilder<'a>> {
-        let backend = Lazy {
-            file: self,
-            config: config.clone(),
-            names: self.hf_names()?,
-        };
-        Ok(VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone()))
+    /// The heads whose rows llama.cpp permuted in the file's tensor `name`
+    /// (`attn_q`/`attn_k` of the `llama` architecture), if it is one of those.
+    fn permuted_heads(&self, name: &str, config: &Config) -> Option<usize> {
+        if self.arch != Arch::Llama {
+            None
+        } else if name.ends_with("attn_q.weight") {
+            Some(config.num_heads)
+        } else if name.ends_with("attn_k.weight") {
+            Some(config.num_kv_heads)
+        } else {
+            None
+        }
     }
 
-    /// The projections held in a block format the products run on
-    /// ([`QuantType`]), read as blocks when the model asks for them; every
-    /// other tensor comes dequantized through [`GgufFile::var_builder`].
-    pub(crate) fn blocks(&self, config: &Config) -> Result<Blocks<'_>> {
-        Ok(Blocks {
+    /// The model's tensors under Hugging Face's names, each read when the
+    /// model asks for it ([`Lazy::var_builder`]; [`QuantSource`] for the
+    /// projections held in a block format the products run on).
+    pub(crate) fn lazy(&self, config: &Config) -> Result<Lazy<'_>> {
+        Ok(Lazy {
             file: self,
             config: config.clone(),
             names: self.hf_names()?,
@@ -487,12 +487,21 @@ impl GgufFile {
     }
 }
 
-/// [`GgufFile::var_builder`]'s backend.
-struct Lazy<'a> {
+/// A GGUF file's tensors read as the model asks for them ([`GgufFile::lazy`]).
+#[derive(Clone)]
+pub(crate) struct Lazy<'a> {
     file: &'a GgufFile,
     config: Config,
     /// Hugging Face's names to the file's.
     names: HashMap<String, String>,
+}
+
+impl<'a> Lazy<'a> {
+    /// The tensors as a `VarBuilder`: besides what is already packed, only
+    /// the tensor at hand is held dequantized.
+    pub(crate) fn var_builder(self, device: &Device) -> VarBuilder<'a> {
+        VarBuilder::from_backend(Box::new(self), DType::F32, device.clone())
+    }
 }
 
 impl SimpleBackend for Lazy<'_> {
@@ -533,15 +542,7 @@ impl SimpleBackend for Lazy<'_> {
     }
 }
 
-/// A GGUF file's quantized projections, under Hugging Face's names
-/// ([`GgufFile::blocks`]).
-pub(crate) struct Blocks<'a> {
-    file: &'a GgufFile,
-    config: Config,
-    names: HashMap<String, String>,
-}
-
-impl QuantSource for Blocks<'_> {
+impl QuantSource for Lazy<'_> {
     fn quantized(&self, name: &str) -> Result<Option<QuantMatrix>> {
         let Some(file_name) = self.names.get(name) else {
             return Ok(None);
@@ -553,16 +554,11 @@ impl QuantSource for Blocks<'_> {
         let Ok((rows, cols)) = info.shape.dims2() else {
             return Ok(None);
         };
-        let heads = if self.file.arch != Arch::Llama {
-            None
-        } else if file_name.ends_with("attn_q.weight") {
-            Some(self.config.num_heads)
-        } else if file_name.ends_with("attn_k.weight") {
-            Some(self.config.num_kv_heads)
-        } else {
-            None
-        };
-        let order = heads.map(|heads| unpermuted_rows(rows, heads)).transpose()?;
+        let order = self
+            .file
+            .permuted_heads(file_name, &self.config)
+            .map(|heads| unpermuted_rows(rows, heads))
+            .transpose()?;
         // The blocks read straight into one buffer (the offsets and sizes were
         // checked against the file's length when it was opened), so a
         // tensor costs its bytes once more while it is re-laid, not thrice.

@@ -1021,11 +1021,12 @@ impl Llama {
     pub fn mean_nll(&self, tokens: &[u32], chunk: usize) -> Result<f64> {
         let mut cache = self.new_cache();
         let (mut total, mut count) = (0f64, 0usize);
-        for (i, piece) in tokens.chunks(chunk.max(1)).enumerate() {
+        let chunk = chunk.max(1);
+        for (i, piece) in tokens.chunks(chunk).enumerate() {
             let logits = self.forward_positions(piece, &mut cache, None, piece.len())?;
             let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
             for (at, row) in logits.iter().enumerate() {
-                let Some(&next) = tokens.get(i * chunk.max(1) + at + 1) else {
+                let Some(&next) = tokens.get(i * chunk + at + 1) else {
                     break;
                 };
                 let max = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) as f64;
@@ -1162,9 +1163,9 @@ impl Llama {
     /// the file's own f16/bf16 where every projection is half precision).
     pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device, products: Products) -> Result<Self> {
         let cfg = file.config()?;
-        let blocks = file.blocks(&cfg)?;
-        let p = products.projections(file.projection_dtype(), Some(&blocks), device);
-        Llama::load_from(file.var_builder(&cfg, device)?, &cfg, p)
+        let tensors = file.lazy(&cfg)?;
+        let p = products.projections(file.projection_dtype(), Some(&tensors), device);
+        Llama::load_from(tensors.clone().var_builder(device), &cfg, p)
     }
 
     /// The configuration of a checkpoint (a GGUF file or a Hugging Face

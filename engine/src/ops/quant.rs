@@ -244,17 +244,29 @@ fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
     }
 }
 
+/// `x` (a block) as 8-bit integers `q = round(x / d)` (halves away from
+/// zero) with `d = max|x| / 127`, returned: llama.cpp's `Q8_0` quantizer,
+/// for weights and token rows alike.
+fn quantize_q8(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
 /// One block of [`QK`] weights in `ty`'s file layout ([`QuantMatrix::quantize`]).
 fn quantize_block(ty: QuantType, w: &[f32], block: &mut [u8]) {
     let half = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
     match ty {
         QuantType::Q8_0 => {
-            let amax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut q = [0i8; QK];
+            let d = quantize_q8(w, &mut q);
             block[..2].copy_from_slice(&half(d));
-            for (q, &v) in block[2..].iter_mut().zip(w) {
-                *q = (v * id).round() as i8 as u8;
+            for (byte, q) in block[2..].iter_mut().zip(q) {
+                *byte = q as u8;
             }
         }
         QuantType::Q4_0 => {
@@ -523,17 +535,6 @@ impl QuantMatrix {
         self.parts.iter().map(|p| p.data.len()).sum()
     }
 
-    /// The formats of the rows, in order, without repeats.
-    pub fn types(&self) -> Vec<QuantType> {
-        let mut types: Vec<QuantType> = Vec::new();
-        for p in self.parts.iter() {
-            if !types.contains(&p.ty) {
-                types.push(p.ty);
-            }
-        }
-        types
-    }
-
     /// The weights as f32, `n × k` row-major: exactly what GGUF's
     /// dequantization gives.
     pub fn dequantize(&self) -> Vec<f32> {
@@ -583,6 +584,11 @@ impl QuantMatrix {
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel) {
         assert_eq!(x.len(), m * self.k, "input shape");
         assert_eq!(out.len(), m * self.n, "output shape");
+        if self.k == 0 {
+            // No inputs: every output is an empty sum.
+            out.fill(0.0);
+            return;
+        }
         if out.is_empty() {
             return;
         }
@@ -633,15 +639,8 @@ impl QuantizedRows {
             .zip(&mut rows.d)
             .zip(&mut rows.s)
         {
-            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-            *d = amax / 127.0;
-            let inverse = if *d != 0.0 { 1.0 / *d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in q.iter_mut().zip(x) {
-                *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
-                sum += *q as i32;
-            }
-            *s = *d * sum as f32;
+            *d = quantize_q8(x, q);
+            *s = *d * q.iter().map(|&q| q as i32).sum::<i32>() as f32;
         }
         rows
     }
@@ -693,18 +692,7 @@ unsafe fn part_product(
 ) {
     let nb = x.blocks();
     let gb = part.ty.group_bytes();
-    let m = x.d.len() / nb.max(1);
-    if nb == 0 {
-        for g in groups {
-            for r in 0..m {
-                for j in 0..WR.min(part.rows - g * WR) {
-                    // SAFETY: the caller's contract; inside `out`.
-                    unsafe { *out.0.add(r * n + part.first + g * WR + j) = 0.0 };
-                }
-            }
-        }
-        return;
-    }
+    let m = x.d.len() / nb;
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
