@@ -9,12 +9,12 @@
 pub mod offline;
 pub mod settings;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use candle_core::Device;
+use lorry_api::serve::{serve, ServeLimits};
 use lorry_api::AppState;
 use lorry_batcher::adapters::AdapterTiers;
 use lorry_batcher::broker::Topology;
@@ -69,7 +69,7 @@ impl Role {
 
 /// A built, not yet running, Lorry process.
 pub struct Application {
-    listener: Option<(TcpListener, axum::Router)>,
+    listener: Option<(TcpListener, axum::Router, ServeLimits)>,
     port: Option<u16>,
     tasks: JoinSet<()>,
     stop: CancellationToken,
@@ -136,7 +136,9 @@ impl Application {
                 .await
                 .with_context(|| format!("binding {}", settings.api.listen))?;
             app.port = Some(listener.local_addr()?.port());
-            app.listener = Some((listener, lorry_api::router(state)));
+            let limits = settings.serve_limits(open_files_limit());
+            tracing::info!(max_connections = limits.max_connections, "listening on {}", settings.api.listen);
+            app.listener = Some((listener, lorry_api::router(state), limits));
         }
         Ok(app)
     }
@@ -167,17 +169,26 @@ impl Application {
                 stop.cancel();
             }
         });
-        if let Some((listener, router)) = self.listener.take() {
+        if let Some((listener, router, limits)) = self.listener.take() {
             let graceful = stop.clone();
-            let service = router.into_make_service_with_connect_info::<SocketAddr>();
-            axum::serve(listener, service)
-                .with_graceful_shutdown(async move { graceful.cancelled().await })
-                .await?;
+            serve(listener, router, limits, async move { graceful.cancelled().await }).await?;
         } else {
             stop.cancelled().await;
         }
         while self.tasks.join_next().await.is_some() {}
         Ok(())
+    }
+}
+
+/// The process's limit on open files, raised first to the most it may be
+/// (every connection costs one).
+fn open_files_limit() -> u64 {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(error) => {
+            tracing::warn!(%error, "the open-files limit could not be read; assuming 1024");
+            1024
+        }
     }
 }
 
@@ -189,18 +200,18 @@ fn api_state(
     topology: Topology,
     catalog: Catalog,
 ) -> AppState {
-    AppState {
+    AppState::new(
         store,
         objects,
-        realtime: RealtimeClient::new(
+        RealtimeClient::new(
             &settings.services.amqp_url,
             topology,
             catalog.names(),
             settings.api.rt_max_depth,
         ),
-        catalog: Arc::new(catalog),
-        config: Arc::new(settings.api_config()),
-    }
+        Arc::new(catalog),
+        Arc::new(settings.api_config()),
+    )
 }
 
 /// Load every model of the catalogue and start its engine (off the async runtime: loading reads the weights).

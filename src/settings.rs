@@ -8,6 +8,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use lorry_api::guard::BodyPace;
+use lorry_api::serve::ServeLimits;
 use lorry_api::ApiConfig;
 use lorry_batcher::adapters::TiersConfig;
 use lorry_batcher::broker::Topology;
@@ -156,6 +158,22 @@ pub struct ApiSettings {
     /// Seconds a presigned output or error file URL stays valid.
     #[arg(long, env = "LORRY_OUTPUT_URL_TTL_SECS", default_value_t = 3600)]
     pub output_url_ttl_secs: u64,
+    /// Connections served at once (more are answered 503 and closed); it is
+    /// lowered to leave a quarter of the process's descriptor limit free.
+    #[arg(long, env = "LORRY_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Seconds a request's head (or a kept-alive connection's next request) may take to arrive.
+    #[arg(long, env = "LORRY_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
+    /// Seconds a request body may take before `LORRY_BODY_MIN_RATE` applies.
+    #[arg(long, env = "LORRY_BODY_TIMEOUT_SECS", default_value_t = 10)]
+    pub body_timeout_secs: u64,
+    /// Bytes a second a request body must average after `LORRY_BODY_TIMEOUT_SECS`, or 408.
+    #[arg(long, env = "LORRY_BODY_MIN_RATE", default_value_t = 16 * 1024)]
+    pub body_min_rate: u64,
+    /// Uploads (batch files, adapter files) read and checked at once; more get 503.
+    #[arg(long, env = "LORRY_MAX_UPLOADS", default_value_t = 2)]
+    pub max_uploads: usize,
 }
 
 /// The worker: both lanes, the outbox relay, the finaliser and its sweeper.
@@ -198,6 +216,11 @@ pub struct WorkerSettings {
     /// the API, the worker's I/O and the services beside them keep a core.
     #[arg(long, env = "LORRY_ENGINE_THREADS", default_value_t = 0)]
     pub engine_threads: usize,
+    /// Whose requests may reuse each other's prefix-cache blocks: `account`
+    /// (each account its own: a cache hit tells nothing of another's prompts)
+    /// or `deployment` (every account shares: only where all are trusted).
+    #[arg(long, env = "LORRY_PREFIX_CACHE_SCOPE", default_value = "account", value_parser = ["account", "deployment"])]
+    pub prefix_cache_scope: String,
 }
 
 /// Completion webhooks.
@@ -422,6 +445,25 @@ impl Settings {
             realtime_timeout: self.rt_timeout(),
             output_url_ttl: Duration::from_secs(a.output_url_ttl_secs),
             adapter_limits: self.adapter_limits(),
+            body_pace: BodyPace {
+                grace: Duration::from_secs(a.body_timeout_secs),
+                min_bytes_per_sec: a.body_min_rate.max(1),
+            },
+            max_uploads: a.max_uploads.max(1),
+        }
+    }
+
+    /// The listener's bounds: `LORRY_MAX_CONNECTIONS`, kept to three
+    /// quarters of the descriptor limit (`open_files`) so that the database
+    /// pool, the broker, S3, model files and the shedding of connections
+    /// over the cap always find descriptors.
+    pub fn serve_limits(&self, open_files: u64) -> ServeLimits {
+        let headroom = (open_files / 4).max(64);
+        let fits = open_files.saturating_sub(headroom).max(1);
+        ServeLimits {
+            max_connections: (self.api.max_connections as u64).clamp(1, fits) as usize,
+            header_timeout: Duration::from_secs(self.api.header_timeout_secs.max(1)),
+            drain_timeout: Duration::from_secs(30),
         }
     }
 
@@ -443,6 +485,7 @@ impl Settings {
             rt_prefetch: w.rt_prefetch,
             flush_rows: w.commit_rows,
             flush_interval: Duration::from_millis(w.commit_interval_ms),
+            share_prefix_cache: w.prefix_cache_scope == "deployment",
         }
     }
 

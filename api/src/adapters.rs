@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use axum::body::Bytes;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Multipart, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::error::CloudflareError;
-use crate::extract::{Authenticated, JsonBody};
+use crate::extract::{Authenticated, Form, JsonBody};
 use crate::{ApiError, AppState};
 
 const CONFIG_FILE: &str = "adapter_config.json";
@@ -131,6 +131,8 @@ async fn check_pair(
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError::new(ErrorCode::AdapterTooLarge, "the upload is over the adapter size limit")
+    } else if crate::guard::timed_out(&error) {
+        crate::guard::unreadable(&error, String::new())
     } else {
         ApiError::invalid(ErrorCode::InvalidMultipart, "", error.body_text())
     }
@@ -164,8 +166,10 @@ fn text_part(parts: &HashMap<String, Bytes>, name: &str) -> Result<Option<String
     parts
         .get(name)
         .map(|bytes| {
-            String::from_utf8(bytes.to_vec())
-                .map_err(|_| ApiError::invalid(ErrorCode::InvalidType, name, format!("{name} must be UTF-8 text")))
+            let text = String::from_utf8(bytes.to_vec())
+                .map_err(|_| ApiError::invalid(ErrorCode::InvalidType, name, format!("{name} must be UTF-8 text")))?;
+            lorry_protocol::input::refuse_nul(&Value::String(text.clone()), name)?;
+            Ok(text)
         })
         .transpose()
 }
@@ -244,8 +248,9 @@ async fn owned_adapter(
 pub async fn create(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
-    multipart: Multipart,
+    Form(multipart): Form,
 ) -> Result<Response, ApiError> {
+    let _permit = state.upload_permit()?;
     let parts = parts(multipart, &["model", "name", "description", "config", "weights"]).await?;
     let model = text_part(&parts, "model")?
         .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "model", "model names the base model"))?;
@@ -309,10 +314,27 @@ fn name_taken(name: &str) -> ApiError {
 pub async fn list(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let adapters = state.store.list_adapters(&account.id).await?;
+    let (adapters, has_more) = list_page(&state, &account.id, &query).await?;
     let data: Vec<Value> = adapters.iter().map(AdapterRecord::to_json).collect();
-    Ok(Json(json!({"object": "list", "data": data})))
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "first_id": adapters.first().map(|a| &a.id),
+        "last_id": adapters.last().map(|a| &a.id),
+        "has_more": has_more,
+    })))
+}
+
+/// One page of the account's adapters (`limit` 1 to 1000, 100 by default; `after` an adapter id).
+async fn list_page(
+    state: &AppState,
+    account: &AccountId,
+    query: &HashMap<String, String>,
+) -> Result<(Vec<AdapterRecord>, bool), ApiError> {
+    let (limit, after) = crate::extract::page(query, 100, 1000, AdapterId::parse, "an adapter id")?;
+    Ok(state.store.list_adapters(account, limit, after.as_ref()).await?)
 }
 
 /// `GET /v1/adapters/{id or name}`.
@@ -397,9 +419,10 @@ pub async fn list_finetunes(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
     Path(account_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, CloudflareError> {
     owner(&account.id, &account_id)?;
-    let adapters = state.store.list_adapters(&account.id).await?;
+    let (adapters, _) = list_page(&state, &account.id, &query).await?;
     Ok(envelope(Value::Array(adapters.iter().map(finetune_json).collect())))
 }
 
@@ -410,10 +433,11 @@ pub async fn upload_asset(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
     Path((account_id, finetune)): Path<(String, String)>,
-    multipart: Multipart,
+    Form(multipart): Form,
 ) -> Result<Json<Value>, CloudflareError> {
     owner(&account.id, &account_id)?;
     let record = owned_adapter(&state, &account.id, &finetune, "finetune_id").await?;
+    let _permit = state.upload_permit()?;
     let parts = parts(multipart, &["file_name", "file"]).await?;
     let file_name = text_part(&parts, "file_name")?
         .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "file_name", "file_name is required"))?;
@@ -481,7 +505,9 @@ async fn asset_and_partner(
         WEIGHTS_FILE => {
             let checked = {
                 let data = data.clone();
-                tokio::task::spawn_blocking(move || lora::check_weights(&data, limits))
+                let base = (state.catalog.adapter_base(&record.model).copied())
+                    .ok_or_else(|| lorry_protocol::model::no_adapters(&record.model, "model"))?;
+                tokio::task::spawn_blocking(move || lora::check_weights(&data, &base, limits))
                     .await
                     .map_err(|e| ApiError::new(ErrorCode::InternalError, e.to_string()))?
             };

@@ -261,11 +261,42 @@ pub async fn results(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let batch = owned_batch(&state, &account, &id, "id").await?;
-    let finished = state.store.finished_requests(&batch.id).await?;
-    let mut body = Vec::with_capacity(finished.len() * 128);
-    for request in &finished {
-        serde_json::to_writer(&mut body, &request.result_line(&batch.id)).map_err(lorry_batcher::BatcherError::from)?;
-        body.push(b'\n');
-    }
-    Ok(([(header::CONTENT_TYPE, "application/jsonl")], body).into_response())
+    // The first page is read before answering, so that a database failure is
+    // a clean 503; the rest stream a page at a time (memory: one page per
+    // response, however large the batch).
+    let first = state.store.finished_requests_page(&batch.id, -1, RESULTS_PAGE).await?;
+    let pages = futures::stream::try_unfold(
+        (Some(first), None, state.store.clone(), batch.id.clone()),
+        |(first, after, store, id)| async move {
+            let page = match (first, after) {
+                (Some(page), _) => page,
+                (None, Some(after)) => store.finished_requests_page(&id, after, RESULTS_PAGE).await?,
+                (None, None) => return Ok(None),
+            };
+            let Some(last) = page.last().map(|r| r.index) else {
+                return Ok(None);
+            };
+            let mut body = Vec::with_capacity(page.len() * 256);
+            for request in &page {
+                serde_json::to_writer(&mut body, &request.result_line(&id)).map_err(lorry_batcher::BatcherError::from)?;
+                body.push(b'\n');
+            }
+            // A short page is the last one.
+            let after = (page.len() as i64 == RESULTS_PAGE).then_some(last);
+            Ok::<_, lorry_batcher::BatcherError>(Some((axum::body::Bytes::from(body), (None, after, store, id))))
+        },
+    );
+    let pages = futures::StreamExt::inspect(pages, |page| {
+        if let Err(error) = page {
+            tracing::error!(%error, "a results listing failed part way; its response ends early");
+        }
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/jsonl")],
+        axum::body::Body::from_stream(pages),
+    )
+        .into_response())
 }
+
+/// Results read and sent at a time by `GET /v1/batches/{id}/results`.
+const RESULTS_PAGE: i64 = 1000;

@@ -31,6 +31,7 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | TokenOutOfVocabulary
         | UnsupportedParameter
         | InvalidJson
+        | NulCharacter
         | UnreadableBody
         | InvalidMultipart
         | DuplicateField
@@ -44,6 +45,7 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | AdapterMissingFile
         | AdapterMissingTensor
         | AdapterNonfinite
+        | AdapterValueOutOfRange
         | AdapterRankTooLarge
         | AdapterShapeMismatch
         | AdapterUnknownTarget
@@ -63,11 +65,13 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | ModelMismatch
         | EndpointMismatch => StatusCode::BAD_REQUEST,
         InvalidToken => StatusCode::UNAUTHORIZED,
+        MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound => {
             StatusCode::NOT_FOUND
         }
         AdapterNameTaken | AdapterNotReady | BatchNotCancellable | IdempotencyKeyReused => StatusCode::CONFLICT,
         BodyTooLarge | AdapterTooLarge | FileTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        BodyTimeout => StatusCode::REQUEST_TIMEOUT,
         RealtimeLaneSaturated => StatusCode::TOO_MANY_REQUESTS,
         RealtimeTimeout => StatusCode::GATEWAY_TIMEOUT,
         ServiceUnavailable | EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
@@ -256,6 +260,7 @@ mod tests {
                 "token_out_of_vocabulary",
                 "unsupported_parameter",
                 "invalid_json",
+                "nul_character",
                 "unreadable_body",
                 "invalid_multipart",
                 "duplicate_field",
@@ -269,6 +274,7 @@ mod tests {
                 "adapter_missing_file",
                 "adapter_missing_tensor",
                 "adapter_nonfinite",
+                "adapter_value_out_of_range",
                 "adapter_rank_too_large",
                 "adapter_shape_mismatch",
                 "adapter_unknown_target",
@@ -310,6 +316,8 @@ mod tests {
                 "idempotency_key_reused",
             ],
         ),
+        (405, &["method_not_allowed"]),
+        (408, &["body_timeout"]),
         (413, &["body_too_large", "adapter_too_large", "file_too_large"]),
         (429, &["realtime_lane_saturated"]),
         (500, &["internal_error"]),

@@ -52,12 +52,28 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(ErrorCode::BodyTooLarge, "the request body is over the limit")
             } else {
-                ApiError::new(ErrorCode::UnreadableBody, rejection.body_text())
+                crate::guard::unreadable(&rejection, rejection.body_text())
             }
         })?;
-        let value = serde_json::from_slice(&raw)
+        let value = lorry_protocol::json::parse(&raw)
             .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("the body is not valid JSON: {e}")))?;
+        lorry_protocol::input::refuse_nul(&value, "")?;
         Ok(JsonBody { value, raw })
+    }
+}
+
+/// A multipart body, its rejection (no boundary, wrong content type) in the
+/// API's error shape.
+pub struct Form(pub axum::extract::Multipart);
+
+impl<S: Send + Sync> FromRequest<S> for Form {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Multipart::from_request(req, state)
+            .await
+            .map(Form)
+            .map_err(|rejection| ApiError::invalid(ErrorCode::InvalidMultipart, "content-type", rejection.body_text()))
     }
 }
 

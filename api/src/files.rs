@@ -20,7 +20,7 @@ use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use serde_json::{json, Value};
 
-use crate::extract::{page, Authenticated};
+use crate::extract::{page, Authenticated, Form};
 use crate::openai::{translate, Translated};
 use crate::submit::Item;
 use crate::{ApiError, AppState};
@@ -73,12 +73,13 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
                 format!("a batch file holds at most {} requests", state.config.max_requests),
             ));
         }
-        let value: Value = serde_json::from_str(raw).map_err(|e| {
+        let value: Value = lorry_protocol::json::parse_str(raw).map_err(|e| {
             line_error(
                 number,
                 ApiError::invalid(ErrorCode::InvalidJson, "", format!("not valid JSON: {e}")),
             )
         })?;
+        lorry_protocol::input::refuse_nul(&value, "").map_err(|e| line_error(number, e.into()))?;
         let line = read_line(state, &value).map_err(|e| line_error(number, e))?;
         let (custom_id, endpoint, request) = line;
         if !seen.insert(custom_id.clone()) {
@@ -226,6 +227,8 @@ pub async fn owned_file(
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError::new(ErrorCode::FileTooLarge, "the file is over the size limit").with_param("file")
+    } else if crate::guard::timed_out(&error) {
+        crate::guard::unreadable(&error, String::new())
     } else {
         ApiError::invalid(ErrorCode::InvalidMultipart, "", error.body_text())
     }
@@ -235,8 +238,9 @@ fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError 
 pub async fn create(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
-    mut multipart: Multipart,
+    Form(mut multipart): Form,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let _permit = state.upload_permit()?;
     let (purpose, file) = upload_parts(&mut multipart).await?;
     match purpose.as_deref() {
         Some("batch") => {}
@@ -257,16 +261,17 @@ pub async fn create(
     }
     let (filename, bytes) =
         file.ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "file", "file is required"))?;
-    if filename.is_empty() || filename.len() > 255 || filename.contains(['/', '\\']) {
+    if filename.is_empty() || filename.len() > 255 || filename.contains(['/', '\\', '\0']) {
         return Err(ApiError::invalid(
             ErrorCode::InvalidValue,
             "file",
-            "the file name must be 1 to 255 characters without slashes",
+            "the file name must be 1 to 255 bytes without slashes or U+0000",
         ));
     }
     let lines = check_lines(&state, &bytes)?;
     let id = FileId::generate();
-    let key = format!("accounts/{}/files/{id}/{filename}", account.id);
+    // The key is made of ids alone: the client's name is kept in the record.
+    let key = format!("accounts/{}/files/{id}", account.id);
     let size = bytes.len() as i64;
     state.objects.put(&key, bytes, "application/jsonl").await?;
     let new = NewFile {
@@ -359,8 +364,13 @@ pub async fn content(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let file = owned_file(&state, &account.id, &id, "file_id").await?;
-    let bytes = state.objects.get(&file.file.object_key).await?;
-    Ok(([(header::CONTENT_TYPE, "application/jsonl")], bytes).into_response())
+    // Passed on as S3 sends it: memory is a piece per response, not the file.
+    let bytes = state.objects.get_stream(&file.file.object_key).await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/jsonl")],
+        axum::body::Body::from_stream(bytes),
+    )
+        .into_response())
 }
 
 /// `DELETE /v1/files/{id}`: the record first, then the bytes.

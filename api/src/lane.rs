@@ -134,11 +134,14 @@ impl Drop for Pending {
 }
 
 /// A bad input found by the model (a prompt too long for it, say) is the
-/// client's error naming the field; anything else is `inference_failed`,
-/// whose message carries the engine's code.
+/// client's error naming the field; a retryable failure keeps its code (503
+/// with `Retry-After`); anything else is `inference_failed`, whose message
+/// carries the engine's code.
 pub fn engine_failure(code: ErrorCode, message: String, param: Option<String>) -> ApiError {
     match param {
         Some(param) => ApiError::invalid(code, param, message),
+        // A lost broker, a stopped engine: the same request may succeed if sent again.
+        None if code.retryable() => ApiError::new(code, message),
         None => ApiError::new(ErrorCode::InferenceFailed, format!("{code}: {message}")),
     }
 }

@@ -12,9 +12,11 @@ mod batches;
 pub mod error;
 mod extract;
 mod files;
+pub mod guard;
 mod health;
 mod lane;
 pub mod openai;
+pub mod serve;
 mod submit;
 mod workers_ai;
 
@@ -55,6 +57,11 @@ pub struct ApiConfig {
     pub output_url_ttl: Duration,
     /// What an uploaded adapter must keep within.
     pub adapter_limits: AdapterLimits,
+    /// The slowest a request body may arrive.
+    pub body_pace: guard::BodyPace,
+    /// Uploads (batch files, adapter files) read and checked at once; more
+    /// are answered 503 with `Retry-After` (each may hold its whole file).
+    pub max_uploads: usize,
 }
 
 /// What every handler can reach; cheap to clone.
@@ -70,6 +77,39 @@ pub struct AppState {
     pub catalog: Arc<Catalog>,
     /// Settings.
     pub config: Arc<ApiConfig>,
+    /// Permits for uploads in progress.
+    uploads: Arc<tokio::sync::Semaphore>,
+}
+
+impl AppState {
+    /// The state of an API over these services, with these settings.
+    pub fn new(
+        store: Store,
+        objects: ObjectStore,
+        realtime: RealtimeClient,
+        catalog: Arc<Catalog>,
+        config: Arc<ApiConfig>,
+    ) -> Self {
+        let uploads = Arc::new(tokio::sync::Semaphore::new(config.max_uploads.max(1)));
+        AppState {
+            store,
+            objects,
+            realtime,
+            catalog,
+            config,
+            uploads,
+        }
+    }
+
+    /// A permit to read and check one upload, or 503 while the most allowed are in progress.
+    pub(crate) fn upload_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        self.uploads.clone().try_acquire_owned().map_err(|_| {
+            ApiError::new(
+                ErrorCode::ServiceUnavailable,
+                "the most uploads allowed at once are in progress; retry shortly",
+            )
+        })
+    }
 }
 
 /// The whole HTTP API.
@@ -118,6 +158,11 @@ pub fn router(state: AppState) -> Router {
             post(workers_ai::run),
         )
         .fallback(|| async { ApiError::new(ErrorCode::RouteNotFound, "no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(ErrorCode::MethodNotAllowed, "the route does not take this method")
+        })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(state.config.body_pace, guard::body_pace))
+        .layer(axum::middleware::from_fn(guard::uri))
         .with_state(state)
 }

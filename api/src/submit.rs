@@ -150,6 +150,13 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
             Body::Json(body) => spec.validate(&body).map_err(|e| e.under(&item.path))?,
             Body::Valid(request) => request,
         };
+        if request.stream {
+            return Err(ApiError::invalid(
+                ErrorCode::InvalidValue,
+                format!("{}.stream", item.path),
+                "a batch request cannot stream",
+            ));
+        }
         if let Some(id) = &item.custom_id {
             if id.is_empty() || id.len() > MAX_CUSTOM_ID {
                 return Err(ApiError::invalid(
@@ -230,6 +237,9 @@ pub fn parse_window(raw: &str) -> Result<Duration, ApiError> {
     };
     let split = raw.len().checked_sub(1).ok_or_else(bad)?;
     let (number, unit) = raw.split_at(split);
+    if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
     let n: u64 = number.parse().map_err(|_| bad())?;
     let secs = match unit {
         "s" => n,

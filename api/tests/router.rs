@@ -33,12 +33,12 @@ async fn state(pool: PgPool) -> AppState {
         secret_key: "s".into(),
     });
     let topology = Topology::new("lorry-router-test", 5);
-    AppState {
+    AppState::new(
         store,
         objects,
-        realtime: RealtimeClient::new("amqp://127.0.0.1:9", topology.clone(), vec![], 64),
-        catalog: Arc::new(Catalog::builtin()),
-        config: Arc::new(ApiConfig {
+        RealtimeClient::new("amqp://127.0.0.1:9", topology.clone(), vec![], 64),
+        Arc::new(Catalog::builtin()),
+        Arc::new(ApiConfig {
             topology,
             chunk_size: 64,
             max_requests: 50_000,
@@ -48,8 +48,13 @@ async fn state(pool: PgPool) -> AppState {
             realtime_timeout: Duration::from_secs(5),
             output_url_ttl: Duration::from_secs(60),
             adapter_limits: lorry_protocol::lora::AdapterLimits::default(),
+            body_pace: lorry_api::guard::BodyPace {
+                grace: Duration::from_secs(10),
+                min_bytes_per_sec: 1024,
+            },
+            max_uploads: 2,
         }),
-    }
+    )
 }
 
 async fn call(state: &AppState, method: &str, uri: &str, token: Option<&str>, body: Vec<u8>) -> (StatusCode, Value) {

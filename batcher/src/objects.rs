@@ -133,6 +133,25 @@ impl ObjectStore {
         Ok(body.into_bytes().to_vec())
     }
 
+    /// An object's bytes as they arrive, for answers that pass them on
+    /// without holding the whole object.
+    pub async fn get_stream(
+        &self,
+        key: &str,
+    ) -> Result<impl futures::Stream<Item = Result<bytes::Bytes>> + Send + 'static> {
+        let object = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(s3_error)?;
+        Ok(futures::stream::unfold(object.body, |mut body| async move {
+            body.next().await.map(|piece| (piece.map_err(s3_error), body))
+        }))
+    }
+
     /// Delete an object (deleting one that is not there succeeds).
     pub async fn delete(&self, key: &str) -> Result<()> {
         self.client

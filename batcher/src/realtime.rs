@@ -230,13 +230,19 @@ impl Cancels {
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Reply>>>>;
+/// Who waits for replies, by correlation id, with the link whose reply queue they come to.
+type Waiters = Arc<Mutex<HashMap<String, (u64, mpsc::UnboundedSender<Reply>)>>>;
 
 struct Link {
+    /// Which link this is (replies of requests published on it come only to it).
+    id: u64,
     connection: Connection,
     publisher: Publisher,
     reply_queue: String,
 }
+
+/// Links made so far in this process.
+static LINKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The API's client for the real-time lane; cheap to clone, connects lazily and
 /// reconnects after the broker drops it.
@@ -281,13 +287,29 @@ impl RealtimeClient {
             .basic_consume(&reply_queue, "", BasicConsumeOptions::default(), FieldTable::default())
             .await?;
         let waiters = Arc::clone(&self.waiters);
+        let id = LINKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::spawn(async move {
             while let Some(Ok(delivery)) = consumer.next().await {
                 let _ = delivery.ack(BasicAckOptions::default()).await;
                 dispatch(&waiters, &delivery);
             }
+            // The reply queue went with the connection: nothing more will come
+            // to those waiting on it, so they hear so now, not at their timeout.
+            let lost = Reply::error(
+                ErrorCode::ServiceUnavailable,
+                "the connection to the broker was lost before the answer came; retry",
+            );
+            let mut waiters = waiters.lock().expect("waiters lock");
+            waiters.retain(|_, (link, tx)| {
+                let on_this_link = *link == id;
+                if on_this_link {
+                    let _ = tx.send(lost.clone());
+                }
+                !on_this_link
+            });
         });
         let link = Arc::new(Link {
+            id,
             connection,
             publisher,
             reply_queue,
@@ -331,7 +353,7 @@ impl RealtimeClient {
         self.waiters
             .lock()
             .expect("waiters lock")
-            .insert(correlation.clone(), tx);
+            .insert(correlation.clone(), (link.id, tx));
         let properties = broker::json_properties()
             .with_reply_to(link.reply_queue.as_str().into())
             .with_correlation_id(correlation.as_str().into())
@@ -375,7 +397,7 @@ fn dispatch(waiters: &Waiters, delivery: &lapin::message::Delivery) {
     );
     let mut waiters = waiters.lock().expect("waiters lock");
     let last = reply.is_last();
-    if let Some(tx) = waiters.get(correlation.as_str()) {
+    if let Some((_, tx)) = waiters.get(correlation.as_str()) {
         let _ = tx.send(reply);
     }
     if last {

@@ -49,6 +49,9 @@ pub struct WorkerConfig {
     pub flush_rows: usize,
     /// ...or once the oldest has waited this long.
     pub flush_interval: Duration,
+    /// Let every account's requests reuse each other's prefix-cache blocks
+    /// (otherwise each account is a cache partition of its own).
+    pub share_prefix_cache: bool,
 }
 
 /// One request in flight, with its index in the batch.
@@ -219,14 +222,19 @@ impl Worker {
         lane: Lane,
         records: &mut Records,
     ) -> Result<Result<Request, EngineError>, BatcherError> {
+        let partition = (!self.inner.config.share_prefix_cache).then(|| account.0.clone());
         if request.lora.is_none() {
-            return Ok(Ok(Request::new(request, lane)));
+            return Ok(Ok(Request::new(request, lane).in_cache_partition(partition)));
         }
         let adapter = self
             .adapter_record(account, &request, records)
             .await?
             .and_then(|record| adapters::reference(&record));
-        Ok(adapter.map(|adapter| Request::new(request, lane).with_adapter(Some(adapter))))
+        Ok(adapter.map(|adapter| {
+            Request::new(request, lane)
+                .with_adapter(Some(adapter))
+                .in_cache_partition(partition)
+        }))
     }
 
     /// End a dead-lettered chunk's unfinished requests with a non-retryable error.
@@ -440,7 +448,10 @@ impl Worker {
                     .await
                 {
                     Ok(request) => request.and_then(|request| backend.submit(request)),
-                    Err(e) => Err(EngineError::Model(e.to_string())),
+                    Err(error) => {
+                        tracing::warn!(%error, "the adapter of a real-time request could not be looked up");
+                        Err(EngineError::Unavailable("the adapter's record could not be read".into()))
+                    }
                 };
                 match submitted {
                     Ok(events) => realtime::forward(events, &reply, &cancel).await,

@@ -90,6 +90,26 @@ async fn a_result_is_committed_once_however_often_it_is_delivered(pool: PgPool) 
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn an_output_holding_u0000_is_stored_and_read_back_as_generated(pool: PgPool) {
+    // Byte-fallback tokens produce U+0000 readily; the chunk's commit must
+    // not fail for it (nor for the innocent results committed beside it).
+    let (store, id) = store_with_batch(pool, 2, Duration::from_secs(3600)).await;
+    store.claim(&chunk(&id, 0, 2)).await.unwrap();
+    let generated = "a\u{0}b \\u0000 \u{1}\u{7f}\u{fffd}";
+    let outcomes = vec![
+        Outcome {
+            result: Ok(json!({"response": generated})),
+            ..ok(0)
+        },
+        ok(1),
+    ];
+    assert_eq!(store.commit(&id, &outcomes).await.unwrap(), 2);
+    let finished = store.finished_requests(&id).await.unwrap();
+    assert_eq!(finished[0].response, Some(json!({"response": generated})));
+    assert_eq!(finished[1].response, Some(json!({"response": 1})));
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
 async fn a_request_is_claimed_as_the_typed_request_it_was_stored_as(pool: PgPool) {
     let (store, id) = store_with_batch(pool.clone(), 2, Duration::from_secs(3600)).await;
     // A row written before requests were stored typed holds the client's body only.

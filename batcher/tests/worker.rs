@@ -131,6 +131,7 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
             rt_prefetch: 1,
             flush_rows: 2,
             flush_interval: Duration::from_secs(3600),
+            share_prefix_cache: false,
         },
     );
     let batch = BatchId::generate();

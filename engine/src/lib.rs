@@ -87,6 +87,11 @@ pub struct Request {
     pub lane: Lane,
     /// The adapter `input` names, resolved to its files.
     pub adapter: Option<AdapterRef>,
+    /// Whose prefix-cache blocks the request may reuse: blocks computed for
+    /// one partition (an account) are never reused by another, so a
+    /// request's speed tells nothing of what another tenant sent. `None`
+    /// is a partition of its own, shared by every request without one.
+    pub cache_partition: Option<String>,
 }
 
 impl Request {
@@ -96,12 +101,21 @@ impl Request {
             input,
             lane,
             adapter: None,
+            cache_partition: None,
         }
     }
 
     /// The same request with an adapter.
     pub fn with_adapter(self, adapter: Option<AdapterRef>) -> Self {
         Request { adapter, ..self }
+    }
+
+    /// The same request in prefix-cache partition `partition`.
+    pub fn in_cache_partition(self, partition: Option<String>) -> Self {
+        Request {
+            cache_partition: partition,
+            ..self
+        }
     }
 
     /// The refusal a backend that serves no adapters gives a request that

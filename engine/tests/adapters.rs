@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use lorry_engine::fixtures::{self, Fixture};
-use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter, Target};
+use lorry_engine::lora::{check_weights, Adapter, AdapterLimits, PackedAdapter, Target};
 use lorry_engine::models::llama::{Config, Llama, LlamaConfigFile, SeqChunk};
 use lorry_engine::models::read_config;
 use lorry_engine::runtime::kv::{BlockPool, BlockTable, KvCache};
@@ -208,6 +208,48 @@ fn every_kind_of_bad_adapter_is_refused_with_its_code() {
             b"not a tensor file".to_vec(),
             "adapter_weights_invalid",
         ),
+        (
+            "rank 0 through rank_pattern",
+            config(json!({"rank_pattern": {"q_proj": 0}})),
+            good.clone(),
+            "adapter_rank_too_large",
+        ),
+        (
+            "an alpha that makes the scale infinite",
+            config(json!({"lora_alpha": 1e39})),
+            good.clone(),
+            "adapter_value_out_of_range",
+        ),
+        (
+            "an alpha_pattern value out of range",
+            config(json!({"alpha_pattern": {"v_proj": -1e7}})),
+            good.clone(),
+            "adapter_value_out_of_range",
+        ),
+        (
+            "weights for a layer not in layers_to_transform",
+            config(json!({"layers_to_transform": [0]})),
+            good.clone(),
+            "adapter_unknown_target",
+        ),
+        (
+            "layers_to_transform not indices",
+            config(json!({"layers_to_transform": "all"})),
+            good.clone(),
+            "adapter_config_invalid",
+        ),
+        (
+            "layers under another name",
+            config(json!({"layers_pattern": "h"})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
+        (
+            "replicated layers",
+            config(json!({"layer_replication": [[0, 2]]})),
+            good.clone(),
+            "adapter_unsupported",
+        ),
     ];
     for (what, config, weights, code) in cases {
         let err = parse(&config, &weights).unwrap_err();
@@ -242,7 +284,23 @@ fn bad_tensors_are_named() {
         "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector".into(),
         Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(),
     );
+    let mut huge = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    let mut values = vec![0.5f32; 8 * 64];
+    values[3] = 3e38;
+    huge.insert(
+        key(0, Target::Q, "lora_A"),
+        Tensor::from_vec(values, (8, 64), &Device::Cpu).unwrap(),
+    );
+    // `layers.01.` is layer 1 spelled twice: it must not overwrite `layers.1.`.
+    let mut respelled = weights(&base, &QV, 8, &HashMap::new(), DType::F32);
+    let original = respelled[&key(1, Target::Q, "lora_A")].clone();
+    respelled.insert(
+        key(1, Target::Q, "lora_A").replace("layers.1.", "layers.01."),
+        original.ones_like().unwrap(),
+    );
     let cases = [
+        (huge, "adapter_value_out_of_range", "layers.0.self_attn.q_proj.lora_A"),
+        (respelled, "adapter_unsupported", "layers.01.self_attn.q_proj"),
         (
             wrong_shape,
             "adapter_shape_mismatch",
@@ -253,11 +311,27 @@ fn bad_tensors_are_named() {
         (extra_layer, "adapter_shape_mismatch", "layers.2.self_attn.q_proj"),
         (stray, "adapter_unsupported", "lora_magnitude_vector"),
     ];
+    let shape = base.adapter_shape();
     for (tensors, code, named) in cases {
         let err = parse(&config(json!({})), &bytes(&tensors)).unwrap_err();
         assert_eq!(err.0, code, "{err:?}");
         assert!(err.1.contains(named), "{err:?} should name {named}");
+        // The weights alone (an upload before its configuration) are refused the same way.
+        let alone = check_weights(&bytes(&tensors), &shape, AdapterLimits::default()).unwrap_err();
+        assert_eq!(alone.code.as_str(), code, "{alone:?}");
     }
+    check_weights(
+        &bytes(&weights(&base, &QV, 8, &HashMap::new(), DType::F32)),
+        &shape,
+        AdapterLimits::default(),
+    )
+    .unwrap();
+    // A header too large to parse cheaply is refused before it is parsed.
+    let mut huge_header = (5u64 << 20).to_le_bytes().to_vec();
+    huge_header.extend(std::iter::repeat_n(b' ', 64));
+    let err = parse(&config(json!({})), &huge_header).unwrap_err();
+    assert_eq!(err.0, "adapter_weights_invalid", "{err:?}");
+    assert!(err.1.contains("header"), "{err:?}");
     // Over the size limit, before the weights are even parsed.
     let limits = AdapterLimits {
         max_bytes: 1024,

@@ -291,7 +291,7 @@ fn a_shared_prefix_gives_the_logits_of_a_full_prefill() {
     for adapter in [None, Some(&*a)] {
         let mut pool = BlockPool::new(32, 16);
         let mut kv = KvCache::new(layout, 32);
-        let ns = prefix::namespace("tiny", adapter.map(PackedAdapter::key));
+        let ns = prefix::namespace("tiny", adapter.map(PackedAdapter::key), None);
         // The first sequence computes its prompt and its full blocks are cached.
         let mut first = BlockTable::default();
         first.append(&mut pool, shared.len()).unwrap();
@@ -335,7 +335,7 @@ fn a_shared_prefix_gives_the_logits_of_a_full_prefill() {
             assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{x} vs {y}");
         }
         // A different adapter finds nothing.
-        let other = prefix::namespace("tiny", Some(&[0; 32]));
+        let other = prefix::namespace("tiny", Some(&[0; 32]), None);
         assert_eq!(pool.cached_prefix(BlockHasher::new(other, 16).update(&second)).0, 0);
     }
     let _ = std::fs::remove_dir_all(dir);

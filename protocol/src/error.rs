@@ -60,12 +60,16 @@ error_codes! {
     InvalidJson = "invalid_json",
     /// The body could not be read.
     UnreadableBody = "unreadable_body",
+    /// The body did not arrive in time.
+    BodyTimeout = "body_timeout",
     /// The body is over the size limit.
     BodyTooLarge = "body_too_large",
     /// A multipart body that could not be read.
     InvalidMultipart = "invalid_multipart",
     /// A multipart field given twice.
     DuplicateField = "duplicate_field",
+    /// A string holding U+0000, which Lorry does not store.
+    NulCharacter = "nul_character",
     /// A request of a kind this version does not know (a code from a newer peer).
     InvalidRequest = "invalid_request",
 
@@ -96,7 +100,9 @@ error_codes! {
     AdapterMissingTensor = "adapter_missing_tensor",
     /// A LoRA tensor holds a NaN or an infinity.
     AdapterNonfinite = "adapter_nonfinite",
-    /// A module's rank is over the limit.
+    /// An adapter value (alpha, a weight, the update they make) outside what is served.
+    AdapterValueOutOfRange = "adapter_value_out_of_range",
+    /// A module's rank is over the limit (or zero).
     AdapterRankTooLarge = "adapter_rank_too_large",
     /// A LoRA tensor does not fit the base model.
     AdapterShapeMismatch = "adapter_shape_mismatch",
@@ -154,6 +160,8 @@ error_codes! {
     AccountNotFound = "account_not_found",
     /// No such route.
     RouteNotFound = "route_not_found",
+    /// The route does not take this method.
+    MethodNotAllowed = "method_not_allowed",
 
     // Serving.
     /// The real-time lane of this model is full.

@@ -49,6 +49,36 @@ impl InputError {
     }
 }
 
+/// Refuses a JSON value holding U+0000 in any string or key, naming where.
+///
+/// The database cannot store the character in text, so a client that sends
+/// it gets a 400 naming the field rather than a stored half or a failed
+/// commit; every JSON body is checked once, at the edge, with this.
+pub fn refuse_nul(value: &Value, path: &str) -> Result<(), InputError> {
+    let at = |path: &str| {
+        InputError::new(
+            ErrorCode::NulCharacter,
+            path,
+            format!("{} holds the character U+0000, which is not accepted", display(path)),
+        )
+    };
+    match value {
+        Value::String(s) if s.contains('\0') => Err(at(path)),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| refuse_nul(item, &format!("{path}[{i}]"))),
+        Value::Object(map) => map.iter().try_for_each(|(key, item)| {
+            let field = join_path(path, &key.replace('\0', "\\u0000"));
+            if key.contains('\0') {
+                return Err(at(&field));
+            }
+            refuse_nul(item, &field)
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn join_path(prefix: &str, field: &str) -> String {
     match (prefix.is_empty(), field.is_empty()) {
         (true, _) => field.to_string(),
@@ -272,6 +302,9 @@ fn is_false(value: &bool) -> bool {
 
 /// The largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+/// The longest `stop` string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
 /// The most ids `stop_token_ids` may hold.
 pub const MAX_STOP_TOKEN_IDS: usize = 32;
 /// The most texts one embeddings request may carry.
@@ -469,11 +502,11 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
             )
         })?,
     };
-    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
         return Err(InputError::new(
             ErrorCode::InvalidValue,
             "stop",
-            "stop takes at most 4 non-empty strings",
+            format!("stop takes at most 4 non-empty strings of at most {MAX_STOP_BYTES} bytes"),
         ));
     }
     let stop_token_ids: Vec<u32> = f

@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod input;
+pub mod json;
 pub mod lora;
 pub mod model;
 

@@ -176,7 +176,22 @@ struct ConfigFile {
     rank_pattern: BTreeMap<String, usize>,
     #[serde(default)]
     alpha_pattern: BTreeMap<String, f64>,
+    layers_to_transform: Option<serde_json::Value>,
+    layers_pattern: Option<serde_json::Value>,
+    layer_replication: Option<serde_json::Value>,
 }
+
+/// The largest `lora_alpha` (or `alpha_pattern` value) taken, in magnitude.
+pub const MAX_ALPHA: f64 = 65_536.0;
+
+/// The largest weight an adapter may hold, in magnitude: half precision's
+/// largest, which no adapter trained in it exceeds.
+pub const MAX_WEIGHT: f32 = 65_504.0;
+
+/// The largest entry `scale · B · A` can reach (`scale · r · max|B| · max|A|`),
+/// in magnitude: adapters whose update could overflow the activations
+/// (and turn every answer into NaNs) are refused.
+pub const MAX_UPDATE: f64 = 1.0e4;
 
 /// One adapted projection of one layer: `ΔW = scale · B · A`.
 #[derive(Debug, Clone)]
@@ -244,31 +259,28 @@ impl Adapter {
         let settings = Settings::read(config, limits)?;
         check_size(weights, limits)?;
         let tensors = read_safetensors(weights)?;
-        let mut halves: HashMap<(usize, Target), (Option<TensorView<'_>>, Option<TensorView<'_>>)> = HashMap::new();
-        for (name, tensor) in tensors.tensors() {
-            let (layer, target, matrix) = parse_key(&name)?;
-            if layer >= base.num_layers {
-                return Err(refuse(
-                    ErrorCode::AdapterShapeMismatch,
-                    format!("{name}: the base model has {} layers", base.num_layers),
-                ));
-            }
-            if !settings.targets.contains(&target) {
-                return Err(refuse(
-                    ErrorCode::AdapterUnknownTarget,
-                    format!("{name}: {} is not in target_modules", target.name()),
-                ));
-            }
-            let entry = halves.entry((layer, target)).or_default();
-            match matrix {
-                'A' => entry.0 = Some(tensor),
-                _ => entry.1 = Some(tensor),
-            }
-        }
-        if halves.is_empty() {
+        let halves = halves(&tensors, base)?;
+        if let Some((layer, target)) = (halves.keys())
+            .find(|(layer, _)| settings.layers.as_ref().is_some_and(|only| !only.contains(layer)))
+        {
             return Err(refuse(
-                ErrorCode::AdapterMissingTensor,
-                "adapter_model.safetensors holds no LoRA weights",
+                ErrorCode::AdapterUnknownTarget,
+                format!(
+                    "model.layers.{layer}.{}.{}: layer {layer} is not in layers_to_transform",
+                    target.block(),
+                    target.name()
+                ),
+            ));
+        }
+        if let Some((layer, target)) = halves.keys().find(|(_, t)| !settings.targets.contains(t)) {
+            return Err(refuse(
+                ErrorCode::AdapterUnknownTarget,
+                format!(
+                    "model.layers.{layer}.{}.{}: {} is not in target_modules",
+                    target.block(),
+                    target.name(),
+                    target.name()
+                ),
             ));
         }
         let modules = halves
@@ -292,16 +304,7 @@ fn module_weights(
     pair: (Option<TensorView<'_>>, Option<TensorView<'_>>),
 ) -> Result<LoraWeights, AdapterError> {
     let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
-    let (a, b) = match pair {
-        (Some(a), Some(b)) => (a, b),
-        (a, _) => {
-            let missing = if a.is_none() { "lora_A" } else { "lora_B" };
-            return Err(refuse(
-                ErrorCode::AdapterMissingTensor,
-                format!("base_model.model.{module}.{missing}.weight is missing"),
-            ));
-        }
-    };
+    let (a, b) = both_halves(pair, &module)?;
     let (rank, alpha) = settings.rank_and_alpha(&module);
     if rank > limits.max_rank {
         return Err(refuse(
@@ -323,6 +326,14 @@ fn module_weights(
     } else {
         alpha / rank as f64
     };
+    let largest = |m: &[f32]| m.iter().fold(0f32, |acc, v| acc.max(v.abs())) as f64;
+    let update = scale.abs() * rank as f64 * largest(&a) * largest(&b);
+    if update > MAX_UPDATE {
+        return Err(refuse(
+            ErrorCode::AdapterValueOutOfRange,
+            format!("{module}: scale · B · A can reach {update:.3e}; the limit is {MAX_UPDATE:e}"),
+        ));
+    }
     Ok(LoraWeights {
         rank,
         scale: scale as f32,
@@ -339,29 +350,80 @@ pub fn check_config(config: &[u8], limits: AdapterLimits) -> Result<(), AdapterE
     Settings::read(config, limits).map(|_| ())
 }
 
-/// Check `adapter_model.safetensors` alone: size limit, a well-formed header
-/// and data, LoRA weight names of the seven projections, finite values.
-pub fn check_weights(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
+/// Check `adapter_model.safetensors` alone against the base model `base`:
+/// size limit, a well-formed header and data, LoRA weight names of the
+/// seven projections for layers the model has (each once), both halves of
+/// every module, their shapes (the rank read from `lora_A`, within the
+/// limit) and values. The configuration, when it comes, is checked against
+/// these weights by [`Adapter::parse`].
+pub fn check_weights(weights: &[u8], base: &AdapterShape, limits: AdapterLimits) -> Result<(), AdapterError> {
     check_size(weights, limits)?;
     let tensors = read_safetensors(weights)?;
-    if tensors.is_empty() {
+    for ((layer, target), pair) in halves(&tensors, base)? {
+        let module = format!("model.layers.{layer}.{}.{}", target.block(), target.name());
+        let (a, b) = both_halves(pair, &module)?;
+        let rank = a.shape().first().copied().unwrap_or(0);
+        if rank == 0 || rank > limits.max_rank {
+            return Err(refuse(
+                ErrorCode::AdapterRankTooLarge,
+                format!("{module}: lora_A has rank {rank}; ranks from 1 to {} are served", limits.max_rank),
+            ));
+        }
+        let (out, inputs) = target.shape(base);
+        matrix(a, (rank, inputs), &format!("base_model.model.{module}.lora_A.weight"))?;
+        matrix(b, (out, rank), &format!("base_model.model.{module}.lora_B.weight"))?;
+    }
+    Ok(())
+}
+
+/// Both halves of one module, by (layer, target).
+type Halves<'a> = HashMap<(usize, Target), (Option<TensorView<'a>>, Option<TensorView<'a>>)>;
+
+/// Every LoRA tensor of the file by module, each named once (`layers.01.`
+/// and `layers.1.` are one layer: the first spelling is refused), for
+/// layers the base model has; at least one.
+fn halves<'a>(tensors: &'a SafeTensors<'a>, base: &AdapterShape) -> Result<Halves<'a>, AdapterError> {
+    let mut halves = Halves::new();
+    for (name, tensor) in tensors.tensors() {
+        let (layer, target, matrix) = parse_key(&name)?;
+        if layer >= base.num_layers {
+            return Err(refuse(
+                ErrorCode::AdapterShapeMismatch,
+                format!("{name}: the base model has {} layers", base.num_layers),
+            ));
+        }
+        let entry = halves.entry((layer, target)).or_default();
+        let slot = if matrix == 'A' { &mut entry.0 } else { &mut entry.1 };
+        if slot.replace(tensor).is_some() {
+            return Err(refuse(
+                ErrorCode::AdapterWeightsInvalid,
+                format!("{name}: the same weight is given twice"),
+            ));
+        }
+    }
+    if halves.is_empty() {
         return Err(refuse(
             ErrorCode::AdapterMissingTensor,
             "adapter_model.safetensors holds no LoRA weights",
         ));
     }
-    for (name, tensor) in tensors.tensors() {
-        parse_key(&name)?;
-        let dims = tensor.shape().to_vec();
-        let [rows, cols] = dims[..] else {
-            return Err(refuse(
-                ErrorCode::AdapterShapeMismatch,
-                format!("{name}: shape {dims:?}; LoRA weights are matrices"),
-            ));
-        };
-        matrix(tensor, (rows, cols), &name)?;
+    Ok(halves)
+}
+
+fn both_halves<'a>(
+    pair: (Option<TensorView<'a>>, Option<TensorView<'a>>),
+    module: &str,
+) -> Result<(TensorView<'a>, TensorView<'a>), AdapterError> {
+    match pair {
+        (Some(a), Some(b)) => Ok((a, b)),
+        (a, _) => {
+            let missing = if a.is_none() { "lora_A" } else { "lora_B" };
+            Err(refuse(
+                ErrorCode::AdapterMissingTensor,
+                format!("base_model.model.{module}.{missing}.weight is missing"),
+            ))
+        }
     }
-    Ok(())
 }
 
 fn check_size(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError> {
@@ -380,6 +442,8 @@ fn check_size(weights: &[u8], limits: AdapterLimits) -> Result<(), AdapterError>
 
 /// What the configuration says, checked.
 struct Settings {
+    /// `layers_to_transform`: the only layers the adapter may change (all when `None`).
+    layers: Option<Vec<usize>>,
     rank: usize,
     alpha: f64,
     rslora: bool,
@@ -410,15 +474,29 @@ impl Settings {
         }
         let alpha = config
             .lora_alpha
-            .filter(|a| a.is_finite())
             .ok_or_else(|| invalid("lora_alpha: a number is required".into()))?;
+        check_alpha("lora_alpha", alpha)?;
+        let rank_pattern = pattern("rank_pattern", &config.rank_pattern)?;
+        for (key, r) in &rank_pattern {
+            if *r == 0 || *r > limits.max_rank {
+                return Err(refuse(
+                    ErrorCode::AdapterRankTooLarge,
+                    format!("rank_pattern.{key}: rank {r}; ranks from 1 to {} are served", limits.max_rank),
+                ));
+            }
+        }
+        let alpha_pattern = pattern("alpha_pattern", &config.alpha_pattern)?;
+        for (key, a) in &alpha_pattern {
+            check_alpha(&format!("alpha_pattern.{key}"), *a)?;
+        }
         Ok(Settings {
+            layers: layers_to_transform(config)?,
             rank,
             alpha,
             rslora: config.use_rslora,
             targets: targets(config)?,
-            rank_pattern: pattern("rank_pattern", &config.rank_pattern)?,
-            alpha_pattern: pattern("alpha_pattern", &config.alpha_pattern)?,
+            rank_pattern,
+            alpha_pattern,
         })
     }
 
@@ -440,6 +518,37 @@ impl Settings {
     }
 }
 
+/// `layers_to_transform`: a layer index or a list of them (PEFT's two forms).
+fn layers_to_transform(config: &ConfigFile) -> Result<Option<Vec<usize>>, AdapterError> {
+    let invalid = || {
+        refuse(
+            ErrorCode::AdapterConfigInvalid,
+            "layers_to_transform: a layer index or a list of layer indices",
+        )
+    };
+    match &config.layers_to_transform {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Number(n)) => Ok(Some(vec![n.as_u64().ok_or_else(invalid)? as usize])),
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().map(|n| n as usize).ok_or_else(invalid))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        Some(_) => Err(invalid()),
+    }
+}
+
+fn check_alpha(field: &str, alpha: f64) -> Result<(), AdapterError> {
+    if alpha.is_finite() && alpha.abs() <= MAX_ALPHA {
+        Ok(())
+    } else {
+        Err(refuse(
+            ErrorCode::AdapterValueOutOfRange,
+            format!("{field}: {alpha}; values from -{MAX_ALPHA} to {MAX_ALPHA} are served"),
+        ))
+    }
+}
+
 /// PEFT's options whose adapters Lorry does not serve.
 fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
     let unsupported = |m: String| Err(refuse(ErrorCode::AdapterUnsupported, m));
@@ -449,6 +558,19 @@ fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
     }
     if config.use_dora {
         return unsupported("use_dora: DoRA adapters are not served".into());
+    }
+    if config.layer_replication.as_ref().is_some_and(|v| !v.is_null()) {
+        return unsupported("layer_replication: adapters over replicated layers are not served".into());
+    }
+    match &config.layers_pattern {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(p)) if p == "layers" => {}
+        Some(serde_json::Value::Array(p)) if p.iter().all(|v| v == "layers") => {}
+        Some(other) => {
+            return unsupported(format!(
+                "layers_pattern {other}: Llama-family layers are `layers`"
+            ))
+        }
     }
     if config.fan_in_fan_out {
         return unsupported("fan_in_fan_out: Llama-family projections are not Conv1D".into());
@@ -535,6 +657,10 @@ fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
     let [layer, block, module, matrix, "weight"] = parts.as_slice() else {
         return Err(unexpected());
     };
+    // One spelling per layer: `01` would be the same layer as `1`.
+    if (layer.len() > 1 && layer.starts_with('0')) || !layer.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(unexpected());
+    }
     let layer: usize = layer.parse().map_err(|_| unexpected())?;
     let target = Target::parse(module).ok_or_else(|| {
         refuse(
@@ -553,8 +679,25 @@ fn parse_key(name: &str) -> Result<(usize, Target, char), AdapterError> {
     Ok((layer, target, matrix))
 }
 
+/// The largest safetensors header taken: room for a LoRA of every projection
+/// of a model of hundreds of layers; parsing a larger one would cost memory
+/// many times its size before anything could refuse it.
+pub const MAX_HEADER_BYTES: u64 = 4 << 20;
+
 /// A safetensors file's header and data, checked for consistency.
 fn read_safetensors(weights: &[u8]) -> Result<SafeTensors<'_>, AdapterError> {
+    let header = weights
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("eight bytes")));
+    if header.is_some_and(|n| n > MAX_HEADER_BYTES) {
+        return Err(refuse(
+            ErrorCode::AdapterWeightsInvalid,
+            format!(
+                "adapter_model.safetensors: a header of {} bytes; the limit is {MAX_HEADER_BYTES}",
+                header.unwrap_or_default()
+            ),
+        ));
+    }
     SafeTensors::deserialize(weights).map_err(|e| {
         refuse(
             ErrorCode::AdapterWeightsInvalid,
@@ -610,6 +753,12 @@ fn matrix(tensor: TensorView<'_>, shape: (usize, usize), name: &str) -> Result<V
         return Err(refuse(
             ErrorCode::AdapterNonfinite,
             format!("{name}: element {at} is {}", values[at]),
+        ));
+    }
+    if let Some(at) = values.iter().position(|v| v.abs() > MAX_WEIGHT) {
+        return Err(refuse(
+            ErrorCode::AdapterValueOutOfRange,
+            format!("{name}: element {at} is {}; weights within ±{MAX_WEIGHT} are served", values[at]),
         ));
     }
     Ok(values)

@@ -44,6 +44,27 @@ async fn a_native_batch_runs_to_completion_with_output_in_s3() {
 }
 
 #[tokio::test]
+async fn results_stream_in_index_order_across_pages() {
+    // More than two pages of the listing (it reads 1,000 results at a time).
+    let app = spawn_app().await;
+    let batch = app.submit_echo(2_345, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    let done = app.wait_until_ended(id, Duration::from_secs(120)).await;
+    assert_eq!(done["status"], "completed");
+    let text = app
+        .get(&format!("/v1/batches/{id}/results"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let indices: Vec<i64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["index"].as_i64().unwrap())
+        .collect();
+    assert_eq!(indices, (0..2_345).collect::<Vec<i64>>());
+}
+
+#[tokio::test]
 async fn results_are_readable_while_the_batch_runs() {
     let app = spawn_app_with(Role::Serve, |s| s.worker.echo_delay_ms = 5).await;
     let batch = app.submit_echo(400, json!({})).await;

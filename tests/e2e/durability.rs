@@ -214,3 +214,55 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
     assert_eq!(errors[0]["error"]["retryable"], false);
     worker.stop().await;
 }
+
+#[tokio::test]
+async fn a_real_time_request_in_flight_when_the_broker_connection_drops_fails_at_once() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+
+    let proxy = Proxy::start("127.0.0.1:5672".into()).await;
+    // No worker: the request waits in its lane, for as long as the timeout allows.
+    let app = spawn_app_with(Role::Api, |s| {
+        s.services.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+        s.api.rt_timeout_secs = 3600;
+    })
+    .await;
+    let call = tokio::spawn({
+        let (http, url) = (app.http.clone(), app.url("/client/v4/accounts/default/ai/run/@lorry/echo"));
+        async move {
+            http.post(url)
+                .bearer_auth(crate::common::TOKEN)
+                .json(&json!({"prompt": "waiting"}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    // Wait until the request is in its lane, seen past the proxy.
+    let connection = lorry_batcher::broker::connect("amqp://guest:guest@127.0.0.1:5672/%2f", "test-observer")
+        .await
+        .unwrap();
+    let queue = format!("{}.rt.@lorry/echo", app.settings.services.queue_prefix);
+    loop {
+        let channel = connection.create_channel().await.unwrap();
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        if let Ok(q) = channel.queue_declare(&queue, passive, FieldTable::default()).await {
+            if q.message_count() == 1 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.cut().await;
+    let answer = tokio::time::timeout(Duration::from_secs(120), call)
+        .await
+        .expect("the request waited on after its connection was gone")
+        .unwrap();
+    assert_eq!(answer.status(), 503);
+    assert_eq!(answer.headers()["retry-after"], "1");
+    let body: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "service_unavailable", "{body}");
+}

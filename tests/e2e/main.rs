@@ -7,6 +7,7 @@ mod common;
 mod adapters;
 mod batches;
 mod durability;
+mod hardening;
 mod models;
 mod offline;
 mod openai;

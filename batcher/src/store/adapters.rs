@@ -192,13 +192,27 @@ impl Store {
         Ok(row.as_ref().map(AdapterRecord::from_row))
     }
 
-    /// The account's adapters, newest first.
-    pub async fn list_adapters(&self, account: &AccountId) -> Result<Vec<AdapterRecord>> {
-        let rows = sqlx::query("SELECT * FROM adapters WHERE account_id = $1 ORDER BY id DESC")
-            .bind(&account.0)
-            .fetch_all(&self.pool)
-            .await?;
-        Ok(rows.iter().map(AdapterRecord::from_row).collect())
+    /// Up to `limit` of the account's adapters, newest first, after the
+    /// adapter `after` when given; and whether more follow.
+    pub async fn list_adapters(
+        &self,
+        account: &AccountId,
+        limit: i64,
+        after: Option<&AdapterId>,
+    ) -> Result<(Vec<AdapterRecord>, bool)> {
+        let rows = sqlx::query(
+            "SELECT * FROM adapters WHERE account_id = $1 AND ($2::text IS NULL OR id < $2)
+             ORDER BY id DESC LIMIT $3",
+        )
+        .bind(&account.0)
+        .bind(after.map(AdapterId::as_str))
+        .bind(limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut adapters: Vec<AdapterRecord> = rows.iter().map(AdapterRecord::from_row).collect();
+        let more = adapters.len() as i64 > limit;
+        adapters.truncate(limit as usize);
+        Ok((adapters, more))
     }
 
     /// Record an uploaded file; with `summary` the adapter becomes ready.

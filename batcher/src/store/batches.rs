@@ -250,6 +250,22 @@ impl Store {
         Ok(self.tallies(&[id]).await?.remove(id).unwrap_or_default())
     }
 
+    /// Up to `limit` finished requests of a batch after index `after`, in
+    /// index order (pages of a listing too large to hold at once).
+    pub async fn finished_requests_page(&self, id: &BatchId, after: i32, limit: i64) -> Result<Vec<FinishedRequest>> {
+        let rows = sqlx::query(
+            "SELECT idx, custom_id, status, response, finish_reason, error, prompt_tokens, completion_tokens
+             FROM requests WHERE batch_id = $1 AND idx > $2 AND status NOT IN ('pending', 'running')
+             ORDER BY idx LIMIT $3",
+        )
+        .bind(id.as_str())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(finished_from_row).collect()
+    }
+
     /// Every finished request of a batch, in index order.
     pub async fn finished_requests(&self, id: &BatchId) -> Result<Vec<FinishedRequest>> {
         let rows = sqlx::query(

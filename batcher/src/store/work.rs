@@ -159,7 +159,7 @@ impl Store {
             match &o.result {
                 Ok(body) => {
                     status.push(RequestStatus::Succeeded.as_str());
-                    response.push(Some(body.clone()));
+                    response.push(Some(serde_json::to_string(body)?));
                     error.push(None);
                 }
                 Err(e) => {
@@ -170,9 +170,9 @@ impl Store {
             }
         }
         let done = sqlx::query(
-            "UPDATE requests r SET status = u.status, response = u.response, error = u.error,
+            "UPDATE requests r SET status = u.status, response = u.response::json, error = u.error,
                  prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
-             FROM UNNEST($2::int[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
+             FROM UNNEST($2::int[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
                  AS u(idx, status, response, error, pt, ct, finish)
              WHERE r.batch_id = $1 AND r.idx = u.idx AND r.status = 'running'",
         )

@@ -162,6 +162,8 @@ struct Job {
     /// When it was handed to the engine (a job waits in the inbox while a step runs).
     submitted: Instant,
     adapter: Option<Lease>,
+    /// Its prefix-cache partition ([`Request::cache_partition`]).
+    partition: Option<String>,
     events: mpsc::UnboundedSender<Event>,
 }
 
@@ -237,12 +239,18 @@ impl Backend for TextEngine {
     /// adapter's lease until it ends.
     fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
         let (events, stream) = mpsc::unbounded_channel();
-        let Request { input, lane, adapter } = request;
+        let Request {
+            input,
+            lane,
+            adapter,
+            cache_partition,
+        } = request;
         let mut job = Job {
             request: input,
             lane,
             submitted: Instant::now(),
             adapter: None,
+            partition: cache_partition,
             events,
         };
         let Some(reference) = adapter else {
@@ -439,7 +447,11 @@ impl EngineLoop {
                 let id = self.next_id;
                 self.next_id += 1;
                 let mut hasher = self.prefix_cache.then(|| {
-                    let namespace = prefix::namespace(&self.name, job.adapter.as_deref().map(PackedAdapter::key));
+                    let namespace = prefix::namespace(
+                        &self.name,
+                        job.adapter.as_deref().map(PackedAdapter::key),
+                        job.partition.as_deref(),
+                    );
                     BlockHasher::new(namespace, self.block_size)
                 });
                 let hashes = hasher
@@ -648,11 +660,13 @@ impl EngineLoop {
                 self.sample(&plan, &rows)
             }
             Err(error) => {
+                // What failed inside is for the operator's log, never the client's answer.
                 tracing::error!(%error, "forward pass failed");
+                let told = "the model failed on a step this request was part of";
                 for chunk in &plan.chunks {
                     self.scheduler.discard(chunk.id);
                     if let Some(active) = self.end(chunk.id) {
-                        let _ = active.events.send(Event::Failed(EngineError::Model(error.clone())));
+                        let _ = active.events.send(Event::Failed(EngineError::Model(told.into())));
                     }
                 }
             }

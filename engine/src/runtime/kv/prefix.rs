@@ -2,27 +2,37 @@
 //!
 //! A block's keys and values depend on every token before it, on the model,
 //! and on the LoRA adapter its rows ran with. Its identity is therefore a
-//! SHA-256 chained block by block: the first block hashes the namespace (model
-//! and adapter) with its tokens, every later one hashes its parent's hash with
-//! its tokens. Equal hashes mean the same model, the same adapter and the same
-//! tokens from the start of the sequence; a collision-resistant hash keeps one
-//! tenant from forging another's block on a shared worker.
+//! SHA-256 chained block by block: the first block hashes the namespace (model,
+//! adapter and cache partition) with its tokens, every later one hashes its
+//! parent's hash with its tokens. Equal hashes mean the same model, the same
+//! adapter, the same partition and the same tokens from the start of the
+//! sequence; a collision-resistant hash keeps one tenant from forging
+//! another's block on a shared worker, and the partition (the account, by
+//! default) keeps one tenant from timing a hit on another's prompt.
 
 use sha2::{Digest, Sha256};
 
 use super::BlockHash;
 
 /// The namespace of blocks computed by `model` with `adapter` (its content
-/// key), or without one.
-pub fn namespace(model: &str, adapter: Option<&[u8; 32]>) -> BlockHash {
+/// key), or without one, for requests of cache partition `partition`.
+pub fn namespace(model: &str, adapter: Option<&[u8; 32]>, partition: Option<&str>) -> BlockHash {
     let mut h = Sha256::new();
-    h.update(b"lorry.kv.v1\0");
+    h.update(b"lorry.kv.v2\0");
     h.update((model.len() as u64).to_le_bytes());
     h.update(model.as_bytes());
     match adapter {
         Some(key) => {
             h.update([1]);
             h.update(key);
+        }
+        None => h.update([0]),
+    }
+    match partition {
+        Some(partition) => {
+            h.update([1]);
+            h.update((partition.len() as u64).to_le_bytes());
+            h.update(partition.as_bytes());
         }
         None => h.update([0]),
     }
@@ -82,10 +92,14 @@ mod tests {
 
     #[test]
     fn a_block_hash_depends_on_everything_before_it_and_on_the_namespace() {
-        let base = namespace("m", None);
-        let adapted = namespace("m", Some(&[7; 32]));
+        let base = namespace("m", None, None);
+        let adapted = namespace("m", Some(&[7; 32]), None);
         assert_ne!(base, adapted);
-        assert_ne!(base, namespace("n", None));
+        assert_ne!(base, namespace("n", None, None));
+        let tenant = namespace("m", None, Some("acct-a"));
+        assert_ne!(base, tenant, "a partition is a namespace of its own");
+        assert_ne!(tenant, namespace("m", None, Some("acct-b")));
+        assert_ne!(namespace("m", Some(&[7; 32]), Some("a")), adapted);
         let tokens: Vec<u32> = (0..10).collect();
         let mut a = BlockHasher::new(base, 4);
         assert_eq!(a.update(&tokens[..3]).len(), 0);
