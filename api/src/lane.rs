@@ -15,11 +15,16 @@ use tokio::sync::mpsc;
 
 use crate::{adapters, ApiError, AppState};
 
+/// How often a stream with nothing to say sends an SSE comment: the write
+/// is what tells the server a client has hung up (and its request is then
+/// cancelled) while it waits for a first token.
+pub const STREAM_KEEP_ALIVE: Duration = Duration::from_millis(500);
+
 /// A request published on the real-time lane.
 pub struct Call {
     /// Whether the client asked for a stream.
     pub stream: bool,
-    replies: mpsc::UnboundedReceiver<Reply>,
+    replies: mpsc::Receiver<Reply>,
     guard: Pending,
     timeout: Duration,
 }
@@ -96,12 +101,12 @@ impl Call {
             return None;
         }
         let reply = self.replies.recv().await;
-        match &reply {
-            Some(r) if !r.is_last() => {}
-            _ => {
-                self.guard.open = false;
-                self.guard.client.forget(&self.guard.correlation);
-            }
+        // After the last reply nothing is owed; replies that stop without
+        // one (the caller was cut off for falling behind) leave the call
+        // open, so that dropping it cancels the request.
+        if reply.as_ref().is_some_and(Reply::is_last) {
+            self.guard.open = false;
+            self.guard.client.forget(&self.guard.correlation);
         }
         reply
     }

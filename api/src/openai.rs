@@ -511,4 +511,5 @@ fn stream_chunks(
     })
     .flatten();
     Sse::new(stream::iter(first).chain(rest).map(Ok))
+        .keep_alive(axum::response::sse::KeepAlive::new().interval(lane::STREAM_KEEP_ALIVE))
 }

@@ -228,5 +228,5 @@ fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Ev
     })
     .flatten()
     .map(Ok);
-    Sse::new(events)
+    Sse::new(events).keep_alive(axum::response::sse::KeepAlive::new().interval(crate::lane::STREAM_KEEP_ALIVE))
 }

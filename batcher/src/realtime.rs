@@ -231,7 +231,13 @@ impl Cancels {
 }
 
 /// Who waits for replies, by correlation id, with the link whose reply queue they come to.
-type Waiters = Arc<Mutex<HashMap<String, (u64, mpsc::UnboundedSender<Reply>)>>>;
+type Waiters = Arc<Mutex<HashMap<String, (u64, mpsc::Sender<Reply>)>>>;
+
+/// Replies held for one caller that has not taken them (a streaming client
+/// reading slower than its tokens come, with its socket's buffers full).
+/// Past this the caller is cut off and its request cancelled, so that no
+/// client can make the API hold an unbounded backlog.
+pub const MAX_BUFFERED_REPLIES: usize = 1024;
 
 struct Link {
     /// Which link this is (replies of requests published on it come only to it).
@@ -303,7 +309,7 @@ impl RealtimeClient {
             waiters.retain(|_, (link, tx)| {
                 let on_this_link = *link == id;
                 if on_this_link {
-                    let _ = tx.send(lost.clone());
+                    let _ = tx.try_send(lost.clone());
                 }
                 !on_this_link
             });
@@ -329,7 +335,7 @@ impl RealtimeClient {
         &self,
         request: &RtRequest,
         timeout: Duration,
-    ) -> Result<(String, mpsc::UnboundedReceiver<Reply>), BatcherError> {
+    ) -> Result<(String, mpsc::Receiver<Reply>), BatcherError> {
         let link = self.link().await?;
         let queue = self.topology.rt_queue(&request.model);
         let depth = link
@@ -349,7 +355,7 @@ impl RealtimeClient {
             return Err(BatcherError::Saturated);
         }
         let correlation = uuid::Uuid::new_v4().simple().to_string();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(MAX_BUFFERED_REPLIES);
         self.waiters
             .lock()
             .expect("waiters lock")
@@ -395,12 +401,54 @@ fn dispatch(waiters: &Waiters, delivery: &lapin::message::Delivery) {
         last = reply.is_last(),
         "real-time reply received"
     );
+    deliver(waiters, correlation.as_str(), reply);
+}
+
+/// Hand `reply` to whoever waits for `correlation`: the last one ends the
+/// wait; one that finds the caller [`MAX_BUFFERED_REPLIES`] behind cuts it off.
+fn deliver(waiters: &Waiters, correlation: &str, reply: Reply) {
     let mut waiters = waiters.lock().expect("waiters lock");
     let last = reply.is_last();
-    if let Some((_, tx)) = waiters.get(correlation.as_str()) {
-        let _ = tx.send(reply);
+    let kept = match waiters.get(correlation).map(|(_, tx)| tx.try_send(reply)) {
+        None | Some(Ok(())) => true,
+        Some(Err(mpsc::error::TrySendError::Closed(_))) => false,
+        Some(Err(mpsc::error::TrySendError::Full(_))) => {
+            // Dropping the sender ends the caller's stream: it hears no
+            // more, and its call, dropped, cancels the request.
+            tracing::info!(
+                correlation,
+                "a real-time caller fell {MAX_BUFFERED_REPLIES} replies behind; cutting it off"
+            );
+            false
+        }
+    };
+    if last || !kept {
+        waiters.remove(correlation);
     }
-    if last {
-        waiters.remove(correlation.as_str());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caller_that_falls_too_far_behind_is_cut_off_after_what_it_was_owed() {
+        let waiters = Waiters::default();
+        let (tx, mut rx) = mpsc::channel(MAX_BUFFERED_REPLIES);
+        waiters.lock().unwrap().insert("slow".into(), (0, tx));
+        let token = |i: usize| Reply::Token { text: format!("t{i}") };
+        for i in 0..MAX_BUFFERED_REPLIES {
+            deliver(&waiters, "slow", token(i));
+        }
+        assert!(waiters.lock().unwrap().contains_key("slow"), "within the bound");
+        deliver(&waiters, "slow", token(MAX_BUFFERED_REPLIES));
+        assert!(!waiters.lock().unwrap().contains_key("slow"), "one past it: cut off");
+        for i in 0..MAX_BUFFERED_REPLIES {
+            assert_eq!(rx.try_recv().unwrap(), token(i));
+        }
+        assert!(matches!(rx.try_recv(), Err(mpsc::error::TryRecvError::Disconnected)));
+        // Replies for a caller no longer waiting go nowhere.
+        deliver(&waiters, "slow", token(0));
+        assert!(waiters.lock().unwrap().is_empty());
     }
 }

@@ -276,6 +276,7 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    eprintln!("streamed: hang-up to the engine dropping the sequence: {:?}", started.elapsed());
     let generated = counters.generated_tokens.load(Ordering::Relaxed) - generated_before;
     assert!(
         generated < MAX_TOKENS_LIMIT,
@@ -292,6 +293,48 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         .await
         .unwrap();
     assert_eq!(next["object"], "chat.completion", "{next}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_before_its_answer_frees_its_sequence() {
+    use tokio::io::AsyncWriteExt;
+
+    let catalogue = long_context_catalogue();
+    let app = spawn_app_with(Role::Serve, |s| s.models.catalogue = Some(catalogue)).await;
+    let engine = app.text_engines.iter().find(|b| b.model() == LONG).unwrap().clone();
+    let counters = engine.counters();
+    let before = counters.cancelled.load(Ordering::Relaxed);
+    // A whole (not streamed) answer of the most tokens a request may ask
+    // for, asked over a raw connection that is closed once the engine has it.
+    let body = json!({"model": LONG, "messages": [{"role": "user", "content": "go on"}],
+                      "max_tokens": MAX_TOKENS_LIMIT, "ignore_eos": true})
+    .to_string();
+    let mut client = tokio::net::TcpStream::connect(app.address.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: lorry\r\nauthorization: Bearer {TOKEN}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(body.as_bytes()).await.unwrap();
+    // Wait until the engine decodes it, then hang up.
+    let generated_before = counters.generated_tokens.load(Ordering::Relaxed);
+    while counters.generated_tokens.load(Ordering::Relaxed) == generated_before {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(client);
+    let started = Instant::now();
+    while counters.cancelled.load(Ordering::Relaxed) == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the engine never saw the request cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!("whole answer: hang-up to the engine dropping the sequence: {:?}", started.elapsed());
     app.stop().await;
 }
 
