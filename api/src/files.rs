@@ -55,18 +55,24 @@ fn line_error(number: usize, error: ApiError) -> ApiError {
     refused
 }
 
-/// Check every line of a batch input file; the first bad line is refused, named.
-pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError> {
+/// Check every line of a batch input file, handing each to `each` as it is
+/// read (so that checking an upload holds one line's values at a time, not
+/// the file's); the first bad line is refused, named. Returns the count.
+pub fn check_lines(
+    state: &AppState,
+    bytes: &[u8],
+    mut each: impl FnMut(Line) -> Result<(), ApiError>,
+) -> Result<usize, ApiError> {
     let text = std::str::from_utf8(bytes)
         .map_err(|_| ApiError::invalid(ErrorCode::InvalidFile, "file", "the file must be UTF-8 JSON lines"))?;
-    let mut lines = Vec::new();
+    let mut count = 0;
     let mut seen = HashSet::new();
     for (i, raw) in text.lines().enumerate() {
         let number = i + 1;
         if raw.trim().is_empty() {
             continue;
         }
-        if lines.len() == state.config.max_requests {
+        if count == state.config.max_requests {
             return Err(ApiError::invalid(
                 ErrorCode::TooManyRequests,
                 "file",
@@ -92,21 +98,22 @@ pub fn check_lines(state: &AppState, bytes: &[u8]) -> Result<Vec<Line>, ApiError
                 ),
             ));
         }
-        lines.push(Line {
+        count += 1;
+        each(Line {
             number,
             custom_id,
             endpoint,
             request,
-        });
+        })?;
     }
-    if lines.is_empty() {
+    if count == 0 {
         return Err(ApiError::invalid(
             ErrorCode::EmptyFile,
             "file",
             "the file holds no requests",
         ));
     }
-    Ok(lines)
+    Ok(count)
 }
 
 fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Translated), ApiError> {
@@ -176,10 +183,10 @@ pub async fn batch_items(
         ));
     }
     let bytes = state.objects.get(&file.file.object_key).await?;
-    let lines = check_lines(state, &bytes)?;
-    let first = lines[0].request.clone();
-    let mut items = Vec::with_capacity(lines.len());
-    for line in lines {
+    let mut items = Vec::new();
+    let mut first: Option<Translated> = None;
+    check_lines(state, &bytes, |line| {
+        let first = first.get_or_insert_with(|| line.request.clone());
         let path = format!("input_file_id.line[{}]", line.number);
         if line.endpoint != endpoint {
             return Err(ApiError::invalid(
@@ -208,7 +215,9 @@ pub async fn batch_items(
             custom_id_path: format!("{path}.custom_id"),
             path: format!("{path}.body"),
         });
-    }
+        Ok(())
+    })?;
+    let first = first.expect("check_lines refuses a file without lines");
     Ok((items, first))
 }
 
@@ -268,7 +277,7 @@ pub async fn create(
             "the file name must be 1 to 255 bytes without slashes or U+0000",
         ));
     }
-    let lines = check_lines(&state, &bytes)?;
+    let lines = check_lines(&state, &bytes, |_| Ok(()))?;
     let id = FileId::generate();
     // The key is made of ids alone: the client's name is kept in the record.
     let key = format!("accounts/{}/files/{id}", account.id);
@@ -280,7 +289,7 @@ pub async fn create(
         purpose: "batch".into(),
         filename,
         bytes: size,
-        lines: lines.len() as i32,
+        lines: lines as i32,
         object_key: key.clone(),
     };
     match state.store.insert_file(&new).await {

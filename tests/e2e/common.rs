@@ -299,3 +299,84 @@ pub fn assert_each_index_once(lines: &[Value], total: usize) {
         assert_eq!(line["index"], json!(i), "line {i} is out of order or duplicated");
     }
 }
+
+/// A TCP proxy in front of a service (RabbitMQ, PostgreSQL, S3) whose
+/// connections a test can cut, and whose new connections it can refuse for
+/// as long as it likes: a network failure or a restart, for this test's
+/// deployment alone (other tests on the machine keep the service).
+pub struct Proxy {
+    pub port: u16,
+    connections: std::sync::Arc<tokio::sync::Mutex<tokio::task::JoinSet<()>>>,
+    blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    refused: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: String) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connections = std::sync::Arc::new(tokio::sync::Mutex::new(tokio::task::JoinSet::new()));
+        let blocked = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (held, is_blocked, refusals) = (connections.clone(), blocked.clone(), refused.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if is_blocked.load(Ordering::SeqCst) {
+                    refusals.fetch_add(1, Ordering::SeqCst);
+                    drop(inbound);
+                    continue;
+                }
+                let upstream = upstream.clone();
+                held.lock().await.spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Proxy {
+            port,
+            connections,
+            blocked,
+            refused,
+        }
+    }
+
+    /// Drop every connection through the proxy, as a network failure would.
+    pub async fn cut(&self) -> usize {
+        let mut connections = self.connections.lock().await;
+        let n = connections.len();
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
+        n
+    }
+
+    /// Cut every connection and refuse new ones until [`Proxy::unblock`]: the service is down.
+    pub async fn block(&self) -> usize {
+        self.blocked.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cut().await
+    }
+
+    /// The service is back.
+    pub fn unblock(&self) {
+        self.blocked.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Connections refused while blocked.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Wait until the deployment has tried, and failed, to reach the service `n` times.
+    pub async fn wait_for_refusals(&self, n: u64) {
+        let started = Instant::now();
+        while self.refused() < n {
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "nothing tried to reach the blocked service"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

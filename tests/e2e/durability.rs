@@ -4,10 +4,8 @@ use std::time::Duration;
 
 use lorry::Role;
 use serde_json::json;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
 
-use crate::common::{assert_each_index_once, spawn_app_with, TestApp};
+use crate::common::{assert_each_index_once, spawn_app_with, Proxy, TestApp};
 
 /// Checks that hold after any crash: one result per request, one completion.
 async fn assert_exactly_once(app: &TestApp, id: &str, total: usize) {
@@ -101,41 +99,6 @@ async fn a_worker_stopped_with_sigterm_settles_the_work_it_holds() {
         0,
         "a graceful stop hands back nothing to redo"
     );
-}
-
-/// A TCP proxy in front of RabbitMQ whose connections the test can cut.
-struct Proxy {
-    port: u16,
-    connections: std::sync::Arc<tokio::sync::Mutex<JoinSet<()>>>,
-}
-
-impl Proxy {
-    async fn start(upstream: String) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let connections = std::sync::Arc::new(tokio::sync::Mutex::new(JoinSet::new()));
-        let held = connections.clone();
-        tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let upstream = upstream.clone();
-                held.lock().await.spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-            }
-        });
-        Proxy { port, connections }
-    }
-
-    /// Drop every connection through the proxy, as a network failure would.
-    async fn cut(&self) -> usize {
-        let mut connections = self.connections.lock().await;
-        let n = connections.len();
-        connections.abort_all();
-        while connections.join_next().await.is_some() {}
-        n
-    }
 }
 
 #[tokio::test]
@@ -265,4 +228,139 @@ async fn a_real_time_request_in_flight_when_the_broker_connection_drops_fails_at
     assert_eq!(answer.headers()["retry-after"], "1");
     let body: serde_json::Value = answer.json().await.unwrap();
     assert_eq!(body["error"]["code"], "service_unavailable", "{body}");
+}
+
+/// The `host:port` of `url`, and `url` with it replaced by `127.0.0.1:port`.
+fn redirect(url: &str, port: u16) -> (String, String) {
+    let scheme_end = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[scheme_end..];
+    let host_start = rest.find('@').map_or(0, |i| i + 1);
+    let host_end = rest[host_start..].find('/').map_or(rest.len(), |i| host_start + i);
+    let proxied = format!(
+        "{}{}127.0.0.1:{port}{}",
+        &url[..scheme_end],
+        &rest[..host_start],
+        &rest[host_end..]
+    );
+    (rest[host_start..host_end].to_string(), proxied)
+}
+
+#[tokio::test]
+async fn postgres_down_mid_batch_loses_no_request_and_duplicates_none() {
+    let base = std::env::var("LORRY_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let proxy = Proxy::start(redirect(&format!("{base}/x"), 0).0).await;
+    let app = spawn_app_with(Role::Serve, |s| {
+        s.services.database_url = redirect(&s.services.database_url, proxy.port).1;
+        s.worker.echo_delay_ms = 2;
+        s.worker.finalize_stale_secs = 1;
+    })
+    .await;
+    let batch = app.submit_echo(2000, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    app.wait_for(id, Duration::from_secs(60), |b| {
+        b["request_counts"]["succeeded"].as_i64() >= Some(400)
+    })
+    .await;
+    // Down: every connection cut, and new ones refused until the
+    // deployment has failed to reconnect a few times.
+    proxy.block().await;
+    proxy.wait_for_refusals(5).await;
+    proxy.unblock();
+    assert_exactly_once(&app, id, 2000).await;
+}
+
+#[tokio::test]
+async fn s3_down_while_a_batch_ends_delays_its_output_and_loses_nothing() {
+    let endpoint = std::env::var("LORRY_S3_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:9310".into());
+    let proxy = Proxy::start(redirect(&endpoint, 0).0).await;
+    let app = spawn_app_with(Role::Serve, |s| {
+        s.services.s3_endpoint = Some(redirect(&endpoint, proxy.port).1);
+        s.worker.echo_delay_ms = 2;
+        s.worker.finalize_stale_secs = 1;
+    })
+    .await;
+    // Down before the batch can end: its output cannot be written.
+    let batch = app.submit_echo(300, json!({})).await;
+    let id = batch["id"].as_str().unwrap();
+    proxy.block().await;
+    app.wait_for(id, Duration::from_secs(60), |b| b["status"] == "finalizing")
+        .await;
+    proxy.wait_for_refusals(2).await;
+    let stuck = app.get_json(&format!("/v1/batches/{id}")).await;
+    assert_eq!(stuck["status"], "finalizing", "no batch ends without its output");
+    proxy.unblock();
+    assert_exactly_once(&app, id, 300).await;
+}
+
+#[tokio::test]
+async fn an_api_killed_mid_post_leaves_one_batch_for_the_client_that_retries_with_its_key() {
+    // The in-process deployment serves the retry and runs the batch; a second
+    // API, a real process, takes the first POST and is killed during it.
+    let app = spawn_app_with(Role::Serve, |_| {}).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut api = std::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
+        .arg("api")
+        .envs(app.child_env())
+        .env("LORRY_LISTEN", format!("127.0.0.1:{port}"))
+        .env("LORRY_BOOTSTRAP_TOKEN", crate::common::TOKEN)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting lorry api");
+    let other = format!("http://127.0.0.1:{port}");
+    let started = std::time::Instant::now();
+    while !matches!(app.http.get(format!("{other}/healthz")).send().await, Ok(r) if r.status() == 200) {
+        assert!(started.elapsed() < Duration::from_secs(120), "lorry api never came up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    const N: usize = 10_000;
+    let requests: Vec<serde_json::Value> = (0..N)
+        .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
+        .collect();
+    let body = json!({"model": "@lorry/echo", "requests": requests});
+    let key = uuid::Uuid::new_v4().to_string();
+    let post = |base: String| {
+        let (http, body, key) = (app.http.clone(), body.clone(), key.clone());
+        async move {
+            http.post(format!("{base}/v1/batches"))
+                .bearer_auth(crate::common::TOKEN)
+                .header("Idempotency-Key", key)
+                .json(&body)
+                .send()
+                .await
+        }
+    };
+    let first = tokio::spawn(post(other));
+    // Kill it once it is writing the batch (or, on a fast machine, once it has answered).
+    let during_write = loop {
+        let writing: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND state <> 'idle' AND query ILIKE '%INSERT INTO requests%'",
+        )
+        .fetch_one(app.store.pool())
+        .await
+        .unwrap();
+        if writing > 0 || first.is_finished() {
+            break writing > 0;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    api.kill().expect("SIGKILL the API");
+    api.wait().unwrap();
+    let answered = first.await.unwrap().is_ok();
+    eprintln!("killed while writing the batch: {during_write}; the first POST answered: {answered}");
+    let retried = post(app.address.clone()).await.unwrap();
+    assert!(retried.status().is_success(), "the retry: {}", retried.status());
+    let batch: serde_json::Value = retried.json().await.unwrap();
+    let batches: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE idempotency_key = $1")
+        .bind(&key)
+        .fetch_one(app.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(batches, 1, "one batch, however the first POST ended");
+    assert_exactly_once(&app, batch["id"].as_str().unwrap(), N).await;
 }
