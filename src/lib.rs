@@ -137,7 +137,11 @@ impl Application {
                 .with_context(|| format!("binding {}", settings.api.listen))?;
             app.port = Some(listener.local_addr()?.port());
             let limits = settings.serve_limits(open_files_limit());
-            tracing::info!(max_connections = limits.max_connections, "listening on {}", settings.api.listen);
+            tracing::info!(
+                max_connections = limits.max_connections,
+                "listening on {}",
+                settings.api.listen
+            );
             app.listener = Some((listener, lorry_api::router(state), limits));
         }
         Ok(app)

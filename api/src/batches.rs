@@ -278,7 +278,8 @@ pub async fn results(
             };
             let mut body = Vec::with_capacity(page.len() * 256);
             for request in &page {
-                serde_json::to_writer(&mut body, &request.result_line(&id)).map_err(lorry_batcher::BatcherError::from)?;
+                serde_json::to_writer(&mut body, &request.result_line(&id))
+                    .map_err(lorry_batcher::BatcherError::from)?;
                 body.push(b'\n');
             }
             // A short page is the last one.

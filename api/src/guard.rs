@@ -115,9 +115,7 @@ impl PacedBody {
     fn extend(&mut self, bytes: usize) {
         self.received += bytes as u64;
         let earned = Duration::from_secs_f64(self.received as f64 / self.pace.min_bytes_per_sec.max(1) as f64);
-        self.deadline
-            .as_mut()
-            .reset(self.started + self.pace.grace + earned);
+        self.deadline.as_mut().reset(self.started + self.pace.grace + earned);
     }
 }
 

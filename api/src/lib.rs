@@ -162,7 +162,10 @@ pub fn router(state: AppState) -> Router {
             ApiError::new(ErrorCode::MethodNotAllowed, "the route does not take this method")
         })
         .layer(DefaultBodyLimit::max(limit))
-        .layer(axum::middleware::from_fn_with_state(state.config.body_pace, guard::body_pace))
+        .layer(axum::middleware::from_fn_with_state(
+            state.config.body_pace,
+            guard::body_pace,
+        ))
         .layer(axum::middleware::from_fn(guard::uri))
         .with_state(state)
 }

@@ -102,7 +102,10 @@ pub async fn serve(
         });
     }
     drop(listener);
-    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("requests still in flight at the end of the drain were dropped");
     }
     Ok(())

@@ -64,7 +64,10 @@ pub fn check_url(raw: &str, allow_private: bool) -> Result<Url, UrlProblem> {
             let labels: Vec<&str> = lower.split('.').collect();
             labels.len() >= 2
                 && labels.iter().all(|l| !l.is_empty())
-                && !matches!(*labels.last().unwrap_or(&""), "localhost" | "local" | "internal" | "arpa")
+                && !matches!(
+                    *labels.last().unwrap_or(&""),
+                    "localhost" | "local" | "internal" | "arpa"
+                )
         }
         Some(Host::Ipv4(ip)) => is_public(IpAddr::V4(ip)),
         Some(Host::Ipv6(ip)) => is_public(IpAddr::V6(ip)),
@@ -448,7 +451,10 @@ mod tests {
     async fn a_dns_failure_or_a_refused_connection_is_retried() {
         let http = client(&config(false));
         let attempt = outcome(http.post("http://no-such-host.invalid/hook").send().await);
-        assert!(matches!(attempt, Attempt::Failed { permanent: false, .. }), "{attempt:?}");
+        assert!(
+            matches!(attempt, Attempt::Failed { permanent: false, .. }),
+            "{attempt:?}"
+        );
         // Nothing listens on the port: transient too.
         let port = {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -456,7 +462,10 @@ mod tests {
         };
         let http = client(&config(true));
         let attempt = outcome(http.post(format!("http://127.0.0.1:{port}/hook")).send().await);
-        assert!(matches!(attempt, Attempt::Failed { permanent: false, .. }), "{attempt:?}");
+        assert!(
+            matches!(attempt, Attempt::Failed { permanent: false, .. }),
+            "{attempt:?}"
+        );
     }
 
     #[tokio::test]

@@ -450,7 +450,9 @@ impl Worker {
                     Ok(request) => request.and_then(|request| backend.submit(request)),
                     Err(error) => {
                         tracing::warn!(%error, "the adapter of a real-time request could not be looked up");
-                        Err(EngineError::Unavailable("the adapter's record could not be read".into()))
+                        Err(EngineError::Unavailable(
+                            "the adapter's record could not be read".into(),
+                        ))
                     }
                 };
                 match submitted {

@@ -74,7 +74,9 @@ impl<'de> Visitor<'de> for StrictVisitor {
         let mut object = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if object.contains_key(&key) {
-                return Err(de::Error::custom(format_args!("the key {key:?} appears twice in one object")));
+                return Err(de::Error::custom(format_args!(
+                    "the key {key:?} appears twice in one object"
+                )));
             }
             let Strict(value) = map.next_value()?;
             object.insert(key, value);

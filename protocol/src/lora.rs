@@ -260,8 +260,8 @@ impl Adapter {
         check_size(weights, limits)?;
         let tensors = read_safetensors(weights)?;
         let halves = halves(&tensors, base)?;
-        if let Some((layer, target)) = (halves.keys())
-            .find(|(layer, _)| settings.layers.as_ref().is_some_and(|only| !only.contains(layer)))
+        if let Some((layer, target)) =
+            (halves.keys()).find(|(layer, _)| settings.layers.as_ref().is_some_and(|only| !only.contains(layer)))
         {
             return Err(refuse(
                 ErrorCode::AdapterUnknownTarget,
@@ -366,7 +366,10 @@ pub fn check_weights(weights: &[u8], base: &AdapterShape, limits: AdapterLimits)
         if rank == 0 || rank > limits.max_rank {
             return Err(refuse(
                 ErrorCode::AdapterRankTooLarge,
-                format!("{module}: lora_A has rank {rank}; ranks from 1 to {} are served", limits.max_rank),
+                format!(
+                    "{module}: lora_A has rank {rank}; ranks from 1 to {} are served",
+                    limits.max_rank
+                ),
             ));
         }
         let (out, inputs) = target.shape(base);
@@ -481,7 +484,10 @@ impl Settings {
             if *r == 0 || *r > limits.max_rank {
                 return Err(refuse(
                     ErrorCode::AdapterRankTooLarge,
-                    format!("rank_pattern.{key}: rank {r}; ranks from 1 to {} are served", limits.max_rank),
+                    format!(
+                        "rank_pattern.{key}: rank {r}; ranks from 1 to {} are served",
+                        limits.max_rank
+                    ),
                 ));
             }
         }
@@ -566,11 +572,7 @@ fn refuse_unserved_options(config: &ConfigFile) -> Result<(), AdapterError> {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::String(p)) if p == "layers" => {}
         Some(serde_json::Value::Array(p)) if p.iter().all(|v| v == "layers") => {}
-        Some(other) => {
-            return unsupported(format!(
-                "layers_pattern {other}: Llama-family layers are `layers`"
-            ))
-        }
+        Some(other) => return unsupported(format!("layers_pattern {other}: Llama-family layers are `layers`")),
     }
     if config.fan_in_fan_out {
         return unsupported("fan_in_fan_out: Llama-family projections are not Conv1D".into());
@@ -758,7 +760,10 @@ fn matrix(tensor: TensorView<'_>, shape: (usize, usize), name: &str) -> Result<V
     if let Some(at) = values.iter().position(|v| v.abs() > MAX_WEIGHT) {
         return Err(refuse(
             ErrorCode::AdapterValueOutOfRange,
-            format!("{name}: element {at} is {}; weights within ±{MAX_WEIGHT} are served", values[at]),
+            format!(
+                "{name}: element {at} is {}; weights within ±{MAX_WEIGHT} are served",
+                values[at]
+            ),
         ));
     }
     Ok(values)

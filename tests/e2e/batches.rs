@@ -59,7 +59,11 @@ async fn results_stream_in_index_order_across_pages() {
         .unwrap();
     let indices: Vec<i64> = text
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["index"].as_i64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["index"]
+                .as_i64()
+                .unwrap()
+        })
         .collect();
     assert_eq!(indices, (0..2_345).collect::<Vec<i64>>());
 }

@@ -191,7 +191,10 @@ async fn a_real_time_request_in_flight_when_the_broker_connection_drops_fails_at
     })
     .await;
     let call = tokio::spawn({
-        let (http, url) = (app.http.clone(), app.url("/client/v4/accounts/default/ai/run/@lorry/echo"));
+        let (http, url) = (
+            app.http.clone(),
+            app.url("/client/v4/accounts/default/ai/run/@lorry/echo"),
+        );
         async move {
             http.post(url)
                 .bearer_auth(crate::common::TOKEN)

@@ -46,7 +46,9 @@ async fn connections_over_the_cap_are_answered_503_and_the_cap_frees_as_they_clo
     let mut holders = Vec::new();
     for _ in 0..3 {
         let mut held = TcpStream::connect(host(&app)).await.unwrap();
-        held.write_all(b"GET /healthz HTTP/1.1\r\nhost: lorry\r\n").await.unwrap();
+        held.write_all(b"GET /healthz HTTP/1.1\r\nhost: lorry\r\n")
+            .await
+            .unwrap();
         holders.push(held);
     }
     // The listener takes connections in order: these three hold every slot.
@@ -245,7 +247,13 @@ async fn odd_requests_are_answered_in_the_json_error_shape_with_the_field_named(
         assert_eq!(body["error"]["param"], param, "{body}");
     };
     // A method the route does not take.
-    let delete = app.http.delete(app.url("/v1/batches")).bearer_auth(TOKEN).send().await.unwrap();
+    let delete = app
+        .http
+        .delete(app.url("/v1/batches"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
     error(delete, 405, "method_not_allowed", Value::Null).await;
     // A multipart route sent JSON.
     error(
@@ -261,7 +269,8 @@ async fn odd_requests_are_answered_in_the_json_error_shape_with_the_field_named(
         body
     };
     error(
-        app.post("/v1/batches", &batch(json!({"completion_window": "+5m"}))).await,
+        app.post("/v1/batches", &batch(json!({"completion_window": "+5m"})))
+            .await,
         400,
         "invalid_completion_window",
         json!("completion_window"),

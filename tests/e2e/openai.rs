@@ -276,7 +276,10 @@ async fn a_streaming_client_that_goes_away_frees_its_sequence() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    eprintln!("streamed: hang-up to the engine dropping the sequence: {:?}", started.elapsed());
+    eprintln!(
+        "streamed: hang-up to the engine dropping the sequence: {:?}",
+        started.elapsed()
+    );
     let generated = counters.generated_tokens.load(Ordering::Relaxed) - generated_before;
     assert!(
         generated < MAX_TOKENS_LIMIT,
@@ -334,7 +337,10 @@ async fn a_client_that_hangs_up_before_its_answer_frees_its_sequence() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    eprintln!("whole answer: hang-up to the engine dropping the sequence: {:?}", started.elapsed());
+    eprintln!(
+        "whole answer: hang-up to the engine dropping the sequence: {:?}",
+        started.elapsed()
+    );
     app.stop().await;
 }
 
