@@ -44,6 +44,11 @@ pub struct ServeLimits {
 /// Connections being answered 503 at once; past this, they are closed unanswered.
 const MAX_SHEDDING: usize = 256;
 
+/// How long a shed connection is given to read its answer and close: a
+/// client that sent its request reads the 503 at once; one that holds the
+/// connection without reading frees its shedding slot after this.
+const SHED_LINGER: Duration = Duration::from_millis(250);
+
 /// What an over-the-cap connection is told: the API's own 503, written raw.
 fn shed_response() -> Arc<[u8]> {
     let error = crate::ApiError::new(
@@ -128,7 +133,7 @@ fn shed(mut stream: TcpStream, shedding: &Arc<Semaphore>, answer: &Arc<[u8]>) {
             while stream.read(&mut sink).await? > 0 {}
             std::io::Result::Ok(())
         };
-        let _ = tokio::time::timeout(Duration::from_secs(1), answer).await;
+        let _ = tokio::time::timeout(SHED_LINGER, answer).await;
         drop(permit);
     });
 }
