@@ -121,15 +121,7 @@ impl ObjectStore {
 
     /// Read an object whole.
     pub async fn get(&self, key: &str) -> Result<Vec<u8>> {
-        let object = self
-            .client
-            .get_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .send()
-            .await
-            .map_err(s3_error)?;
-        let body = object.body.collect().await.map_err(s3_error)?;
+        let body = self.body(key).await?.collect().await.map_err(s3_error)?;
         Ok(body.into_bytes().to_vec())
     }
 
@@ -139,6 +131,12 @@ impl ObjectStore {
         &self,
         key: &str,
     ) -> Result<impl futures::Stream<Item = Result<bytes::Bytes>> + Send + 'static> {
+        Ok(futures::stream::unfold(self.body(key).await?, |mut body| async move {
+            body.next().await.map(|piece| (piece.map_err(s3_error), body))
+        }))
+    }
+
+    async fn body(&self, key: &str) -> Result<ByteStream> {
         let object = self
             .client
             .get_object()
@@ -147,9 +145,7 @@ impl ObjectStore {
             .send()
             .await
             .map_err(s3_error)?;
-        Ok(futures::stream::unfold(object.body, |mut body| async move {
-            body.next().await.map(|piece| (piece.map_err(s3_error), body))
-        }))
+        Ok(object.body)
     }
 
     /// Delete an object (deleting one that is not there succeeds).
