@@ -180,7 +180,8 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
 
 #[tokio::test]
 async fn a_real_time_request_in_flight_when_the_broker_connection_drops_fails_at_once() {
-    use lapin::options::QueueDeclareOptions;
+    use futures::StreamExt;
+    use lapin::options::BasicConsumeOptions;
     use lapin::types::FieldTable;
 
     let proxy = Proxy::start("127.0.0.1:5672".into()).await;
@@ -204,29 +205,31 @@ async fn a_real_time_request_in_flight_when_the_broker_connection_drops_fails_at
                 .unwrap()
         }
     });
-    // Wait until the request is in its lane, seen past the proxy.
+    // Wait until the request is in its lane, seen past the proxy: taken
+    // (and left unacknowledged) by a consumer of the test's own.
     let connection = lorry_batcher::broker::connect("amqp://guest:guest@127.0.0.1:5672/%2f", "test-observer")
         .await
         .unwrap();
     let queue = format!("{}.rt.@lorry/echo", app.settings.services.queue_prefix);
-    loop {
-        let channel = connection.create_channel().await.unwrap();
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        if let Ok(q) = channel.queue_declare(&queue, passive, FieldTable::default()).await {
-            if q.message_count() == 1 {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    proxy.cut().await;
-    let answer = tokio::time::timeout(Duration::from_secs(120), call)
+    let channel = connection.create_channel().await.unwrap();
+    // Declared as the deployment declares it, whoever comes first.
+    app.settings
+        .topology()
+        .declare(&channel, ["@lorry/echo"])
         .await
-        .expect("the request waited on after its connection was gone")
         .unwrap();
+    let mut observer = channel
+        .basic_consume(
+            &queue,
+            "test-observer",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    observer.next().await.expect("the lane's consumer ended").unwrap();
+    proxy.cut().await;
+    let answer = call.await.unwrap();
     assert_eq!(answer.status(), 503);
     assert_eq!(answer.headers()["retry-after"], "1");
     let body: serde_json::Value = answer.json().await.unwrap();
@@ -305,21 +308,25 @@ async fn an_api_killed_mid_post_leaves_one_batch_for_the_client_that_retries_wit
         .local_addr()
         .unwrap()
         .port();
-    let mut api = std::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
+    let mut api = tokio::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
         .arg("api")
         .envs(app.child_env())
         .env("LORRY_LISTEN", format!("127.0.0.1:{port}"))
         .env("LORRY_BOOTSTRAP_TOKEN", crate::common::TOKEN)
+        .env("LORRY_LOG", "info")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("starting lorry api");
-    let other = format!("http://127.0.0.1:{port}");
-    let started = std::time::Instant::now();
-    while !matches!(app.http.get(format!("{other}/healthz")).send().await, Ok(r) if r.status() == 200) {
-        assert!(started.elapsed() < Duration::from_secs(120), "lorry api never came up");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // Up once it says it listens; its log is drained after that.
+    let mut log = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(api.stderr.take().unwrap()));
+    while let Some(line) = log.next_line().await.unwrap() {
+        if line.contains("listening on") {
+            break;
+        }
     }
+    tokio::spawn(async move { while let Ok(Some(_)) = log.next_line().await {} });
+    let other = format!("http://127.0.0.1:{port}");
     const N: usize = 10_000;
     let requests: Vec<serde_json::Value> = (0..N)
         .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
@@ -352,8 +359,7 @@ async fn an_api_killed_mid_post_leaves_one_batch_for_the_client_that_retries_wit
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     };
-    api.kill().expect("SIGKILL the API");
-    api.wait().unwrap();
+    api.kill().await.expect("SIGKILL the API");
     let answered = first.await.unwrap().is_ok();
     eprintln!("killed while writing the batch: {during_write}; the first POST answered: {answered}");
     let retried = post(app.address.clone()).await.unwrap();
