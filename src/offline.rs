@@ -167,27 +167,34 @@ pub struct EngineArgs {
     /// share steps).
     #[arg(long, env = "LORRY_RT_HOLD_STEPS", default_value_t = 32)]
     pub rt_hold_steps: usize,
-    /// While real-time requests run (or ran within `--rt-linger-ms`), how much
-    /// longer, in percent, than their own work alone a step carrying batch
-    /// work may take: batch rows and pre-fill ride along only within it (0:
-    /// no bound; batch work sits out `--rt-hold-steps` steps at a time instead).
-    #[arg(long, env = "LORRY_RT_STEP_SLACK_PERCENT", default_value_t = 50)]
+    /// While real-time requests run, how much longer, in percent, than their
+    /// own work alone a step carrying batch work may take: batch rows and
+    /// pre-fill ride along only within it (0: no bound; batch work sits out
+    /// `--rt-hold-steps` steps at a time instead).
+    #[arg(long, env = "LORRY_RT_STEP_SLACK_PERCENT", default_value_t = 30)]
     pub rt_step_slack_percent: usize,
     /// Milliseconds after the last real-time request that steps stay bounded,
     /// so that the next one does not wait behind a long batch step.
     #[arg(long, env = "LORRY_RT_LINGER_MS", default_value_t = 5000)]
     pub rt_linger_ms: u64,
-    /// Models whose one-token step is cheaper than this many milliseconds keep
-    /// `--rt-hold-steps` instead of the bound (their requests' time is mostly
-    /// outside the engine).
+    /// Models whose one-token step is cheaper than this many milliseconds hold
+    /// batch work back instead of pacing every step: while real-time requests
+    /// run, batch work sits out real-time-only steps for what its last shared
+    /// step took over the real-time work alone, divided by the slack (their
+    /// requests' time is mostly outside the engine).
     #[arg(long, env = "LORRY_RT_PACE_MIN_STEP_MS", default_value_t = 10.0)]
     pub rt_pace_min_step_ms: f64,
-    /// Batch pre-fill keeps every step within this many milliseconds, from
-    /// the measured step cost, so that a real-time request arriving while no
-    /// other runs waits at most about this long for the step in flight (0:
-    /// only `--token-budget` bounds a step).
+    /// Batch work keeps every step within this many milliseconds, from the
+    /// measured step cost (pre-fill cut, decodes taking turns, each whole),
+    /// so that a real-time request arriving while no other runs waits at
+    /// most about this long for the step in flight (0: only `--token-budget`
+    /// bounds a step).
     #[arg(long, env = "LORRY_STEP_MAX_MS", default_value_t = 500.0)]
     pub step_max_ms: f64,
+    /// The same bound while real-time requests run or ran within
+    /// `--rt-linger-ms` (0: `--step-max-ms` throughout).
+    #[arg(long, env = "LORRY_RT_STEP_MAX_MS", default_value_t = 50.0)]
+    pub rt_step_max_ms: f64,
     /// Reuse the computed keys and values of prompt prefixes already seen
     /// (same model, same adapter): `on` or `off`.
     #[arg(long, env = "LORRY_PREFIX_CACHE", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
@@ -283,6 +290,7 @@ impl EngineArgs {
             rt_linger: std::time::Duration::from_millis(self.rt_linger_ms),
             rt_pace_min_step_ms: self.rt_pace_min_step_ms,
             step_max_ms: self.step_max_ms,
+            rt_step_max_ms: self.rt_step_max_ms,
             prefix_cache: self.prefix_cache,
             speculation: SpecConfig {
                 proposer: match self.speculate {

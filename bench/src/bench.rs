@@ -449,6 +449,7 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
         policy,
         // No real-time lane here: steps bounded only by the token budget, as measured before the bound.
         step_max_ms: 0.0,
+        rt_step_max_ms: 0.0,
         // Each batch size runs its prompts twice (pre-fill alone, then whole):
         // the second run must compute them again for the difference to be decoding.
         prefix_cache: false,

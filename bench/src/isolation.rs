@@ -288,9 +288,20 @@ pub async fn isolation(args: &IsolationArgs) -> anyhow::Result<()> {
             "Batch tokens/s while it drains: {alone_rate:.0} alone; with the real-time requests not measured: the flood ended before the probes did (raise --flood)"
         );
     } else {
+        // The real-time requests' own tokens are work the engine does in
+        // the batch lane's place: were they as cheap as batch tokens, the
+        // batch lane could keep at most what they leave of its alone rate.
+        let real_time_rate = flooded.answered as f64 * f64::from(args.new_tokens) / probed_seconds;
+        let bound = (alone_rate - real_time_rate).max(0.0);
         println!(
             "Batch tokens/s while it drains: {alone_rate:.0} alone, {probed_rate:.0} with the real-time requests ({:.2}x; goal >= 0.8x)",
             probed_rate / alone_rate.max(1e-9)
+        );
+        println!(
+            "Real-time tokens/s meanwhile: {real_time_rate:.0}; the batch lane's rate if those cost as much as its own: {bound:.0} ({:.2}x alone); both lanes together {:.0} tokens/s ({:.2}x the batch lane alone)",
+            bound / alone_rate.max(1e-9),
+            probed_rate + real_time_rate,
+            (probed_rate + real_time_rate) / alone_rate.max(1e-9)
         );
     }
     println!(

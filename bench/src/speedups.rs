@@ -154,6 +154,7 @@ fn engine_config(max_seqs: usize, speculation: SpecConfig, prefix_cache: bool) -
         speculation,
         // No real-time lane here: steps bounded only by the token budget.
         step_max_ms: 0.0,
+        rt_step_max_ms: 0.0,
         ..EngineConfig::default()
     }
 }

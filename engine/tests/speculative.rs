@@ -65,6 +65,8 @@ fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {
         speculation,
         // Steps planned by the rules alone, not by the clock: step counts compare.
         rt_step_slack_percent: 0,
+        step_max_ms: 0.0,
+        rt_step_max_ms: 0.0,
         ..EngineConfig::default()
     }
 }

@@ -9,6 +9,10 @@
 //! instead as a table: recent steps' time by their tokens in power-of-two
 //! buckets, each an exponentially weighted mean, read by interpolating
 //! between the buckets seen.
+//!
+//! On models whose steps are too cheap to pace, batch work instead sits out
+//! real-time-only steps for a time it [`Owed`]: its share of the last step
+//! it shared, over the slack.
 
 /// Buckets of tokens per step: `[1], [2,3], [4,7], …, [2^15, …)`.
 const BUCKETS: usize = 16;
@@ -154,6 +158,59 @@ impl Pace {
     }
 }
 
+/// How the batch lane shares a step with the real-time lane.
+#[derive(Debug, Clone, Copy, PartialEq)]
+// Made once a step and handed down by value: boxing the pace would allocate every step.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Share {
+    /// While real-time work runs, batch work sits out `rt_hold_steps` steps
+    /// in a row, then shares one (before the engine has measured its steps,
+    /// or with no slack).
+    Counted,
+    /// Batch work rides along in every step, within the pace.
+    Paced(Pace),
+    /// While real-time work runs, batch work sits out this step or not, as
+    /// the engine's [`Owed`] time says.
+    Timed {
+        /// Whether batch work sits out this step.
+        sits_out: bool,
+    },
+}
+
+/// The hold in time, for models whose steps are too cheap to pace: after a
+/// step that carried batch work — beside real-time work, or alone, before a
+/// real-time request arrived — batch work sits out real-time-only steps
+/// until they add up to its part of that step over the slack. So while
+/// real-time work runs the batch lane takes about `slack / (1 + slack)` of
+/// the engine's time whatever a step costs, and a request that arrives while
+/// the batch lane runs alone starts on steps of its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Owed {
+    /// Real-time-only milliseconds still owed.
+    ms: f64,
+}
+
+impl Owed {
+    /// Whether batch work sits out the next step.
+    pub(crate) fn sits_out(&self) -> bool {
+        self.ms > 0.0
+    }
+
+    /// Count a step that took `ms`; `rt_alone_ms` is what its real-time
+    /// work alone is predicted to cost (0 for none), `batch` whether it
+    /// carried batch work.
+    pub(crate) fn observe(&mut self, ms: f64, rt_alone_ms: f64, batch: bool, slack: f64) {
+        if !ms.is_finite() {
+            return;
+        }
+        self.ms = if batch {
+            (ms - rt_alone_ms.min(ms)) / slack.max(f64::EPSILON)
+        } else {
+            (self.ms - ms).max(0.0)
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,5 +273,36 @@ mod tests {
             (cost.predict(4).unwrap() - 20.0).abs() < 0.01,
             "empty and unmeasured steps are not counted"
         );
+    }
+
+    #[test]
+    fn batch_work_owes_real_time_only_steps_in_proportion_to_the_time_it_took() {
+        let mut owed = Owed::default();
+        assert!(!owed.sits_out(), "nothing owed at first");
+        // A shared step of 30 ms whose real-time work alone costs 10: the
+        // batch lane took 20 ms, and at 50% slack owes 40 ms of real time.
+        owed.observe(30.0, 10.0, true, 0.5);
+        assert!(owed.sits_out());
+        owed.observe(15.0, 15.0, false, 0.5);
+        owed.observe(15.0, 15.0, false, 0.5);
+        assert!(owed.sits_out(), "30 of 40 ms paid");
+        owed.observe(15.0, 15.0, false, 0.5);
+        assert!(!owed.sits_out(), "paid");
+        // A shared step that cost no more than its real-time work owes nothing.
+        owed.observe(10.0, 12.0, true, 0.5);
+        assert!(!owed.sits_out());
+        owed.observe(30.0, 10.0, true, 0.5);
+        owed.observe(f64::NAN, 10.0, false, 0.5);
+        assert!(owed.sits_out(), "an unmeasured step pays nothing");
+        // A step of batch work alone is owed in full: real time arriving
+        // next starts on steps of its own for 8 / 0.5 ms.
+        let mut owed = Owed::default();
+        owed.observe(8.0, 0.0, true, 0.5);
+        for _ in 0..3 {
+            owed.observe(5.0, 5.0, false, 0.5);
+            assert!(owed.sits_out());
+        }
+        owed.observe(1.0, 1.0, false, 0.5);
+        assert!(!owed.sits_out(), "16 ms paid");
     }
 }

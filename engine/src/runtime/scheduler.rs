@@ -17,13 +17,16 @@
 //! its real-time work alone would cost, batch sequences taking turns (the
 //! least recently run first) when not all of them fit. A chat user's tokens
 //! so come at nearly an idle engine's pace whatever the model's size, and the
-//! batch lane keeps most of the engine. Without a pace (before the engine
-//! has a measure of its steps, or on a model whose steps are too cheap to be
-//! worth bounding), batch sequences instead sit out (keeping their blocks)
-//! for up to `rt_hold_steps` steps in a row, then share one step. Whatever
-//! the lanes, batch pre-fill keeps a step within the tokens the engine
-//! allows it (its step-time bound): a real-time request that arrives while
-//! none runs waits for the step in flight, and that step is never a long one.
+//! batch lane keeps most of the engine. On a model whose steps are too cheap
+//! to be worth pacing, batch sequences instead sit out (keeping their
+//! blocks) the steps the engine says they owe — a time in proportion to
+//! what they took of the last step they shared ([`Share::Timed`]); before
+//! the engine has a measure of its steps, for up to `rt_hold_steps` steps in
+//! a row, then share one step ([`Share::Counted`]). Whatever
+//! the lanes, batch work keeps a step within the tokens the engine allows it
+//! (its step-time bound; batch decodes take turns, each whole, the least
+//! recently run first): a real-time request that arrives while none runs
+//! waits for the step in flight, and that step is never a long one.
 //!
 //! Prefix caching: a sequence arrives with the hashes of its prompt's full
 //! blocks ([`crate::runtime::kv::prefix`]); when it is admitted, every leading block
@@ -45,7 +48,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::runtime::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
-use crate::runtime::pace::Pace;
+use crate::runtime::pace::Share;
 use crate::Lane;
 
 /// A sequence's handle in the scheduler.
@@ -314,10 +317,11 @@ impl Scheduler {
         self.pool.free_blocks()
     }
 
-    /// Decide the next step; `pace`, while real-time work is present or
-    /// recent, bounds the batch work the step carries, and batch pre-fill
-    /// never takes a step past `max_tokens` (decodes run whole).
-    pub fn schedule(&mut self, pace: Option<Pace>, max_tokens: usize) -> Plan {
+    /// Decide the next step; `share` says how batch work shares it with
+    /// real-time work, and batch pre-fill never takes a step past
+    /// `max_tokens` (batch decodes take turns within it, each whole; the
+    /// first in turn always runs).
+    pub fn schedule(&mut self, share: Share, max_tokens: usize) -> Plan {
         let mut plan = Plan::default();
         self.admit_real_time(&mut plan);
         let mut budget = self.config.token_budget;
@@ -333,7 +337,11 @@ impl Scheduler {
                 .collect()
         };
         let real_time = self.running.iter().any(|id| self.seqs[id].lane == Lane::RealTime);
-        let hold = pace.is_none() && real_time && self.held < self.config.rt_hold_steps;
+        let (hold, pace) = match share {
+            Share::Counted => (real_time && self.held < self.config.rt_hold_steps, None),
+            Share::Paced(pace) => (false, Some(pace)),
+            Share::Timed { sits_out } => (real_time && sits_out, None),
+        };
         self.held = if hold { self.held + 1 } else { 0 };
         let batch_decodes = if hold {
             0
@@ -358,27 +366,33 @@ impl Scheduler {
             let rt_tokens = self.config.token_budget - budget;
             budget = budget.min(pace.batch_tokens(rt_tokens, budget));
         }
-        // Least recently run first: when the budget cannot take every batch
-        // decode, the ones left out go first next step.
+        // Least recently run first: when the budget or the step's bound
+        // cannot take every batch decode, the ones left out go first next step.
         let mut batch = by_lane_and_age(Lane::Batch, true, self);
         batch.sort_by_key(|id| self.seqs[id].turn);
+        let planned: usize = plan.chunks.iter().map(|c| c.len).sum();
+        let clock_room = max_tokens.saturating_sub(planned);
+        let mut room = budget.min(clock_room);
+        // Where the clock bounds the step (the pace, or the step's bound), a
+        // decode runs whole or waits its turn: cutting its guesses short
+        // would make its tokens depend on the clock. The first in turn
+        // always runs, so none waits forever. The token budget alone cuts
+        // guesses, as the rules say.
+        let by_clock = pace.is_some() || clock_room < budget;
         let mut first = true;
         for id in batch {
-            if pace.is_some() {
-                // Under a pace a decode runs whole or waits its turn: cutting
-                // its guesses short would make its tokens depend on the
-                // clock. The first in turn always runs, so none waits forever.
-                let seq = &self.seqs[&id];
-                let need = (seq.tokens + seq.draft).saturating_sub(seq.computed);
-                if need > budget {
-                    if !first {
-                        continue;
-                    }
-                    budget = need;
+            let seq = &self.seqs[&id];
+            let need = (seq.tokens + seq.draft).saturating_sub(seq.computed);
+            if by_clock && need > room {
+                if !first {
+                    continue;
                 }
+                room = need;
             }
             first = false;
-            self.plan_one(id, &mut budget, 0, &mut plan);
+            let before = room;
+            self.plan_one(id, &mut room, 0, &mut plan);
+            budget = budget.saturating_sub(before - room);
         }
         // Pre-fill and admission within the step's bound, a token at least
         // so that new work always starts.
@@ -579,7 +593,7 @@ fn cache_blocks(seq: &mut Seq, pool: &mut BlockPool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::pace::StepCost;
+    use crate::runtime::pace::{Pace, StepCost};
     use crate::runtime::rng::SplitMix;
 
     fn config(max_seqs: usize, token_budget: usize) -> SchedulerConfig {
@@ -606,7 +620,7 @@ mod tests {
     fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
         let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 3, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -619,7 +633,7 @@ mod tests {
         );
         run(&mut s, &plan);
         s.add(2, Lane::Batch, 20, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         // Sequence 1 decodes its one token; sequence 2 gets the other seven.
         assert_eq!(
             plan.chunks,
@@ -641,7 +655,7 @@ mod tests {
             ]
         );
         run(&mut s, &plan);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(
             plan.chunks[1],
             Chunk {
@@ -662,11 +676,11 @@ mod tests {
         for id in 0..5 {
             s.add(id, Lane::Batch, 4, vec![]);
         }
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
         run(&mut s, &plan);
         s.add(10, Lane::RealTime, 4, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
     }
@@ -678,31 +692,54 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         s.add(1, Lane::Batch, 4, vec![]);
         s.add(2, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(plan.chunks.len(), 2);
         s.add(10, Lane::RealTime, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         for _ in 0..3 {
-            let plan = s.schedule(None, usize::MAX);
+            let plan = s.schedule(Share::Counted, usize::MAX);
             assert_eq!(ids(&plan), vec![10], "batch work waits while real time runs");
             run(&mut s, &plan);
         }
         // Then one step for everything, batch admission included, and the hold again.
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(ids(&plan), vec![10, 1, 2, 3]);
         run(&mut s, &plan);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(ids(&plan), vec![10]);
         run(&mut s, &plan);
         // Once real time has ended, batch work runs every step.
         s.remove(10);
         for _ in 0..2 {
-            let plan = s.schedule(None, usize::MAX);
+            let plan = s.schedule(Share::Counted, usize::MAX);
             assert_eq!(ids(&plan), vec![1, 2, 3]);
             run(&mut s, &plan);
         }
+    }
+
+    #[test]
+    fn a_hold_in_time_lets_batch_work_sit_out_only_while_real_time_runs() {
+        let mut c = config(8, 64);
+        c.rt_hold_steps = 1000; // the engine's time decides, not the count
+        let mut s = Scheduler::new(c, BlockPool::new(64, 4));
+        s.add(1, Lane::Batch, 4, vec![]);
+        let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
+        let held = Share::Timed { sits_out: true };
+        let plan = s.schedule(held, usize::MAX);
+        assert_eq!(ids(&plan), vec![1], "nothing to sit out for without real time");
+        run(&mut s, &plan);
+        s.add(10, Lane::RealTime, 4, vec![]);
+        s.add(2, Lane::Batch, 4, vec![]);
+        for _ in 0..3 {
+            let plan = s.schedule(held, usize::MAX);
+            assert_eq!(ids(&plan), vec![10], "batch work and its admission wait");
+            run(&mut s, &plan);
+        }
+        let plan = s.schedule(Share::Timed { sits_out: false }, usize::MAX);
+        assert_eq!(ids(&plan), vec![10, 1, 2], "owed nothing: a shared step");
+        run(&mut s, &plan);
     }
 
     #[test]
@@ -713,7 +750,7 @@ mod tests {
         for id in 1..=6 {
             s.add(id, Lane::Batch, 4, vec![]);
         }
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         s.add(10, Lane::RealTime, 4, vec![]);
         // A step costs 10 ms and 1 ms a token; half again over the real-time work's own cost.
@@ -723,7 +760,7 @@ mod tests {
         };
         let batch_tokens = |plan: &Plan| -> usize { plan.chunks.iter().filter(|c| c.id != 10).map(|c| c.len).sum() };
         // The real-time pre-fill (4 tokens: 14 ms alone) leaves room for 7 batch tokens.
-        let plan = s.schedule(Some(pace), usize::MAX);
+        let plan = s.schedule(Share::Paced(pace), usize::MAX);
         assert_eq!(plan.chunks[0].id, 10, "real time first");
         assert_eq!(batch_tokens(&plan), 6, "all six batch decodes fit within 7 tokens");
         run(&mut s, &plan);
@@ -732,7 +769,7 @@ mod tests {
         let mut ran: HashMap<SeqId, usize> = HashMap::new();
         let mut last: Vec<SeqId> = (1..=6).collect();
         for _ in 0..6 {
-            let plan = s.schedule(Some(pace), usize::MAX);
+            let plan = s.schedule(Share::Paced(pace), usize::MAX);
             assert_eq!(plan.chunks[0].id, 10);
             assert_eq!(batch_tokens(&plan), 5);
             let now: Vec<SeqId> = plan.chunks.iter().map(|c| c.id).filter(|&id| id != 10).collect();
@@ -751,50 +788,90 @@ mod tests {
         assert!(ran.values().all(|&n| n == 5), "equal turns: {ran:?}");
         // Without real time and without a pace, every batch sequence decodes each step.
         s.remove(10);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(batch_tokens(&plan), 6);
     }
 
     #[test]
-    fn batch_pre_fill_keeps_a_step_within_its_bound_while_decodes_run_whole() {
+    fn a_step_keeps_within_its_bound_with_decodes_taking_turns_each_whole() {
         let mut s = Scheduler::new(config(8, 64), BlockPool::new(256, 4));
         for id in 1..=3 {
             s.add(id, Lane::Batch, 2, vec![]);
         }
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         s.add(4, Lane::Batch, 100, vec![]);
         // Three decodes and 7 tokens of the long prompt make 10.
-        let plan = s.schedule(None, 10);
+        let plan = s.schedule(Share::Counted, 10);
         let decodes: Vec<usize> = plan.chunks.iter().filter(|c| c.id != 4).map(|c| c.len).collect();
         assert_eq!(decodes, vec![1, 1, 1]);
         let prompt = plan.chunks.iter().find(|c| c.id == 4).expect("the prompt starts");
         assert_eq!(prompt.len, 7);
         run(&mut s, &plan);
-        // A bound under the decodes alone still lets a token of pre-fill in.
-        let plan = s.schedule(None, 2);
-        assert_eq!(plan.chunks.iter().filter(|c| c.id != 4).count(), 3, "every decode runs");
+        // A bound under the decodes: they take turns, each whole, and a
+        // token of pre-fill still gets in.
+        let plan = s.schedule(Share::Counted, 2);
+        let decodes: Vec<SeqId> = plan.chunks.iter().filter(|c| c.id != 4).map(|c| c.id).collect();
+        assert_eq!(decodes, vec![1, 2]);
         assert_eq!(plan.chunks.iter().find(|c| c.id == 4).map(|c| c.len), Some(1));
+        run(&mut s, &plan);
+        let plan = s.schedule(Share::Counted, 2);
+        let decodes: Vec<SeqId> = plan.chunks.iter().filter(|c| c.id != 4).map(|c| c.id).collect();
+        assert_eq!(decodes, vec![3, 1], "the one left out goes first");
+    }
+
+    #[test]
+    fn beside_real_time_work_batch_decodes_take_turns_within_the_step_bound() {
+        let mut s = Scheduler::new(config(8, 64), BlockPool::new(256, 4));
+        for id in 1..=4 {
+            s.add(id, Lane::Batch, 2, vec![]);
+        }
+        s.add(10, Lane::RealTime, 2, vec![]);
+        let plan = s.schedule(Share::Timed { sits_out: false }, usize::MAX);
+        run(&mut s, &plan);
+        let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
+        let shared = Share::Timed { sits_out: false };
+        // A bound of 3 tokens: the real-time decode and two batch decodes,
+        // then the other two; each batch decode runs whole.
+        let plan = s.schedule(shared, 3);
+        assert_eq!(ids(&plan), vec![10, 1, 2]);
+        assert!(plan.chunks.iter().all(|c| c.len == 1));
+        run(&mut s, &plan);
+        let plan = s.schedule(shared, 3);
+        assert_eq!(ids(&plan), vec![10, 3, 4]);
+        run(&mut s, &plan);
+        // A bound the real-time work fills alone still moves the batch lane.
+        let plan = s.schedule(shared, 1);
+        assert_eq!(ids(&plan), vec![10, 1]);
+        run(&mut s, &plan);
+        // Without real-time work, and within the bound, every decode runs.
+        s.remove(10);
+        let plan = s.schedule(shared, usize::MAX);
+        let mut all = ids(&plan);
+        all.sort_unstable();
+        assert_eq!(all, vec![1, 2, 3, 4]);
     }
 
     #[test]
     fn a_real_time_request_arriving_during_a_long_batch_pre_fill_decodes_before_that_pre_fill_ends() {
-        for pace in [
-            None,
-            Some(Pace {
+        for share in [
+            Share::Counted,
+            Share::Paced(Pace {
                 cost: StepCost::linear(10.0, 0.5),
                 slack: 0.5,
             }),
+            Share::Timed { sits_out: false },
+            Share::Timed { sits_out: true },
         ] {
             let mut s = Scheduler::new(config(4, 64), BlockPool::new(512, 4));
             s.add(1, Lane::Batch, 1000, vec![]);
-            let plan = s.schedule(pace, usize::MAX);
+            let plan = s.schedule(share, usize::MAX);
             run(&mut s, &plan);
             s.add(10, Lane::RealTime, 8, vec![]);
             let mut decoded = 0;
             let mut prefilled = 0;
             while decoded < 3 {
-                let plan = s.schedule(pace, usize::MAX);
+                let plan = s.schedule(share, usize::MAX);
                 for c in &plan.chunks {
                     match c.id {
                         10 if c.samples => decoded += 1,
@@ -804,7 +881,7 @@ mod tests {
                 }
                 run(&mut s, &plan);
             }
-            assert!(prefilled < 1000, "{pace:?}: the batch pre-fill ended first");
+            assert!(prefilled < 1000, "{share:?}: the batch pre-fill ended first");
         }
     }
 
@@ -815,11 +892,11 @@ mod tests {
         let mut s = Scheduler::new(c, BlockPool::new(8, 4));
         s.add(1, Lane::Batch, 8, vec![]);
         s.add(2, Lane::Batch, 8, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
         assert_eq!(s.free_blocks(), 6);
         s.add(3, Lane::RealTime, 16, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
     }
 
@@ -830,18 +907,18 @@ mod tests {
         s.add(2, Lane::Batch, 4, vec![]);
         s.add(3, Lane::Batch, 4, vec![]);
         s.add(4, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
         // Every sequence now needs a second block: the newest give theirs up.
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.preempted, vec![4, 3]);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1, 2]);
         run(&mut s, &plan);
         // Sequence 4 lost its cache and will recompute all five of its tokens.
         s.remove(1);
         s.remove(2);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![
@@ -872,19 +949,19 @@ mod tests {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(16, 4));
         // 10 tokens: two full blocks and a partial one.
         s.add(1, Lane::Batch, 10, hashes(2, 0));
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!((plan.chunks[0].start, plan.chunks[0].len), (0, 10));
         s.step_done(&plan);
         s.append_token(1);
         // The same two blocks, then more: only the tail is planned, on shared blocks.
         s.add(2, Lane::Batch, 12, hashes(2, 0));
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 2).unwrap();
         assert_eq!((chunk.start, chunk.len), (8, 4));
         assert_eq!(&s.blocks(2)[..2], &s.blocks(1)[..2], "shared, not copied");
         // A prompt that is exactly its cached blocks still computes its last token.
         s.add(3, Lane::Batch, 8, hashes(2, 0));
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 3).unwrap();
         assert_eq!((chunk.start, chunk.len), (4, 4));
         assert_eq!(s.prefix_stats().hits, 3);
@@ -894,12 +971,12 @@ mod tests {
         }
         assert_eq!(s.free_blocks(), 16);
         s.add(4, Lane::Batch, 9, hashes(2, 0));
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks[0].start, 8, "found after its holders ended");
         // Other contents take the idle blocks when nothing else is free.
         s.remove(4);
         s.add(5, Lane::Batch, 64, hashes(16, 100));
-        s.schedule(None, usize::MAX);
+        s.schedule(Share::Counted, usize::MAX);
         assert!(s.prefix_stats().evicted > 0);
     }
 
@@ -907,10 +984,10 @@ mod tests {
     fn guesses_ride_with_a_decode_and_rejected_ones_are_rolled_back() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
         s.add(1, Lane::Batch, 4, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         s.propose(1, 3);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(
             plan.chunks,
             vec![Chunk {
@@ -928,11 +1005,11 @@ mod tests {
         assert_eq!(s.decoding(), vec![1]);
         // Guesses that do not fit are dropped rather than preempting anyone.
         s.add(2, Lane::Batch, 7, vec![]);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(s.free_blocks(), 0);
         s.propose(1, 4);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert!(plan.preempted.is_empty());
         assert_eq!(plan.chunks[0].len, 1);
         assert_eq!(plan.chunks[0].draft, 0);
@@ -946,14 +1023,14 @@ mod tests {
         for id in 0..3 {
             s.add(id, Lane::Batch, 2, vec![]);
         }
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
         run(&mut s, &plan);
         s.remove(0);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
         s.remove(1);
-        let plan = s.schedule(None, usize::MAX);
+        let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![2]);
     }
 
@@ -987,7 +1064,7 @@ mod tests {
                 remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
                 next += 1;
             }
-            let plan = s.schedule(None, usize::MAX);
+            let plan = s.schedule(Share::Counted, usize::MAX);
             assert!(plan.chunks.iter().map(|c| c.len).sum::<usize>() <= 24);
             for c in &plan.chunks {
                 if c.samples {

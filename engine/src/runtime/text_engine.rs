@@ -29,7 +29,7 @@ use crate::models::llama::SeqChunk;
 use crate::runtime::chat::{Decoding, TextModel};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
-use crate::runtime::pace::{Pace, StepCost};
+use crate::runtime::pace::{Owed, Pace, Share, StepCost};
 use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::runtime::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
 use crate::{
@@ -52,7 +52,8 @@ pub struct EngineConfig {
     pub rt_reserved_seqs: usize,
     /// Percent of the KV blocks batch admission leaves for the real-time lane.
     pub rt_reserved_blocks_percent: usize,
-    /// Steps in a row batch work sits out while real-time sequences run.
+    /// Until the engine has measured its steps (or with no slack): steps in
+    /// a row batch work sits out while real-time sequences run.
     pub rt_hold_steps: usize,
     /// Continuous (the default) or static batching.
     pub policy: Policy,
@@ -61,21 +62,29 @@ pub struct EngineConfig {
     /// Speculative decoding.
     pub speculation: SpecConfig,
     /// While real-time work is present, how much longer (percent) than its
-    /// real-time work alone a step carrying batch work may run (0: no bound;
-    /// batch work then sits out `rt_hold_steps` steps at a time instead).
+    /// real-time work alone a step carrying batch work may run — or, held
+    /// back, how much real-time-only time batch work owes for its time in a
+    /// shared step (0: no bound; batch work then sits out `rt_hold_steps`
+    /// steps at a time instead).
     pub rt_step_slack_percent: usize,
     /// How long after the last real-time request steps stay bounded, so that
     /// the next one does not wait behind a long batch step.
     pub rt_linger: std::time::Duration,
-    /// Steps of one token cheaper than this (milliseconds) are not bounded:
+    /// Steps of one token cheaper than this (milliseconds) are not paced:
     /// on so small a model a request's time is mostly outside the engine,
-    /// and batch work sitting out `rt_hold_steps` at a time costs it less.
+    /// and batch work sitting out real-time-only steps for its share of the
+    /// time (the hold in time, by the same slack) costs it less.
     pub rt_pace_min_step_ms: f64,
-    /// Batch pre-fill keeps any step within this many milliseconds, from the
+    /// Batch work keeps any step within this many milliseconds, from the
     /// measured step cost (0: no bound but `token_budget`), so that a
     /// real-time request arriving waits at most about this long for the step
-    /// in flight. Decodes always run whole.
+    /// in flight: pre-fill is cut, batch decodes take turns (each whole).
     pub step_max_ms: f64,
+    /// The same bound while real-time work is present or was within
+    /// `rt_linger` (0: `step_max_ms` throughout): a request arriving then
+    /// waits at most about this long for the step in flight, while steps
+    /// with no real-time traffic near keep the larger, cheaper pre-fill.
+    pub rt_step_max_ms: f64,
 }
 
 impl Default for EngineConfig {
@@ -91,10 +100,11 @@ impl Default for EngineConfig {
             policy: Policy::Continuous,
             prefix_cache: true,
             speculation: SpecConfig::default(),
-            rt_step_slack_percent: 50,
+            rt_step_slack_percent: 30,
             rt_linger: std::time::Duration::from_secs(5),
             rt_pace_min_step_ms: 10.0,
             step_max_ms: 500.0,
+            rt_step_max_ms: 50.0,
         }
     }
 }
@@ -341,12 +351,15 @@ struct EngineLoop {
     draft: Option<DraftModel>,
     /// What a step costs, measured.
     cost: StepCost,
+    /// Real-time-only time batch work still owes (the hold in time).
+    owed: Owed,
     /// When real-time work was last present.
     last_real_time: Option<Instant>,
     rt_slack: f64,
     rt_linger: std::time::Duration,
     rt_pace_min_step_ms: f64,
     step_max_ms: f64,
+    rt_step_max_ms: f64,
 }
 
 impl EngineLoop {
@@ -400,27 +413,50 @@ impl EngineLoop {
             speculation,
             draft,
             cost: StepCost::default(),
+            owed: Owed::default(),
             last_real_time: None,
             rt_slack: config.rt_step_slack_percent as f64 / 100.0,
             rt_linger: config.rt_linger,
             rt_pace_min_step_ms: config.rt_pace_min_step_ms,
             step_max_ms: config.step_max_ms,
+            rt_step_max_ms: config.rt_step_max_ms,
         }
     }
 
-    /// The pace that bounds batch work while real-time work is present or
-    /// was within `rt_linger`, once the steps' cost is known.
-    fn pace(&mut self) -> Option<Pace> {
+    /// Whether real-time work is present or was within `rt_linger`.
+    fn real_time_near(&mut self) -> bool {
         if self.scheduler.has_real_time() {
             self.last_real_time = Some(Instant::now());
         }
-        let recent =
-            self.scheduler.has_real_time() || self.last_real_time.is_some_and(|t| t.elapsed() < self.rt_linger);
-        let worth_it = self.cost.predict(1)? >= self.rt_pace_min_step_ms;
-        (recent && worth_it && self.rt_slack > 0.0).then_some(Pace {
-            cost: self.cost,
-            slack: self.rt_slack,
-        })
+        self.scheduler.has_real_time() || self.last_real_time.is_some_and(|t| t.elapsed() < self.rt_linger)
+    }
+
+    /// How batch work shares the next step: within the pace while
+    /// real-time work runs on a model whose steps are worth pacing; else,
+    /// once the steps' cost is known, the hold in time; before that (or with
+    /// no slack), `rt_hold_steps` at a time. (Between real-time requests the
+    /// batch lane runs free, within the step bound that their nearness sets.)
+    fn share(&self) -> Share {
+        let Some(one_token_ms) = self.cost.predict(1) else {
+            return Share::Counted;
+        };
+        if self.rt_slack <= 0.0 {
+            Share::Counted
+        } else if self.scheduler.has_real_time() && one_token_ms >= self.rt_pace_min_step_ms {
+            Share::Paced(Pace {
+                cost: self.cost,
+                slack: self.rt_slack,
+            })
+        } else {
+            Share::Timed {
+                sits_out: self.owed.sits_out(),
+            }
+        }
+    }
+
+    /// How long batch pre-fill may make a step (0: no bound).
+    fn step_bound_ms(&self, near: bool) -> f64 {
+        step_bound_ms(self.step_max_ms, self.rt_step_max_ms, near)
     }
 
     fn run(&mut self, inbox: &std_mpsc::Receiver<Job>) {
@@ -520,6 +556,7 @@ impl EngineLoop {
                 longest_step_ms = trace.longest_step.as_secs_f64() * 1e3,
                 batch_tokens_alongside = trace.batch_tokens,
                 in_engine_ms = trace.arrived.elapsed().as_secs_f64() * 1e3,
+                one_token_step_ms = self.cost.predict(1).unwrap_or(f64::NAN),
                 "real-time request ended"
             );
         }
@@ -527,6 +564,25 @@ impl EngineLoop {
     }
 
     /// Account a step to the real-time requests it ran.
+    /// Keep the hold in time's account: what batch work took of the step
+    /// over its real-time work alone (all of it, with none).
+    fn owe(&mut self, plan: &Plan, ms: f64) {
+        let (mut rt_tokens, mut batch) = (0, false);
+        for chunk in &plan.chunks {
+            // Real-time requests are the traced ones.
+            if self.active.get(&chunk.id).is_some_and(|a| a.trace.is_some()) {
+                rt_tokens += chunk.len;
+            } else {
+                batch = true;
+            }
+        }
+        let alone = match rt_tokens {
+            0 => 0.0,
+            n => self.cost.predict(n).unwrap_or(ms),
+        };
+        self.owed.observe(ms, alone, batch, self.rt_slack);
+    }
+
     fn trace_real_time(&mut self, plan: &Plan, started: Instant, took: std::time::Duration) {
         let mut rt_rows = false;
         let mut batch_tokens = 0;
@@ -625,15 +681,16 @@ impl EngineLoop {
             tracing::error!(%error, "speculation failed; decoding without it");
             self.speculation.proposer = Proposer::Off;
         }
-        let pace = self.pace();
+        let near = self.real_time_near();
+        let share = self.share();
         // Until a step was measured, and without a bound, only the token budget counts.
-        let max_tokens = if self.step_max_ms > 0.0 && self.cost.predict(1).is_some() {
-            self.cost
-                .tokens_within(self.step_max_ms, 1, self.scheduler.token_budget())
+        let bound = self.step_bound_ms(near);
+        let max_tokens = if bound > 0.0 && self.cost.predict(1).is_some() {
+            self.cost.tokens_within(bound, 1, self.scheduler.token_budget())
         } else {
             usize::MAX
         };
-        let plan = self.scheduler.schedule(pace, max_tokens);
+        let plan = self.scheduler.schedule(share, max_tokens);
         self.counters
             .preemptions
             .fetch_add(plan.preempted.len() as u64, Ordering::Relaxed);
@@ -649,6 +706,7 @@ impl EngineLoop {
         let took = started.elapsed();
         let tokens = plan.chunks.iter().map(|c| c.len).sum();
         self.cost.observe(tokens, took.as_secs_f64() * 1e3);
+        self.owe(&plan, took.as_secs_f64() * 1e3);
         self.trace_real_time(&plan, started, took);
         let stats = self.scheduler.prefix_stats();
         self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
@@ -817,5 +875,33 @@ fn output(decoding: Decoding, model: &TextModel) -> Output {
             token_ids: generation.token_ids,
             finish_reason: generation.finish_reason,
         }),
+    }
+}
+
+/// The bound on a step's time (0: none): `step_max_ms`, or the tighter
+/// `rt_step_max_ms` while real-time work is near (either 0: the other alone).
+fn step_bound_ms(step_max_ms: f64, rt_step_max_ms: f64, near: bool) -> f64 {
+    match (near && rt_step_max_ms > 0.0, step_max_ms > 0.0) {
+        (false, _) => step_max_ms,
+        (true, true) => step_max_ms.min(rt_step_max_ms),
+        (true, false) => rt_step_max_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_bound_ms;
+
+    #[test]
+    fn steps_are_bounded_tighter_while_real_time_work_is_near() {
+        // Nothing near: the deployment-wide bound, whatever the real-time one.
+        assert_eq!(step_bound_ms(500.0, 50.0, false), 500.0);
+        assert_eq!(step_bound_ms(0.0, 50.0, false), 0.0);
+        // Near: the tighter of the two, or whichever is set.
+        assert_eq!(step_bound_ms(500.0, 50.0, true), 50.0);
+        assert_eq!(step_bound_ms(30.0, 50.0, true), 30.0);
+        assert_eq!(step_bound_ms(0.0, 50.0, true), 50.0);
+        assert_eq!(step_bound_ms(500.0, 0.0, true), 500.0);
+        assert_eq!(step_bound_ms(0.0, 0.0, true), 0.0);
     }
 }
