@@ -454,11 +454,6 @@ impl EngineLoop {
         }
     }
 
-    /// How long batch pre-fill may make a step (0: no bound).
-    fn step_bound_ms(&self, near: bool) -> f64 {
-        step_bound_ms(self.step_max_ms, self.rt_step_max_ms, near)
-    }
-
     fn run(&mut self, inbox: &std_mpsc::Receiver<Job>) {
         loop {
             if self.scheduler.is_idle() {
@@ -563,38 +558,31 @@ impl EngineLoop {
         Some(active)
     }
 
-    /// Account a step to the real-time requests it ran.
+    /// A plan's tokens by lane: real time's and batch's (real-time
+    /// requests are the traced ones).
+    fn tokens_by_lane(&self, plan: &Plan) -> (usize, usize) {
+        plan.chunks.iter().fold((0, 0), |(rt, batch), chunk| {
+            if self.active.get(&chunk.id).is_some_and(|a| a.trace.is_some()) {
+                (rt + chunk.len, batch)
+            } else {
+                (rt, batch + chunk.len)
+            }
+        })
+    }
+
     /// Keep the hold in time's account: what batch work took of the step
     /// over its real-time work alone (all of it, with none).
-    fn owe(&mut self, plan: &Plan, ms: f64) {
-        let (mut rt_tokens, mut batch) = (0, false);
-        for chunk in &plan.chunks {
-            // Real-time requests are the traced ones.
-            if self.active.get(&chunk.id).is_some_and(|a| a.trace.is_some()) {
-                rt_tokens += chunk.len;
-            } else {
-                batch = true;
-            }
-        }
+    fn owe(&mut self, rt_tokens: usize, batch_tokens: usize, ms: f64) {
         let alone = match rt_tokens {
             0 => 0.0,
             n => self.cost.predict(n).unwrap_or(ms),
         };
-        self.owed.observe(ms, alone, batch, self.rt_slack);
+        self.owed.observe(ms, alone, batch_tokens > 0, self.rt_slack);
     }
 
-    fn trace_real_time(&mut self, plan: &Plan, started: Instant, took: std::time::Duration) {
-        let mut rt_rows = false;
-        let mut batch_tokens = 0;
-        for chunk in &plan.chunks {
-            match self.active.get(&chunk.id).and_then(|a| a.trace.as_ref()) {
-                Some(_) => rt_rows = true,
-                None => batch_tokens += chunk.len as u64,
-            }
-        }
-        if !rt_rows {
-            return;
-        }
+    /// Account a step to the real-time requests it ran.
+    fn trace_real_time(&mut self, plan: &Plan, batch_tokens: usize, started: Instant, took: std::time::Duration) {
+        let batch_tokens = batch_tokens as u64;
         let c = &self.counters;
         c.rt_steps.fetch_add(1, Ordering::Relaxed);
         c.rt_step_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
@@ -684,7 +672,7 @@ impl EngineLoop {
         let near = self.real_time_near();
         let share = self.share();
         // Until a step was measured, and without a bound, only the token budget counts.
-        let bound = self.step_bound_ms(near);
+        let bound = step_bound_ms(self.step_max_ms, self.rt_step_max_ms, near);
         let max_tokens = if bound > 0.0 && self.cost.predict(1).is_some() {
             self.cost.tokens_within(bound, 1, self.scheduler.token_budget())
         } else {
@@ -704,10 +692,12 @@ impl EngineLoop {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
         let took = started.elapsed();
-        let tokens = plan.chunks.iter().map(|c| c.len).sum();
-        self.cost.observe(tokens, took.as_secs_f64() * 1e3);
-        self.owe(&plan, took.as_secs_f64() * 1e3);
-        self.trace_real_time(&plan, started, took);
+        let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
+        self.cost.observe(rt_tokens + batch_tokens, took.as_secs_f64() * 1e3);
+        self.owe(rt_tokens, batch_tokens, took.as_secs_f64() * 1e3);
+        if rt_tokens > 0 {
+            self.trace_real_time(&plan, batch_tokens, started, took);
+        }
         let stats = self.scheduler.prefix_stats();
         self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
         self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
