@@ -213,14 +213,16 @@ pub struct EngineArgs {
     #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]
     pub speculate_sampled: bool,
     /// How quantized weights are multiplied: `native` (a GGUF file's `Q8_0`,
-    /// `Q4_0` and `Q4_1` blocks as they are, each token row quantized to
-    /// 8-bit blocks) or `exact` (every weight dequantized at load and token
+    /// `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` and `Q6_K` blocks as
+    /// they are, each token row quantized to 8-bit blocks) or `exact` (every weight dequantized at load and token
     /// rows in f32: transformers' arithmetic, several times the bytes a step reads).
     #[arg(long, env = "LORRY_PRODUCTS", default_value = "native", value_parser = products)]
     pub products: Products,
     /// Quantize a checkpoint's f32, f16 and bf16 projections at load (weight
-    /// only): `q8_0`, `q4_1` or `q4_0`, multiplied as a GGUF file's blocks
-    /// are. A catalogue entry's own `"quantize"` wins over this.
+    /// only): `q8_0`, `q4_1`, `q4_0`, `q4_k`, `q5_k` or `q6_k` (llama.cpp's
+    /// fallback where a projection's inputs are not whole super-blocks),
+    /// multiplied as a GGUF file's blocks are. A catalogue entry's own
+    /// `"quantize"` wins over this.
     #[arg(long, env = "LORRY_QUANTIZE", value_parser = QuantType::parse)]
     pub quantize: Option<QuantType>,
 }

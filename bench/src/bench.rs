@@ -277,8 +277,16 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
     let blocks: Vec<(&str, Vec<QuantMatrix>)> = [
         ("Q8_0", QuantType::Q8_0, GgmlDType::Q8_0),
         ("Q4_1", QuantType::Q4_1, GgmlDType::Q4_1),
+        ("Q4_K", QuantType::Q4K, GgmlDType::Q4K),
+        ("Q6_K", QuantType::Q6K, GgmlDType::Q6K),
     ]
     .into_iter()
+    // The K-quants where every matrix's inputs are whole super-blocks.
+    .filter(|&(_, ty, _)| {
+        weights
+            .iter()
+            .all(|w| w.dim(1).is_ok_and(|k| k.is_multiple_of(ty.block_weights())))
+    })
     .map(|(name, ty, ggml)| {
         let matrices = weights
             .iter()
@@ -301,11 +309,13 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
             runs.push((format!("{name} {best:?}"), panel_run(matrices, best)));
         }
     }
-    // The blocks on every quantized kernel this CPU has.
+    // The 32-weight blocks on every quantized kernel this CPU has, the
+    // K-quants on the best.
     for (name, matrices) in &blocks {
         for kernel in QuantKernel::available()
             .into_iter()
             .filter(|k| *k != QuantKernel::Portable)
+            .take(if name.ends_with("_K") { 1 } else { usize::MAX })
         {
             let run: Run<'_> = Box::new(move |i, x, m| {
                 let mut out = vec![0f32; m * matrices[i].outputs()];

@@ -357,7 +357,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(read_catalog_file(&file).unwrap()[0].quantize, Some(QuantType::Q8_0));
-        for bad in [r#""q4_k""#, r#""q9""#, "8"] {
+        for bad in [r#""q2_k""#, r#""q9""#, "8"] {
             let entry = format!(r#"{{"@cf/meta/llama": {{"path": "models/demo-llama", "quantize": {bad}}}}}"#);
             std::fs::write(&file, entry).unwrap();
             assert!(

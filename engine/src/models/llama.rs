@@ -33,7 +33,7 @@ use serde::Deserialize;
 use super::{load_tensors, read_config, ModelError};
 use crate::lora::{PackedAdapter, Target};
 use crate::ops::gemm::PackedMatrix;
-use crate::ops::quant::{QuantMatrix, QuantType, QK};
+use crate::ops::quant::{QuantMatrix, QuantType};
 use crate::ops::sgmv::{CpuSgmv, Segment, Sgmv};
 use crate::runtime::kv::{AttentionSeq, BlockId, BlockPool, BlockTable, KvCache, KvLayout};
 use crate::runtime::sampling::{Sampler, SamplingParams};
@@ -549,10 +549,10 @@ impl Linear {
     /// where `p` asks and the inputs are whole blocks), f32 elsewhere.
     fn packed(self, p: Projections<'_>) -> Result<Self> {
         let weight = match self.weight {
-            Weight::Tensor(t) if t.device().is_cpu() && p.quantize.is_some() && t.dim(1)? % QK == 0 => {
+            Weight::Tensor(t) if t.device().is_cpu() && p.quantize.and_then(|ty| ty.for_inputs(t.dim(1).ok()?)).is_some() => {
                 let (n, k) = t.dims2()?;
                 let w = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let ty = p.quantize.expect("checked");
+                let ty = p.quantize.and_then(|ty| ty.for_inputs(k)).expect("checked");
                 Weight::Quant(QuantMatrix::quantize(ty, &w, n, k).map_err(|e| ModelError::Config(e.to_string()))?)
             }
             Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(PackedMatrix::from_tensor(&t)?),

@@ -32,6 +32,22 @@
 //! is exact), and, for the types with a minimum, `min = m_w · (d_x·Σq_x) +
 //! min`, fused too; the output is `acc + min`. A row's result depends on
 //! that row alone, never on what else is in the product.
+//!
+//! The K-quants (`Q4_K`, `Q5_K`, `Q6_K`) hold a super-block of [`QKK`]
+//! weights: one half-precision scale (and minimum) for all of it, and a
+//! small integer scale (and minimum) for each of its sub-blocks, of 32
+//! weights (`Q4_K`, `Q5_K`: 6 bits each, packed in 12 bytes) or 16
+//! (`Q6_K`: 8-bit signed). Each 32-weight sub-block is a block as above,
+//! its scale `d·s_j` and minimum `−dmin·m_j` (exact in f32: an 11-bit
+//! mantissa times a small integer), so the token rows' 8-bit blocks serve
+//! them too and a projection may mix K-quants with the others. At load a
+//! group of [`WR`] rows holds per super-block the rows' scales, their
+//! sub-block scales and minimums as bytes, then each sub-block as the
+//! 32-weight formats lay theirs (nibbles, and the fifth bits apart; `Q6_K`'s
+//! sixth bits a second `u32`): 148, 180 and 210 bytes a row where the file
+//! takes 144, 176 and 210. `Q6_K`'s two halves of a sub-block keep their
+//! own integer sums, each a scale of its own; its weights are `q − 32`,
+//! taken as `Σ q·x − 32·Σx` over each half with the token rows' half sums.
 
 use std::sync::Arc;
 
@@ -41,6 +57,9 @@ use rayon::prelude::*;
 
 /// Weights (and inputs) per block.
 pub const QK: usize = 32;
+
+/// Weights per K-quant super-block.
+pub const QKK: usize = 256;
 
 /// Weight rows per group: the eight f32 lanes of one register of outputs.
 pub(crate) const WR: usize = 8;
@@ -126,6 +145,14 @@ pub enum QuantType {
     Q5_0,
     /// `d·q + m`, `q` 5-bit: 24 bytes a block.
     Q5_1,
+    /// Super-blocks of [`QKK`]: `d·s_j·q − dmin·m_j`, `q` 4-bit, eight
+    /// sub-blocks of 32 with 6-bit `s_j`, `m_j`: 144 bytes a super-block.
+    Q4K,
+    /// As `Q4K` with 5-bit `q`: 176 bytes a super-block.
+    Q5K,
+    /// Super-blocks of [`QKK`]: `d·s_j·(q − 32)`, `q` 6-bit, sixteen
+    /// sub-blocks of 16 with 8-bit signed `s_j`: 210 bytes a super-block.
+    Q6K,
 }
 
 impl QuantType {
@@ -137,11 +164,38 @@ impl QuantType {
             GgmlDType::Q4_1 => Some(QuantType::Q4_1),
             GgmlDType::Q5_0 => Some(QuantType::Q5_0),
             GgmlDType::Q5_1 => Some(QuantType::Q5_1),
+            GgmlDType::Q4K => Some(QuantType::Q4K),
+            GgmlDType::Q5K => Some(QuantType::Q5K),
+            GgmlDType::Q6K => Some(QuantType::Q6K),
             _ => None,
         }
     }
 
-    /// Bytes of one block of [`QK`] weights.
+    /// The GGUF tensor type.
+    pub fn ggml(self) -> GgmlDType {
+        match self {
+            QuantType::Q8_0 => GgmlDType::Q8_0,
+            QuantType::Q4_0 => GgmlDType::Q4_0,
+            QuantType::Q4_1 => GgmlDType::Q4_1,
+            QuantType::Q5_0 => GgmlDType::Q5_0,
+            QuantType::Q5_1 => GgmlDType::Q5_1,
+            QuantType::Q4K => GgmlDType::Q4K,
+            QuantType::Q5K => GgmlDType::Q5K,
+            QuantType::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// Weights per block as the file holds them: [`QK`], or [`QKK`] for
+    /// the K-quants.
+    pub fn block_weights(self) -> usize {
+        if self.is_k() {
+            QKK
+        } else {
+            QK
+        }
+    }
+
+    /// Bytes of one block of [`QuantType::block_weights`] weights in the file.
     pub fn block_bytes(self) -> usize {
         match self {
             QuantType::Q8_0 => 34,
@@ -149,19 +203,43 @@ impl QuantType {
             QuantType::Q4_1 => 20,
             QuantType::Q5_0 => 22,
             QuantType::Q5_1 => 24,
+            QuantType::Q4K => 144,
+            QuantType::Q5K => 176,
+            QuantType::Q6K => 210,
         }
     }
 
     /// A format by the lower-case name `--quantize` takes (`q8_0`, `q4_1`,
-    /// `q4_0`).
+    /// `q4_0`, `q4_k`, `q5_k`, `q6_k`).
     pub fn parse(name: &str) -> Result<Self, String> {
         match name {
             "q8_0" => Ok(QuantType::Q8_0),
             "q4_1" => Ok(QuantType::Q4_1),
             "q4_0" => Ok(QuantType::Q4_0),
-            "q4_k" => Err("\"q4_k\": the K-quant products are not built yet; use q8_0, q4_1 or q4_0".into()),
-            _ => Err(format!("{name:?}: expected q8_0, q4_1 or q4_0")),
+            "q4_k" => Ok(QuantType::Q4K),
+            "q5_k" => Ok(QuantType::Q5K),
+            "q6_k" => Ok(QuantType::Q6K),
+            _ => Err(format!("{name:?}: expected q8_0, q4_1, q4_0, q4_k, q5_k or q6_k")),
         }
+    }
+
+    /// The format a projection of `inputs` columns is quantized to when
+    /// this one is asked: itself where the columns are whole blocks;
+    /// otherwise, for a K-quant, the format llama.cpp falls back to
+    /// (`Q4_K` → `Q5_0`, `Q5_K` → `Q5_1`, `Q6_K` → `Q8_0`); `None` where
+    /// not even that fits.
+    pub fn for_inputs(self, inputs: usize) -> Option<Self> {
+        let ty = if inputs.is_multiple_of(self.block_weights()) {
+            self
+        } else {
+            match self {
+                QuantType::Q4K => QuantType::Q5_0,
+                QuantType::Q5K => QuantType::Q5_1,
+                QuantType::Q6K => QuantType::Q8_0,
+                other => other,
+            }
+        };
+        inputs.is_multiple_of(ty.block_weights()).then_some(ty)
     }
 
     /// The name llama.cpp gives it.
@@ -172,53 +250,118 @@ impl QuantType {
             QuantType::Q4_1 => "Q4_1",
             QuantType::Q5_0 => "Q5_0",
             QuantType::Q5_1 => "Q5_1",
+            QuantType::Q4K => "Q4_K",
+            QuantType::Q5K => "Q5_K",
+            QuantType::Q6K => "Q6_K",
         }
     }
 
-    /// Where a block's quants start.
+    /// Whether blocks are K-quant super-blocks.
+    fn is_k(self) -> bool {
+        matches!(self, QuantType::Q4K | QuantType::Q5K | QuantType::Q6K)
+    }
+
+    /// Sub-blocks of [`QK`] weights in a block as the file holds it.
+    fn sub_blocks(self) -> usize {
+        self.block_weights() / QK
+    }
+
+    /// Where a (32-weight) block's quants start.
     fn quants_at(self) -> usize {
         match self {
             QuantType::Q8_0 | QuantType::Q4_0 => 2,
             QuantType::Q4_1 => 4,
             QuantType::Q5_0 => 6,
             QuantType::Q5_1 => 8,
+            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => unreachable!("a super-block"),
         }
     }
 
     /// Whether a block has a minimum of its own (the others' is a fixed
     /// offset times the scale, or none).
     fn has_minimum(self) -> bool {
-        matches!(self, QuantType::Q4_1 | QuantType::Q5_1)
+        matches!(self, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K)
+    }
+
+    /// Whether a block's product has a term from the token rows' block sums
+    /// (a minimum, or `Q4_0`'s and `Q5_0`'s offset); `Q6_K`'s offset is
+    /// taken in the integer sums.
+    fn has_offset(self) -> bool {
+        !matches!(self, QuantType::Q8_0 | QuantType::Q6K)
     }
 
     /// Whether the quants have a fifth bit, kept apart (32 bits a block).
     fn has_fifth_bits(self) -> bool {
-        matches!(self, QuantType::Q5_0 | QuantType::Q5_1)
+        matches!(
+            self,
+            QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K | QuantType::Q6K
+        )
     }
 }
 
 /// A block format's layout in a group of [`WR`] rows: the bytes of one block
 /// of every row, and where the minimums and the quants start.
+///
+/// A K-quant group (one super-block of each row): the rows' `d` (f16), for
+/// `Q4_K`/`Q5_K` their `dmin` (f16), then the sub-block scales as bytes,
+/// sub-block by sub-block ([`QuantType::k_scales`]; `Q6_K`: sixteen, signed),
+/// for `Q4_K`/`Q5_K` the minimums likewise ([`QuantType::k_minimums`]),
+/// then the eight sub-blocks ([`QuantType::sub_block_at`]), each its fifth
+/// bits (`Q5_K`, `Q6_K`; `Q6_K`'s sixth bits after them) and its quants as
+/// a 32-weight group's.
 impl QuantType {
     fn group_bytes(self) -> usize {
-        WR * self.block_bytes()
+        match self {
+            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => self.sub_block_at(8),
+            _ => WR * self.block_bytes(),
+        }
     }
 
     fn group_minimums(self) -> usize {
         2 * WR
     }
 
-    /// Where the group's fifth bits start (`Q5_0`, `Q5_1`: a `u32` a row).
-    fn group_fifth_bits(self) -> usize {
-        if self.has_minimum() {
-            4 * WR
-        } else {
+    /// Where a K-quant group's sub-block scales start (a byte a row).
+    fn k_scales(self) -> usize {
+        if self == QuantType::Q6K {
             2 * WR
+        } else {
+            4 * WR
         }
     }
 
-    fn group_quants(self) -> usize {
-        self.group_fifth_bits() + if self.has_fifth_bits() { 4 * WR } else { 0 }
+    /// Where a `Q4_K`/`Q5_K` group's sub-block minimums start.
+    fn k_minimums(self) -> usize {
+        self.k_scales() + 8 * WR
+    }
+
+    /// Where sub-block `j` of a group starts (0 for the 32-weight formats).
+    fn sub_block_at(self, j: usize) -> usize {
+        let (first, each) = match self {
+            QuantType::Q4K => (self.k_minimums() + 8 * WR, 16 * WR),
+            QuantType::Q5K => (self.k_minimums() + 8 * WR, 20 * WR),
+            QuantType::Q6K => (self.k_scales() + 16 * WR, 24 * WR),
+            _ => return 0,
+        };
+        first + j * each
+    }
+
+    /// Where a (sub-)block's fifth bits start, from its start (`Q5_0`,
+    /// `Q5_1`, `Q5_K`, `Q6_K`: a `u32` a row; `Q6_K`'s sixth bits follow).
+    fn fifth_at(self) -> usize {
+        match self {
+            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 0,
+            _ if self.has_minimum() => 4 * WR,
+            _ => 2 * WR,
+        }
+    }
+
+    /// Where a (sub-)block's quants start, from its start.
+    fn quants_in(self) -> usize {
+        match self {
+            QuantType::Q6K => 8 * WR,
+            _ => self.fifth_at() + if self.has_fifth_bits() { 4 * WR } else { 0 },
+        }
     }
 }
 
@@ -226,7 +369,9 @@ impl QuantType {
 /// holds them; fewer than [`WR`] for the last group, the rest zero) into
 /// `out` (`group_bytes`).
 fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
-    let quants = ty.group_quants();
+    if ty.is_k() {
+        return lay_k_group(ty, blocks, out);
+    }
     for (l, block) in blocks.iter().enumerate() {
         out[2 * l..2 * l + 2].copy_from_slice(&block[..2]);
         if ty.has_minimum() {
@@ -234,12 +379,115 @@ fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
         }
         if ty.has_fifth_bits() {
             let at = ty.quants_at() - 4;
-            out[ty.group_fifth_bits() + 4 * l..][..4].copy_from_slice(&block[at..at + 4]);
+            out[ty.fifth_at() + 4 * l..][..4].copy_from_slice(&block[at..at + 4]);
         }
         let qs = &block[ty.quants_at()..];
         // Chunk `c` holds bytes `4c..4c + 4` of every row's quants, row by row.
         for (c, four) in qs.chunks_exact(4).enumerate() {
-            out[quants + c * 4 * WR + 4 * l..][..4].copy_from_slice(four);
+            out[ty.quants_in() + c * 4 * WR + 4 * l..][..4].copy_from_slice(four);
+        }
+    }
+}
+
+/// A K-quant super-block taken apart: its scales' half-precision bits, the
+/// sub-block scales (`Q6_K`: sixteen, signed) and minimums, and every
+/// weight's quant (`Q6_K`'s before its offset of 32).
+struct KBlock {
+    d: [u8; 2],
+    dmin: [u8; 2],
+    scales: [i8; 16],
+    minimums: [u8; 8],
+    q: [u8; QKK],
+}
+
+/// A super-block as llama.cpp's `block_q4_K`, `block_q5_K` and
+/// `block_q6_K` hold it (`ggml-common.h`), taken apart.
+fn decode_k(ty: QuantType, b: &[u8]) -> KBlock {
+    let mut k = KBlock {
+        d: [0; 2],
+        dmin: [0; 2],
+        scales: [0; 16],
+        minimums: [0; 8],
+        q: [0; QKK],
+    };
+    if ty == QuantType::Q6K {
+        // ql[128], qh[64], scales[16], d.
+        let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+        k.d = [b[208], b[209]];
+        for (s, &byte) in k.scales.iter_mut().zip(scales) {
+            *s = byte as i8;
+        }
+        for half in 0..2 {
+            let (ql, qh, q) = (&ql[64 * half..], &qh[32 * half..], &mut k.q[128 * half..]);
+            for l in 0..32 {
+                q[l] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+                q[l + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+                q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        return k;
+    }
+    // d, dmin, scales[12] (6-bit scales and minimums), Q5_K's qh[32], qs[128].
+    k.d = [b[0], b[1]];
+    k.dmin = [b[2], b[3]];
+    let s = &b[4..16];
+    for j in 0..8 {
+        let (scale, min) = if j < 4 {
+            (s[j] & 63, s[j + 4] & 63)
+        } else {
+            ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+        };
+        k.scales[j] = scale as i8;
+        k.minimums[j] = min;
+    }
+    let (qh, qs) = if ty == QuantType::Q5K {
+        (Some(&b[16..48]), &b[48..176])
+    } else {
+        (None, &b[16..144])
+    };
+    // Each 32 bytes: the low nibbles are one sub-block, the high the next.
+    for (i, bytes) in qs.chunks_exact(32).enumerate() {
+        for (l, &byte) in bytes.iter().enumerate() {
+            k.q[64 * i + l] = byte & 0x0f;
+            k.q[64 * i + 32 + l] = byte >> 4;
+        }
+    }
+    if let Some(qh) = qh {
+        for (i, q) in k.q.iter_mut().enumerate() {
+            *q |= ((qh[i % 32] >> (i / 32)) & 1) << 4;
+        }
+    }
+    k
+}
+
+/// [`lay_group`] for the K-quants.
+fn lay_k_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
+    for (l, block) in blocks.iter().enumerate() {
+        let k = decode_k(ty, block);
+        out[2 * l..2 * l + 2].copy_from_slice(&k.d);
+        let subs = if ty == QuantType::Q6K { 16 } else { 8 };
+        for (j, &scale) in k.scales[..subs].iter().enumerate() {
+            out[ty.k_scales() + WR * j + l] = scale as u8;
+        }
+        if ty != QuantType::Q6K {
+            out[ty.group_minimums() + 2 * l..][..2].copy_from_slice(&k.dmin);
+            for (j, &min) in k.minimums.iter().enumerate() {
+                out[ty.k_minimums() + WR * j + l] = min;
+            }
+        }
+        for (j, q) in k.q.chunks_exact(QK).enumerate() {
+            let sub = &mut out[ty.sub_block_at(j)..];
+            if ty.has_fifth_bits() {
+                let plane = |bit: u32| -> u32 { q.iter().enumerate().map(|(i, &q)| ((q as u32 >> bit) & 1) << i).sum() };
+                sub[4 * l..][..4].copy_from_slice(&plane(4).to_le_bytes());
+                if ty == QuantType::Q6K {
+                    sub[4 * WR + 4 * l..][..4].copy_from_slice(&plane(5).to_le_bytes());
+                }
+            }
+            for t in 0..QK / 2 {
+                sub[ty.quants_in() + (t / 4) * 4 * WR + 4 * l + t % 4] = (q[t] & 0x0f) | ((q[t + QK / 2] & 0x0f) << 4);
+            }
         }
     }
 }
@@ -314,6 +562,7 @@ fn quantize_block(ty: QuantType, w: &[f32], block: &mut [u8]) {
                 .collect();
             fifth_bits(&q, &mut block[4..]);
         }
+        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => unreachable!("K-quants are quantized by candle"),
     }
 }
 
@@ -327,27 +576,48 @@ fn fifth_bits(q: &[u8], out: &mut [u8]) {
     }
 }
 
-/// Row `l` of a group's block (`group`, `group_bytes`): its scale, its
-/// minimum (`-8·d` for `Q4_0`, `-16·d` for `Q5_0`, 0 for `Q8_0`) and its
-/// weights as the integers the dot product multiplies (`Q8_0` signed, the
-/// others unsigned, their offset in the minimum).
-fn group_row(ty: QuantType, group: &[u8], l: usize) -> (f32, f32, [i32; QK]) {
+/// One (sub-)block of [`QK`] weights of a row, as the products take it.
+struct Block {
+    /// The scale of the weights `0..16` and `16..32` (the same but for `Q6_K`).
+    d: [f32; 2],
+    /// What each token row's block sum is multiplied by.
+    m: f32,
+    /// The weights as the integers the dot product multiplies.
+    w: [i32; QK],
+}
+
+/// Row `l`'s sub-block `j` (0 for the 32-weight formats) of a group's block
+/// (`group`, `group_bytes`): its scales, its minimum (`-8·d` for `Q4_0`,
+/// `-16·d` for `Q5_0`, `−dmin·m_j` for `Q4_K`/`Q5_K`, 0 for `Q8_0` and
+/// `Q6_K`) and its weights (`Q8_0` and `Q6_K` signed, the others unsigned,
+/// their offset in the minimum).
+fn group_row(ty: QuantType, group: &[u8], l: usize, j: usize) -> Block {
     let half = |at: usize| f16::from_bits(u16::from_le_bytes([group[at], group[at + 1]])).to_f32();
     let d = half(2 * l);
-    let m = match ty {
-        QuantType::Q8_0 => 0.0,
-        // Exact: a power of two times a half-precision value.
-        QuantType::Q4_0 => -8.0 * d,
-        QuantType::Q5_0 => -16.0 * d,
-        QuantType::Q4_1 | QuantType::Q5_1 => half(ty.group_minimums() + 2 * l),
+    let scale = |s: usize| group[ty.k_scales() + WR * s + l] as i8 as f32;
+    // Exact: a half-precision value times a power of two or a small integer.
+    let (d, m) = match ty {
+        QuantType::Q8_0 => ([d; 2], 0.0),
+        QuantType::Q4_0 => ([d; 2], -8.0 * d),
+        QuantType::Q5_0 => ([d; 2], -16.0 * d),
+        QuantType::Q4_1 | QuantType::Q5_1 => ([d; 2], half(ty.group_minimums() + 2 * l)),
+        QuantType::Q4K | QuantType::Q5K => {
+            let (scale, min) = (group[ty.k_scales() + WR * j + l], group[ty.k_minimums() + WR * j + l]);
+            ([d * scale as f32; 2], -(half(ty.group_minimums() + 2 * l) * min as f32))
+        }
+        QuantType::Q6K => ([d * scale(2 * j), d * scale(2 * j + 1)], 0.0),
     };
-    let fifth = if ty.has_fifth_bits() {
-        let at = ty.group_fifth_bits() + 4 * l;
-        u32::from_le_bytes([group[at], group[at + 1], group[at + 2], group[at + 3]])
-    } else {
-        0
+    let sub = &group[ty.sub_block_at(j)..];
+    let plane = |n: usize| {
+        let at = ty.fifth_at() + 4 * WR * n + 4 * l;
+        u32::from_le_bytes([sub[at], sub[at + 1], sub[at + 2], sub[at + 3]])
     };
-    let quants = &group[ty.group_quants()..];
+    let (fifth, sixth) = match ty {
+        QuantType::Q6K => (plane(0), plane(1)),
+        _ if ty.has_fifth_bits() => (plane(0), 0),
+        _ => (0, 0),
+    };
+    let quants = &sub[ty.quants_in()..];
     let byte = |i: usize| quants[(i / 4) * 4 * WR + 4 * l + i % 4];
     let w = match ty {
         QuantType::Q8_0 => std::array::from_fn(|i| byte(i) as i8 as i32),
@@ -357,10 +627,15 @@ fn group_row(ty: QuantType, group: &[u8], l: usize) -> (f32, f32, [i32; QK]) {
             } else {
                 byte(i - QK / 2) >> 4
             };
-            low as i32 | (((fifth >> i) & 1) << 4) as i32
+            let q = low as i32 | (((fifth >> i) & 1) << 4) as i32 | (((sixth >> i) & 1) << 5) as i32;
+            if ty == QuantType::Q6K {
+                q - 32
+            } else {
+                q
+            }
         }),
     };
-    (d, m, w)
+    Block { d, m, w }
 }
 
 /// Rows of one format: `rows` rows re-laid in groups of [`WR`] (the last
@@ -400,8 +675,8 @@ pub struct QuantMatrix {
 /// Why blocks could not be taken as a matrix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
-    #[error("{inputs} inputs are not a whole number of {QK}-value blocks")]
-    Inputs { inputs: usize },
+    #[error("{inputs} inputs are not a whole number of {block}-value blocks")]
+    Inputs { inputs: usize, block: usize },
     #[error("{got} bytes of {ty} blocks for {rows} rows of {inputs} inputs (want {want})")]
     Size {
         ty: &'static str,
@@ -424,10 +699,13 @@ impl QuantMatrix {
         k: usize,
         order: Option<&[usize]>,
     ) -> Result<Self, QuantError> {
-        if !k.is_multiple_of(QK) {
-            return Err(QuantError::Inputs { inputs: k });
+        if !k.is_multiple_of(ty.block_weights()) {
+            return Err(QuantError::Inputs {
+                inputs: k,
+                block: ty.block_weights(),
+            });
         }
-        let (nb, bb) = (k / QK, ty.block_bytes());
+        let (nb, bb) = (k / ty.block_weights(), ty.block_bytes());
         let want = n * nb * bb;
         if data.len() != want {
             return Err(QuantError::Size {
@@ -479,12 +757,23 @@ impl QuantMatrix {
     /// round(w / d)`; `Q4_0`: `d = w_maxabs / -8`, `q = w/d + 8.5` truncated;
     /// `Q4_1`: `d = (max − min) / 15`, `m = min`, `q = (w − m)/d + 0.5`
     /// truncated; `Q5_0` and `Q5_1` as the 4-bit ones over 32 levels), the
-    /// scales stored in half precision.
+    /// scales stored in half precision; the K-quants by candle's quantizer
+    /// (llama.cpp's reference algorithm).
     pub fn quantize(ty: QuantType, w: &[f32], n: usize, k: usize) -> Result<Self, QuantError> {
-        if !k.is_multiple_of(QK) {
-            return Err(QuantError::Inputs { inputs: k });
+        if !k.is_multiple_of(ty.block_weights()) {
+            return Err(QuantError::Inputs {
+                inputs: k,
+                block: ty.block_weights(),
+            });
         }
         assert_eq!(w.len(), n * k, "weight shape");
+        if ty.is_k() {
+            let blocks = candle_core::Tensor::from_slice(w, (n, k), &candle_core::Device::Cpu)
+                .and_then(|t| candle_core::quantized::QTensor::quantize(&t, ty.ggml()))
+                .and_then(|q| q.data().map(|d| d.into_owned()))
+                .expect("candle quantizes whole super-blocks of f32 on the CPU");
+            return QuantMatrix::from_blocks(ty, &blocks, n, k, None);
+        }
         let bb = ty.block_bytes();
         let mut data = vec![0u8; n * k / QK * bb];
         data.par_chunks_mut(bb)
@@ -564,11 +853,12 @@ impl QuantMatrix {
             .iter()
             .find(|p| (p.first..p.first + p.rows).contains(&row))
             .expect("the parts cover every row");
-        let (nb, r) = (self.k / QK, row - p.first);
+        let (subs, r) = (p.ty.sub_blocks(), row - p.first);
+        let nb = self.k / p.ty.block_weights();
         for (b, out) in out.chunks_exact_mut(QK).enumerate() {
-            let (d, m, w) = group_row(p.ty, p.group(r / WR, b, nb), r % WR);
-            for (out, q) in out.iter_mut().zip(w) {
-                *out = d * q as f32 + m;
+            let block = group_row(p.ty, p.group(r / WR, b / subs, nb), r % WR, b % subs);
+            for (i, (out, q)) in out.iter_mut().zip(block.w).enumerate() {
+                *out = block.d[i / (QK / 2)] * q as f32 + block.m;
             }
         }
     }
@@ -612,13 +902,15 @@ impl QuantMatrix {
     }
 }
 
-/// Token rows quantized to 8-bit blocks: `q` (`m × k`), and per block the
-/// scale `d` and `d·Σq` (`m × k/QK` each).
+/// Token rows quantized to 8-bit blocks: `q` (`m × k`), per block the
+/// scale `d` and `d·Σq` (`m × k/QK` each), and the integer sums of each
+/// block's two halves (`h`, `m × 2k/QK`; `Q6_K`'s offset).
 pub(crate) struct QuantizedRows {
     k: usize,
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    h: Vec<i32>,
 }
 
 impl QuantizedRows {
@@ -632,15 +924,19 @@ impl QuantizedRows {
             q: vec![0; m * k],
             d: vec![0.0; blocks],
             s: vec![0.0; blocks],
+            h: vec![0; 2 * blocks],
         };
-        for (((x, q), d), s) in x
+        for ((((x, q), d), s), h) in x
             .chunks_exact(QK)
             .zip(rows.q.chunks_exact_mut(QK))
             .zip(&mut rows.d)
             .zip(&mut rows.s)
+            .zip(rows.h.chunks_exact_mut(2))
         {
             *d = quantize_q8(x, q);
-            *s = *d * q.iter().map(|&q| q as i32).sum::<i32>() as f32;
+            let sum = |q: &[i8]| q.iter().map(|&q| q as i32).sum::<i32>();
+            (h[0], h[1]) = (sum(&q[..QK / 2]), sum(&q[QK / 2..]));
+            *s = *d * (h[0] + h[1]) as f32;
         }
         rows
     }
@@ -653,15 +949,29 @@ impl QuantizedRows {
 /// One output: weight row `row` of a part times token row `r` of `x`, in
 /// the arithmetic the module comment gives, written out plainly. The
 /// portable kernel; the reference the SIMD kernels are held to, bit for bit.
-fn dot_reference(part: &Part, nb: usize, row: usize, x: &QuantizedRows, r: usize) -> f32 {
+///
+/// `Q6_K`'s two halves of a block are two such terms, each with its scale.
+fn dot_reference(part: &Part, row: usize, x: &QuantizedRows, r: usize) -> f32 {
     let (mut acc, mut min) = (0f32, 0f32);
+    let (nb, subs) = (x.blocks(), part.ty.sub_blocks());
     for b in 0..nb {
-        let (d, m, w) = group_row(part.ty, part.group(row / WR, b, nb), row % WR);
+        let block = group_row(
+            part.ty,
+            part.group(row / WR, b / subs, nb / subs),
+            row % WR,
+            b % subs,
+        );
         let xq = &x.q[r * x.k + b * QK..][..QK];
-        let sum: i32 = w.iter().zip(xq).map(|(&w, &x)| w * x as i32).sum();
-        acc = (d * x.d[r * nb + b]).mul_add(sum as f32, acc);
-        if part.ty != QuantType::Q8_0 {
-            min = m.mul_add(x.s[r * nb + b], min);
+        let sum = |range: std::ops::Range<usize>| -> i32 { range.map(|i| block.w[i] * xq[i] as i32).sum() };
+        let xd = x.d[r * nb + b];
+        if part.ty == QuantType::Q6K {
+            acc = (block.d[0] * xd).mul_add(sum(0..QK / 2) as f32, acc);
+            acc = (block.d[1] * xd).mul_add(sum(QK / 2..QK) as f32, acc);
+        } else {
+            acc = (block.d[0] * xd).mul_add(sum(0..QK) as f32, acc);
+        }
+        if part.ty.has_offset() {
+            min = block.m.mul_add(x.s[r * nb + b], min);
         }
     }
     acc + min
@@ -691,7 +1001,7 @@ unsafe fn part_product(
     kernel: QuantKernel,
 ) {
     let nb = x.blocks();
-    let gb = part.ty.group_bytes();
+    let (gb, file_blocks) = (part.ty.group_bytes(), nb / part.ty.sub_blocks());
     let m = x.d.len() / nb;
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
@@ -701,7 +1011,7 @@ unsafe fn part_product(
             if kernel == QuantKernel::Portable {
                 for r in chunk.clone() {
                     for j in 0..cols {
-                        let y = dot_reference(part, nb, g * WR + j, x, r);
+                        let y = dot_reference(part, g * WR + j, x, r);
                         // SAFETY: the caller's contract; inside `out`.
                         unsafe { *out.0.add(r * n + first_col + j) = y };
                     }
@@ -710,7 +1020,7 @@ unsafe fn part_product(
             }
             #[cfg(target_arch = "x86_64")]
             {
-                let blocks = part.data[g * nb * gb..][..nb * gb].as_ptr();
+                let blocks = part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let mut r = chunk.start;
                 while r < chunk.end {
@@ -763,6 +1073,36 @@ mod x86 {
     const Q4_1: u8 = 2;
     const Q5_0: u8 = 3;
     const Q5_1: u8 = 4;
+    const Q4K: u8 = 5;
+    const Q5K: u8 = 6;
+    const Q6K: u8 = 7;
+
+    /// The format of a kernel's const parameter.
+    const fn format(ty: u8) -> QuantType {
+        match ty {
+            Q8_0 => QuantType::Q8_0,
+            Q4_0 => QuantType::Q4_0,
+            Q4_1 => QuantType::Q4_1,
+            Q5_0 => QuantType::Q5_0,
+            Q5_1 => QuantType::Q5_1,
+            Q4K => QuantType::Q4K,
+            Q5K => QuantType::Q5K,
+            _ => QuantType::Q6K,
+        }
+    }
+
+    /// Eight bytes (one per row of a group) as f32s, unsigned or signed.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bytes_ps<const SIGNED: bool>(p: *const u8) -> __m256 {
+        // SAFETY: the caller's: eight bytes at `p`.
+        let v = unsafe { _mm_loadl_epi64(p as *const __m128i) };
+        _mm256_cvtepi32_ps(if SIGNED {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        })
+    }
 
     /// `acc + Σ_{i=4l}^{4l+3} u[i]·s[i]` in each lane `l` (`u` unsigned, `s`
     /// signed bytes, each pair's sum within i16 as the callers keep them).
@@ -820,6 +1160,9 @@ mod x86 {
                     QuantType::Q4_1 => $kernel::<Q4_1, $x>(tile),
                     QuantType::Q5_0 => $kernel::<Q5_0, $x>(tile),
                     QuantType::Q5_1 => $kernel::<Q5_1, $x>(tile),
+                    QuantType::Q4K => $kernel::<Q4K, $x>(tile),
+                    QuantType::Q5K => $kernel::<Q5K, $x>(tile),
+                    QuantType::Q6K => $kernel::<Q6K, $x>(tile),
                 }
             };
         }
@@ -860,80 +1203,113 @@ mod x86 {
                     ldo,
                     cols,
                 } = tile;
-                let ty = match TY {
-                    Q8_0 => QuantType::Q8_0,
-                    Q4_0 => QuantType::Q4_0,
-                    Q4_1 => QuantType::Q4_1,
-                    Q5_0 => QuantType::Q5_0,
-                    _ => QuantType::Q5_1,
-                };
-                let (gb, quants) = (ty.group_bytes(), ty.group_quants());
+                let ty = format(TY);
+                let (gb, subs) = (ty.group_bytes(), ty.sub_blocks());
                 let (mut acc, mut min) = ([_mm256_setzero_ps(); X], [_mm256_setzero_ps(); X]);
                 // Independent chains of integer sums per row, so that a tile of
                 // few rows does not wait on one chain's latency (integer sums:
-                // the split changes nothing).
-                let chains = (4 / X).max(1);
+                // the split changes nothing). `Q6_K` keeps a block's halves
+                // apart: its even chains take the first half, its odd ones the
+                // second.
+                let chains = if TY == Q6K { (4 / X).max(2) } else { (4 / X).max(1) };
                 let xq: [*const u8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr() as *const u8);
                 let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * nb..][..nb]);
                 let xs: [&[f32]; X] = std::array::from_fn(|r| &x.s[(row + r) * nb..][..nb]);
+                let xh: [&[i32]; X] = std::array::from_fn(|r| &x.h[2 * (row + r) * nb..][..2 * nb]);
                 let nibble = _mm256_set1_epi8(0x0f);
-                for b in 0..nb {
-                    // SAFETY: the caller's contract: group block `b` and the
-                    // rows' block `b` lie in range; unaligned reads.
+                for fb in 0..nb / subs {
+                    // SAFETY: the caller's contract: group block `fb` and the
+                    // rows' blocks lie in range; unaligned reads.
                     unsafe {
-                        let p = blocks.add(b * gb);
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                        let q = p.add(quants);
-                        let four = |r: usize, at: usize| {
-                            _mm256_set1_epi32((xq[r].add(b * QK + at) as *const i32).read_unaligned())
-                        };
-                        let mut sums = [[_mm256_setzero_si256(); X]; 4];
-                        if TY == Q8_0 {
-                            for c in 0..QK / 4 {
-                                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                                let u = _mm256_abs_epi8(w);
-                                let sums = &mut sums[c % chains];
-                                for r in 0..X {
-                                    sums[r] = $dot(sums[r], u, _mm256_sign_epi8(four(r, 4 * c), w));
-                                }
-                            }
+                        let p = blocks.add(fb * gb);
+                        let d_file = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let minus_dmin = if TY == Q4K || TY == Q5K {
+                            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(ty.group_minimums()) as *const __m128i));
+                            _mm256_mul_ps(dmin, _mm256_set1_ps(-1.0))
                         } else {
-                            let fifth = if ty.has_fifth_bits() {
-                                _mm256_loadu_si256(p.add(ty.group_fifth_bits()) as *const __m256i)
-                            } else {
-                                _mm256_setzero_si256()
-                            };
-                            for c in 0..QK / 8 {
-                                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                                let mut low = _mm256_and_si256(w, nibble);
-                                let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-                                if TY == Q5_0 || TY == Q5_1 {
-                                    low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
-                                    high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
-                                }
-                                let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
-                                for r in 0..X {
-                                    sums[first][r] = $dot(sums[first][r], low, four(r, 4 * c));
-                                    sums[second][r] = $dot(sums[second][r], high, four(r, QK / 2 + 4 * c));
-                                }
-                            }
-                        }
-                        for chain in 1..chains {
-                            for r in 0..X {
-                                sums[0][r] = _mm256_add_epi32(sums[0][r], sums[chain][r]);
-                            }
-                        }
-                        let sums = sums[0];
-                        let m = match TY {
-                            Q4_1 | Q5_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * super::WR) as *const __m128i)),
-                            Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                            _ => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                            _mm256_setzero_ps()
                         };
-                        for r in 0..X {
-                            let scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
-                            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
-                            if TY != Q8_0 {
-                                min[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), min[r]);
+                        for j in 0..subs {
+                            let b = fb * subs + j;
+                            let sub = p.add(ty.sub_block_at(j));
+                            let q = sub.add(ty.quants_in());
+                            let four = |r: usize, at: usize| {
+                                _mm256_set1_epi32((xq[r].add(b * QK + at) as *const i32).read_unaligned())
+                            };
+                            let mut sums = [[_mm256_setzero_si256(); X]; 4];
+                            if TY == Q8_0 {
+                                for c in 0..QK / 4 {
+                                    let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                                    let u = _mm256_abs_epi8(w);
+                                    let sums = &mut sums[c % chains];
+                                    for r in 0..X {
+                                        sums[r] = $dot(sums[r], u, _mm256_sign_epi8(four(r, 4 * c), w));
+                                    }
+                                }
+                            } else {
+                                let plane = |n: usize| {
+                                    _mm256_loadu_si256(sub.add(ty.fifth_at() + 32 * n) as *const __m256i)
+                                };
+                                let fifth = if ty.has_fifth_bits() { plane(0) } else { _mm256_setzero_si256() };
+                                let sixth = if TY == Q6K { plane(1) } else { _mm256_setzero_si256() };
+                                for c in 0..QK / 8 {
+                                    let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                                    let mut low = _mm256_and_si256(w, nibble);
+                                    let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                                    if ty.has_fifth_bits() {
+                                        low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
+                                        high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
+                                    }
+                                    if TY == Q6K {
+                                        let (l6, h6) = (fifth_bit(sixth, 4 * c), fifth_bit(sixth, QK / 2 + 4 * c));
+                                        low = _mm256_or_si256(low, _mm256_add_epi8(l6, l6));
+                                        high = _mm256_or_si256(high, _mm256_add_epi8(h6, h6));
+                                    }
+                                    let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
+                                    for r in 0..X {
+                                        sums[first][r] = $dot(sums[first][r], low, four(r, 4 * c));
+                                        sums[second][r] = $dot(sums[second][r], high, four(r, QK / 2 + 4 * c));
+                                    }
+                                }
+                            }
+                            let merged = if TY == Q6K { 2 } else { 1 };
+                            for chain in merged..chains {
+                                for r in 0..X {
+                                    sums[chain % merged][r] = _mm256_add_epi32(sums[chain % merged][r], sums[chain][r]);
+                                }
+                            }
+                            if TY == Q6K {
+                                let scale = |s: usize| bytes_ps::<true>(p.add(ty.k_scales() + 8 * s));
+                                let (d0, d1) = (_mm256_mul_ps(d_file, scale(2 * j)), _mm256_mul_ps(d_file, scale(2 * j + 1)));
+                                for r in 0..X {
+                                    let offset = |h: usize| _mm256_set1_epi32(32 * xh[r][2 * b + h]);
+                                    let first = _mm256_sub_epi32(sums[0][r], offset(0));
+                                    let second = _mm256_sub_epi32(sums[1][r], offset(1));
+                                    let xd = _mm256_set1_ps(xd[r][b]);
+                                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xd), _mm256_cvtepi32_ps(first), acc[r]);
+                                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xd), _mm256_cvtepi32_ps(second), acc[r]);
+                                }
+                                continue;
+                            }
+                            let sums = sums[0];
+                            let (d, m) = match TY {
+                                Q4K | Q5K => (
+                                    _mm256_mul_ps(d_file, bytes_ps::<false>(p.add(ty.k_scales() + 8 * j))),
+                                    _mm256_mul_ps(minus_dmin, bytes_ps::<false>(p.add(ty.k_minimums() + 8 * j))),
+                                ),
+                                Q4_1 | Q5_1 => (
+                                    d_file,
+                                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(ty.group_minimums()) as *const __m128i)),
+                                ),
+                                Q5_0 => (d_file, _mm256_mul_ps(d_file, _mm256_set1_ps(-16.0))),
+                                _ => (d_file, _mm256_mul_ps(d_file, _mm256_set1_ps(-8.0))),
+                            };
+                            for r in 0..X {
+                                let scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+                                acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                                if TY != Q8_0 {
+                                    min[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), min[r]);
+                                }
                             }
                         }
                     }
@@ -975,12 +1351,15 @@ mod tests {
             .collect()
     }
 
-    const TYPES: [(QuantType, GgmlDType); 5] = [
+    const TYPES: [(QuantType, GgmlDType); 8] = [
         (QuantType::Q8_0, GgmlDType::Q8_0),
         (QuantType::Q4_0, GgmlDType::Q4_0),
         (QuantType::Q4_1, GgmlDType::Q4_1),
         (QuantType::Q5_0, GgmlDType::Q5_0),
         (QuantType::Q5_1, GgmlDType::Q5_1),
+        (QuantType::Q4K, GgmlDType::Q4K),
+        (QuantType::Q5K, GgmlDType::Q5K),
+        (QuantType::Q6K, GgmlDType::Q6K),
     ];
 
     /// `n × k` weights quantized by candle, as a GGUF file holds them, and
@@ -1001,7 +1380,7 @@ mod tests {
     #[test]
     fn blocks_dequantize_as_gguf_does_whatever_the_row_order() {
         for (ty, ggml) in TYPES {
-            let (n, k) = (7, 96);
+            let (n, k) = (7, 3 * ty.block_weights());
             let (blocks, want) = quantized(ggml, n, k, 3);
             let m = QuantMatrix::from_blocks(ty, &blocks, n, k, None).unwrap();
             assert_eq!(m.dequantize(), want, "{}", ty.name());
@@ -1011,7 +1390,7 @@ mod tests {
             for r in 0..n {
                 assert_eq!(got[r * k..][..k], want[(n - 1 - r) * k..][..k], "{} row {r}", ty.name());
             }
-            assert_eq!(m.bytes(), n.div_ceil(WR) * WR * k / QK * ty.block_bytes());
+            assert_eq!(m.bytes(), n.div_ceil(WR) * k / ty.block_weights() * ty.group_bytes());
         }
     }
 
@@ -1019,7 +1398,7 @@ mod tests {
     /// (as candle implements it) writes, byte for byte.
     #[test]
     fn quantizing_gives_the_reference_quantizers_blocks() {
-        let (n, k) = (9, 128);
+        let (n, k) = (9, 512);
         let mut w = values(n * k, 31);
         w[5 * k..6 * k].fill(0.0);
         for (ty, ggml) in TYPES {
@@ -1039,7 +1418,11 @@ mod tests {
         let (blocks, _) = quantized(GgmlDType::Q8_0, 2, 64, 1);
         assert_eq!(
             QuantMatrix::from_blocks(QuantType::Q8_0, &blocks, 2, 48, None).unwrap_err(),
-            QuantError::Inputs { inputs: 48 }
+            QuantError::Inputs { inputs: 48, block: 32 }
+        );
+        assert_eq!(
+            QuantMatrix::from_blocks(QuantType::Q4K, &blocks, 2, 64, None).unwrap_err(),
+            QuantError::Inputs { inputs: 64, block: 256 }
         );
         assert!(matches!(
             QuantMatrix::from_blocks(QuantType::Q8_0, &blocks[1..], 2, 64, None),
@@ -1052,13 +1435,15 @@ mod tests {
     }
 
     /// Every kernel this CPU has gives the reference's outputs bit for bit,
-    /// on odd shapes, partial groups and 1 to 64 token rows, stacked formats too.
+    /// on odd shapes, partial groups and 1 to 64 token rows, stacked formats
+    /// too (the K-quants where the inputs are whole super-blocks).
     #[test]
     fn every_kernel_matches_the_reference_bit_for_bit() {
         let kernels = QuantKernel::available();
-        for (n, k) in [(1, 32), (3, 64), (4, 96), (5, 576), (17, 160), (64, 64)] {
+        for (n, k) in [(1, 32usize), (3, 64), (4, 96), (5, 576), (17, 160), (64, 64), (1, 256), (13, 512), (64, 768)] {
             let parts: Vec<QuantMatrix> = TYPES
                 .iter()
+                .filter(|(ty, _)| k.is_multiple_of(ty.block_weights()))
                 .enumerate()
                 .map(|(i, &(ty, ggml))| {
                     let (blocks, _) = quantized(ggml, n, k, 10 + i as u32);
@@ -1074,12 +1459,12 @@ mod tests {
                         let rows = &rows;
                         parts.iter().flat_map(move |p| {
                             let part = &p.parts[0];
-                            (0..n).map(move |c| dot_reference(part, k / QK, c, rows, r))
+                            (0..n).map(move |c| dot_reference(part, c, rows, r))
                         })
                     })
                     .collect();
                 for &kernel in &kernels {
-                    let mut got = vec![f32::NAN; m * TYPES.len() * n];
+                    let mut got = vec![f32::NAN; m * parts.len() * n];
                     stacked.matmul_into(&x, m, &mut got, kernel);
                     assert!(
                         got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -1093,13 +1478,15 @@ mod tests {
     /// A row's outputs are the same alone as among others.
     #[test]
     fn a_row_gives_the_same_outputs_whatever_shares_its_product() {
-        let (n, k) = (37, 192);
-        let (blocks, _) = quantized(GgmlDType::Q4_1, n, k, 5);
-        let w = QuantMatrix::from_blocks(QuantType::Q4_1, &blocks, n, k, None).unwrap();
-        let x = values(9 * k, 8);
-        let all = w.matmul(&x, 9);
-        for r in 0..9 {
-            assert_eq!(w.matmul(&x[r * k..][..k], 1), all[r * n..][..n], "row {r}");
+        let (n, k) = (37, 512);
+        for (ty, ggml) in [(QuantType::Q4_1, GgmlDType::Q4_1), (QuantType::Q6K, GgmlDType::Q6K)] {
+            let (blocks, _) = quantized(ggml, n, k, 5);
+            let w = QuantMatrix::from_blocks(ty, &blocks, n, k, None).unwrap();
+            let x = values(9 * k, 8);
+            let all = w.matmul(&x, 9);
+            for r in 0..9 {
+                assert_eq!(w.matmul(&x[r * k..][..k], 1), all[r * n..][..n], "{} row {r}", ty.name());
+            }
         }
     }
 
