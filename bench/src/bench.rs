@@ -164,7 +164,8 @@ pub struct EngineBenchArgs {
     /// The products to measure each model with, in turn (`native`: a GGUF
     /// file's quantized blocks as they are, other weights in their own
     /// precision; `exact`: every weight dequantized at load; `q8_0`, `q4_1`,
-    /// `q4_0`: the projections quantized at load, as `--quantize`).
+    /// `q4_0`, `q4_k`, `q5_k`, `q6_k`: the projections quantized at load, as
+    /// `--quantize`).
     #[arg(long, value_delimiter = ',', default_value = "native")]
     pub products: Vec<String>,
     /// Batch sizes to decode at.

@@ -21,6 +21,7 @@ use lorry_engine::input::{Message, Prompt};
 use lorry_engine::lora::{Adapter, AdapterLimits, PackedAdapter};
 use lorry_engine::models::gguf::GgufFile;
 use lorry_engine::models::llama::Products;
+use lorry_engine::ops::quant::QuantType;
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::{Task, ValidRequest};
 use serde_json::{json, Value};
@@ -395,22 +396,114 @@ fn a_peft_adapter_on_smollm2_gives_transformers_tokens() {
     }
 }
 
-#[test]
-fn smollm2_as_a_hugging_face_directory_gives_the_gguf_tokens() {
-    // transformers' own config.json, generation_config.json, tokenizer files
-    // and template for SmolLM2, with the weights dequantized from the GGUF file.
-    let gguf = smollm2_gguf();
-    let dir = scratch("smollm2-hf");
+/// SmolLM2 as a Hugging Face directory under `name` in the scratch folder:
+/// transformers' own config.json, generation_config.json, tokenizer files
+/// and template, with the weights dequantized from the GGUF file into `dtype`.
+fn smollm2_hf_dir(name: &str, dtype: DType) -> PathBuf {
+    let dir = scratch(name);
     std::fs::create_dir_all(&dir).unwrap();
     for entry in std::fs::read_dir(data("smollm2-hf")).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
     }
-    let file = GgufFile::open(&gguf).unwrap();
+    let file = GgufFile::open(&smollm2_gguf()).unwrap();
     let mut tensors = file.tensors(&file.config().unwrap(), &Device::Cpu).unwrap();
     tensors.remove("lm_head.weight");
+    for t in tensors.values_mut() {
+        *t = t.to_dtype(dtype).unwrap();
+    }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    drop(tensors);
+    dir
+}
+
+/// SmolLM2's weights (as a half-precision Hugging Face directory) quantized
+/// at load to `q4_k` and `q6_k` against the same weights with the exact
+/// products: the down projections (1,536 inputs) become `Q4_K`/`Q6_K`
+/// blocks, the projections of 576 inputs llama.cpp's fallback (`Q5_0`,
+/// `Q8_0`). Last-position logits within 8% of the largest and greedy tokens
+/// parting only at near ties (as the file's own blocks); the mean
+/// negative log-likelihood of 2,048 tokens within 1%.
+#[test]
+fn smollm2_quantized_to_k_quants_at_load_follows_the_exact_products() {
+    let dir = smollm2_hf_dir("smollm2-hf-k", DType::F16);
+    let exact = TextModel::open_with(&dir, &Device::Cpu, Products::Exact).unwrap();
+    let expected = reference("smollm2.json");
+    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
+    let text: Vec<u32> = corpus
+        .iter()
+        .flat_map(|line| exact.encode_raw(line).unwrap())
+        .take(2048)
+        .collect();
+    let exact_nll = exact.model.mean_nll(&text, 256).unwrap();
+    for ty in [QuantType::Q4K, QuantType::Q6K] {
+        let quantized = TextModel::open_with(&dir, &Device::Cpu, Products::Quantize(ty)).unwrap();
+        // The head (the tied embedding) stays in half precision.
+        let (q, e) = (
+            quantized.model.weight_bytes_per_param(),
+            exact.model.weight_bytes_per_param(),
+        );
+        assert!(q < 0.7 * e, "{}: {q} bytes a weight against {e}", ty.name());
+        let (mut worst_ratio, mut near_ties) = (0f32, 0);
+        for record in expected["prompts"].as_array().unwrap().iter().step_by(4) {
+            let prompt = ids(&record["prompt_ids"]);
+            let logits = |m: &TextModel| {
+                let mut cache = m.model.new_cache();
+                m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+            };
+            let (a, b) = (logits(&quantized), logits(&exact));
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            worst_ratio = worst_ratio.max(worst / scale);
+            assert!(
+                worst <= 0.08 * scale,
+                "{}: logits after {:?} differ by {worst} (largest {scale})",
+                ty.name(),
+                record["text"]
+            );
+            let request = request(record, 16);
+            let (a, b) = (quantized.generate(&request).unwrap(), exact.generate(&request).unwrap());
+            if a.token_ids != b.token_ids {
+                let at = a.token_ids.iter().zip(&b.token_ids).take_while(|(x, y)| x == y).count();
+                let mut context = prompt.clone();
+                context.extend(&b.token_ids[..at]);
+                let mut cache = exact.model.new_cache();
+                let mut row = exact
+                    .model
+                    .forward(&context, &mut cache)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                row.sort_by(|x, y| y.total_cmp(x));
+                let gap = row[0] - row[1];
+                assert!(
+                    gap < 0.25,
+                    "{}: {:?} parts at {at} where the best led by {gap}",
+                    ty.name(),
+                    record["text"]
+                );
+                near_ties += 1;
+            }
+        }
+        let nll = quantized.model.mean_nll(&text, 256).unwrap();
+        eprintln!(
+            "{}: largest logit difference {worst_ratio} of the largest; {near_ties} generations part at near ties; mean NLL {nll} against {exact_nll}",
+            ty.name()
+        );
+        assert!(
+            (nll - exact_nll).abs() <= 0.01 * exact_nll,
+            "{}: mean NLL {nll} against {exact_nll}",
+            ty.name()
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn smollm2_as_a_hugging_face_directory_gives_the_gguf_tokens() {
+    // transformers' own config.json, generation_config.json, tokenizer files
+    // and template for SmolLM2, with the weights dequantized from the GGUF file.
+    let gguf = smollm2_gguf();
+    let dir = smollm2_hf_dir("smollm2-hf", DType::F32);
     let from_dir = TextModel::open(&dir, &Device::Cpu).unwrap();
     let from_gguf = TextModel::open_with(&gguf, &Device::Cpu, Products::Exact).unwrap();
     assert_eq!(from_dir.stop_ids(), from_gguf.stop_ids());

@@ -445,9 +445,12 @@ pub(crate) trait QuantSource {
 /// How a checkpoint's projections are multiplied.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Products {
-    /// Quantized blocks (GGUF's `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`) kept and multiplied
-    /// as they are, each token row quantized to 8-bit blocks; other weights
-    /// as [`Products::Exact`].
+    /// Quantized blocks (GGUF's `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`,
+    /// `Q4_K`, `Q5_K`, `Q6_K`) kept and multiplied as they are, each token
+    /// row quantized to 8-bit blocks; f16 and bf16 projections multiplied
+    /// with bf16 dot products where the CPU has them (AVX-512 BF16: weights
+    /// and token rows rounded to bf16, sums in f32); other weights as
+    /// [`Products::Exact`].
     #[default]
     Native,
     /// Every weight dequantized at load (half precision kept and widened in
@@ -466,6 +469,7 @@ impl Products {
         Projections {
             dtype,
             blocks: blocks.filter(|_| cpu && self != Products::Exact),
+            bf16_dot: cpu && self != Products::Exact,
             quantize: match self {
                 Products::Quantize(ty) if cpu => Some(ty),
                 _ => None,
@@ -482,6 +486,9 @@ struct Projections<'q> {
     dtype: DType,
     blocks: Option<&'q dyn QuantSource>,
     quantize: Option<QuantType>,
+    /// Half-precision projections multiplied with bf16 dot products where
+    /// the CPU has them (token rows rounded to bf16).
+    bf16_dot: bool,
 }
 
 impl Linear {
@@ -549,11 +556,16 @@ impl Linear {
     /// where `p` asks and the inputs are whole blocks), f32 elsewhere.
     fn packed(self, p: Projections<'_>) -> Result<Self> {
         let weight = match self.weight {
-            Weight::Tensor(t) if t.device().is_cpu() && p.quantize.and_then(|ty| ty.for_inputs(t.dim(1).ok()?)).is_some() => {
+            Weight::Tensor(t)
+                if t.device().is_cpu() && p.quantize.and_then(|ty| ty.for_inputs(t.dim(1).ok()?)).is_some() =>
+            {
                 let (n, k) = t.dims2()?;
                 let w = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 let ty = p.quantize.and_then(|ty| ty.for_inputs(k)).expect("checked");
                 Weight::Quant(QuantMatrix::quantize(ty, &w, n, k).map_err(|e| ModelError::Config(e.to_string()))?)
+            }
+            Weight::Tensor(t) if t.device().is_cpu() && p.bf16_dot => {
+                Weight::Packed(PackedMatrix::from_tensor_dot(&t)?)
             }
             Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(PackedMatrix::from_tensor(&t)?),
             Weight::Tensor(t) => Weight::Tensor(t.to_dtype(DType::F32)?),
@@ -912,6 +924,7 @@ impl Llama {
                 dtype,
                 blocks: None,
                 quantize: None,
+                bf16_dot: false,
             },
         )
     }

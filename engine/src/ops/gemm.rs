@@ -19,6 +19,18 @@
 //! kernel serves other CPUs, and the tests hold them all to the same results.
 //! Each tile's input rows are interleaved `[k][rows]` before the product, so
 //! the kernel reads one stream of inputs beside the panel.
+//!
+//! Where the CPU has AVX-512 BF16, half-precision weights may instead be
+//! packed as bf16 pairs ([`PackedMatrix::from_tensor_dot`]): each panel
+//! `[k/2][NR]` of two consecutive weights of an output, one 512-bit register
+//! a step holding all [`NR`] outputs' pairs. Token rows are rounded to bf16
+//! (to nearest, ties to even) and each `vdpbf16ps` adds two products into
+//! each of the sixteen f32 sums, four times the multiply-adds of an f32
+//! FMA on 256 bits. A tile is up to [`MR_DOT`] rows times up to
+//! [`DOT_PANELS`] panels, so that even one row keeps several independent
+//! chains; every output is one chain over its pairs in order, whatever the
+//! tile, so a row's result never depends on what shares its product.
+//! [`dot_pair`] writes that arithmetic out; it is the portable kernel.
 
 use std::sync::Arc;
 
@@ -41,6 +53,13 @@ pub(crate) const MR_WIDE: usize = 12;
 /// Token rows per pass over the weights: large pre-fill chunks are cut into
 /// blocks whose rows stay in the core's L2 cache while the panels stream by.
 const MC: usize = 96;
+
+/// Token rows per tile of the bf16 pair kernel: with [`DOT_PANELS`] panels,
+/// 24 of the 32 AVX-512 registers hold sums.
+pub(crate) const MR_DOT: usize = 6;
+
+/// Panels per tile of the bf16 pair kernel.
+pub(crate) const DOT_PANELS: usize = 4;
 
 /// How far ahead of the current panel row the kernel asks for the weights, in
 /// bytes. Panels are read front to back, and the hardware prefetchers stop at
@@ -154,6 +173,49 @@ enum Panels {
     F32(Aligned<f32>),
     F16(Aligned<f16>),
     Bf16(Aligned<bf16>),
+    /// bf16 pairs (the even input's weight in the low half), panels
+    /// `[k/2][NR]`: for the bf16 dot-product kernel.
+    Pairs(Aligned<u32>),
+}
+
+impl Element for u32 {
+    fn widen(self) -> f32 {
+        unreachable!("bf16 pairs are multiplied as pairs")
+    }
+}
+
+/// Whether this CPU multiplies bf16 pairs (AVX-512 BF16's `vdpbf16ps`, with
+/// AVX-512F/VL, AVX2, FMA and F16C): where it does not,
+/// [`PackedMatrix::from_tensor_dot`] packs half precision as it is.
+pub fn bf16_dot_available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            Kernel::best() == Kernel::Avx512 && std::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
+/// `acc + x·w` for one pair of bf16 inputs and weights (the even one in the
+/// low half of each `u32`): the odd products added first, then the even,
+/// each sum rounded to f32 (the products of two bf16 values are exact), as
+/// Intel describes `vdpbf16ps`.
+pub(crate) fn dot_pair(acc: f32, x: u32, w: u32) -> f32 {
+    let half = |v: u32| f32::from_bits(v << 16);
+    let odd = acc + half(x >> 16) * half(w >> 16);
+    odd + half(x & 0xffff) * half(w & 0xffff)
+}
+
+/// `x` rounded to bf16 pairs: `pairs[i] = (bf16(x[2i + 1]) << 16) | bf16(x[2i])`,
+/// an odd length's last pair holding a zero.
+fn bf16_pairs(x: &[f32], pairs: &mut [u32]) {
+    for (i, pair) in pairs.iter_mut().enumerate() {
+        let bits = |j: usize| x.get(j).map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
+        *pair = bits(2 * i) | (bits(2 * i + 1) << 16);
+    }
 }
 
 /// A weight element the kernels read.
@@ -227,6 +289,30 @@ fn pack<T: Element>(w: &[T], n: usize, k: usize) -> Aligned<T> {
     out
 }
 
+/// Lay `w` (`n × k`, row-major, as f32 values of bf16 weights) out as
+/// panels of `NR` rows of bf16 pairs, each stored `[k/2][NR]`, padded with zeros.
+fn pack_pairs(w: &[bf16], n: usize, k: usize) -> Aligned<u32> {
+    assert_eq!(w.len(), n * k, "weight shape");
+    let k2 = k.div_ceil(2);
+    let mut out = Aligned::zeroed(n.div_ceil(NR) * k2 * NR);
+    if k == 0 {
+        return out;
+    }
+    out.as_mut_slice()
+        .par_chunks_mut(k2 * NR)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for j in 0..NR.min(n - p * NR) {
+                let row = &w[(p * NR + j) * k..][..k];
+                for (i, pair) in row.chunks(2).enumerate() {
+                    let high = pair.get(1).map_or(0, |v| v.to_bits() as u32);
+                    panel[i * NR + j] = pair[0].to_bits() as u32 | (high << 16);
+                }
+            }
+        });
+    out
+}
+
 impl PackedMatrix {
     /// Pack an f32 `n × k` row-major matrix.
     pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
@@ -254,6 +340,28 @@ impl PackedMatrix {
         })
     }
 
+    /// Pack a 2-D half-precision `(n, k)` tensor for the bf16 dot products
+    /// where the CPU has them ([`bf16_dot_available`]): bf16 weights as they
+    /// are, f16 ones rounded to bf16 (to nearest, ties to even). Elsewhere, and
+    /// for other dtypes, as [`PackedMatrix::from_tensor`].
+    pub fn from_tensor_dot(w: &Tensor) -> candle_core::Result<Self> {
+        let (n, k) = w.dims2()?;
+        if !bf16_dot_available() || !matches!(w.dtype(), DType::F16 | DType::BF16) {
+            return Self::from_tensor(w);
+        }
+        Ok(Self::from_bf16_pairs(
+            &w.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<bf16>()?,
+            n,
+            k,
+        ))
+    }
+
+    /// Pack a bf16 `n × k` row-major matrix as bf16 pairs, for the bf16 dot
+    /// products (the portable kernel on a CPU without them).
+    pub(crate) fn from_bf16_pairs(w: &[bf16], n: usize, k: usize) -> Self {
+        Self::new(n, k, Panels::Pairs(pack_pairs(w, n, k)))
+    }
+
     fn new(n: usize, k: usize, panels: Panels) -> Self {
         PackedMatrix {
             n,
@@ -277,13 +385,23 @@ impl PackedMatrix {
         match &*self.panels {
             Panels::F32(_) => Precision::F32,
             Panels::F16(_) => Precision::F16,
-            Panels::Bf16(_) => Precision::Bf16,
+            Panels::Bf16(_) | Panels::Pairs(_) => Precision::Bf16,
         }
+    }
+
+    /// Whether the panels are bf16 pairs, multiplied with bf16 dot products.
+    pub fn bf16_dot(&self) -> bool {
+        matches!(&*self.panels, Panels::Pairs(_))
     }
 
     /// Bytes the panels occupy (what one product reads).
     pub fn bytes(&self) -> usize {
-        self.n.div_ceil(NR) * NR * self.k * self.precision().bytes()
+        let k = if self.bf16_dot() {
+            2 * self.k.div_ceil(2)
+        } else {
+            self.k
+        };
+        self.n.div_ceil(NR) * NR * k * self.precision().bytes()
     }
 
     /// `x · Wᵀ` for `x` of `m × k` row-major: `m × n` row-major.
@@ -317,6 +435,7 @@ impl PackedMatrix {
                     Panels::F32(p) => x86::row_f32(p.as_slice(), self.n, self.k, x, out, scale),
                     Panels::F16(p) => x86::row_f16(p.as_slice(), self.n, self.k, x, out, scale),
                     Panels::Bf16(p) => x86::row_bf16(p.as_slice(), self.n, self.k, x, out, scale),
+                    Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
                 }
             }
             return true;
@@ -366,6 +485,7 @@ impl PackedMatrix {
             Panels::F32(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
             Panels::F16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
             Panels::Bf16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
+            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, &mut out, kernel, true, expand),
         }
         out
     }
@@ -376,6 +496,7 @@ impl PackedMatrix {
             Panels::F32(p) => p.as_slice().as_ptr() as *const u8,
             Panels::F16(p) => p.as_slice().as_ptr() as *const u8,
             Panels::Bf16(p) => p.as_slice().as_ptr() as *const u8,
+            Panels::Pairs(p) => p.as_slice().as_ptr() as *const u8,
         }
     }
 
@@ -395,6 +516,89 @@ impl PackedMatrix {
             Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
             Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
             Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+        }
+    }
+
+    /// [`PackedMatrix::run`] on bf16 pairs: tiles of up to [`MR_DOT`] rows
+    /// times up to [`DOT_PANELS`] panels, the rows rounded to bf16 pairs.
+    #[allow(clippy::too_many_arguments)]
+    fn run_pairs(
+        &self,
+        panels: &[u32],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        kernel: Kernel,
+        parallel: bool,
+        expand: Fused<'_, '_>,
+    ) {
+        let (n, k, k2) = (self.n, self.k, self.k.div_ceil(2));
+        let count = n.div_ceil(NR);
+        let groups = count.div_ceil(DOT_PANELS);
+        let per_task = groups.div_ceil(4 * rayon::current_num_threads()).max(1);
+        let tasks = groups.div_ceil(per_task);
+        let target = OutPtr(out.as_mut_ptr());
+        let simd = kernel != Kernel::Portable && bf16_dot_available();
+        let mut pairs = Vec::new();
+        for first_row in (0..m).step_by(MC) {
+            let block_end = (first_row + MC).min(m);
+            let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(MR_DOT));
+            let bounds: Vec<usize> = (0..=tiles).map(|t| first_row + t * len / tiles).collect();
+            // Each tile's rows as bf16 pairs, interleaved `[k/2][rows]`.
+            pairs.clear();
+            pairs.resize(len * k2, 0u32);
+            let mut row_pairs = vec![0u32; k2];
+            for tile in bounds.windows(2) {
+                let (row, rows) = (tile[0], tile[1] - tile[0]);
+                let to = &mut pairs[(row - first_row) * k2..(row - first_row + rows) * k2];
+                for r in 0..rows {
+                    bf16_pairs(&x[(row + r) * k..(row + r + 1) * k], &mut row_pairs);
+                    for (i, &pair) in row_pairs.iter().enumerate() {
+                        to[i * rows + r] = pair;
+                    }
+                }
+            }
+            let pairs = &pairs;
+            let task = |t: usize| {
+                for g in t * per_task..((t + 1) * per_task).min(groups) {
+                    let first_panel = g * DOT_PANELS;
+                    let panel_count = DOT_PANELS.min(count - first_panel);
+                    for bound in bounds.windows(2) {
+                        let (row, rows) = (bound[0], bound[1] - bound[0]);
+                        let job = PairJob {
+                            rows,
+                            panel_count,
+                            k2,
+                            x: &pairs[(row - first_row) * k2..(row - first_row + rows) * k2],
+                            panels: &panels[first_panel * k2 * NR..(first_panel + panel_count) * k2 * NR],
+                            // SAFETY: inside `out` (`m × n`): row `row`, column `first_panel·NR`.
+                            out: unsafe { target.get().add(row * n + first_panel * NR) },
+                            ldo: n,
+                            cols: (n - first_panel * NR).min(panel_count * NR),
+                        };
+                        // SAFETY: this task alone writes these panels' columns of
+                        // these rows, and nothing reads `out` until every task is done.
+                        unsafe {
+                            #[cfg(target_arch = "x86_64")]
+                            if simd {
+                                x86::pairs_tile(&job);
+                                continue;
+                            }
+                            pairs_tile_portable(&job);
+                        }
+                    }
+                    for p in first_panel..first_panel + panel_count {
+                        // SAFETY: as for the tiles: this task's own columns, all written.
+                        unsafe { expand.add(first_row..block_end, p, target.get(), n) };
+                    }
+                }
+            };
+            if parallel {
+                (0..tasks).into_par_iter().for_each(task);
+            } else {
+                (0..tasks).for_each(task);
+            }
         }
     }
 
@@ -644,6 +848,7 @@ impl<'w> PanelBatch<'w> {
             Panels::F32(_) => run!(F32, rows_f32),
             Panels::F16(_) => run!(F16, rows_f16),
             Panels::Bf16(_) => run!(Bf16, rows_bf16),
+            Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
         }
     }
 }
@@ -683,6 +888,42 @@ impl PackedMatrix {
         // SAFETY: as above.
         unsafe { batch.run() };
         true
+    }
+}
+
+/// One tile of a product on bf16 pairs: `rows` token rows times
+/// `panel_count` consecutive panels, into `cols` columns of `rows` output rows.
+struct PairJob<'a> {
+    rows: usize,
+    panel_count: usize,
+    /// Pairs along `k`.
+    k2: usize,
+    /// The inputs as bf16 pairs, interleaved `[k2][rows]`.
+    x: &'a [u32],
+    /// The panels, each `[k2][NR]`.
+    panels: &'a [u32],
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+}
+
+/// `out[r][j] = Σ_i dot_pair(x[i][r], panel[i][j])` in order of `i`, for
+/// every row and column of the tile: the reference the SIMD kernel follows.
+///
+/// # Safety
+/// `job.out` must be valid for writes of `cols` floats at each of `rows` rows `ldo` apart.
+unsafe fn pairs_tile_portable(job: &PairJob<'_>) {
+    for r in 0..job.rows {
+        for c in 0..job.cols {
+            let (p, j) = (c / NR, c % NR);
+            let panel = &job.panels[p * job.k2 * NR..][..job.k2 * NR];
+            let mut acc = 0f32;
+            for i in 0..job.k2 {
+                acc = dot_pair(acc, job.x[i * job.rows + r], panel[i * NR + j]);
+            }
+            // SAFETY: the caller's contract.
+            unsafe { *job.out.add(r * job.ldo + c) = acc };
+        }
     }
 }
 
@@ -786,7 +1027,10 @@ mod x86 {
 
     use half::{bf16, f16};
 
-    use super::{Kernel, PanelRow, Tile, TileJob, EXPAND_LINE_STEPS, MR, MR_WIDE, NR, PREFETCH_BYTES};
+    use super::{
+        Kernel, PairJob, PanelRow, Tile, TileJob, DOT_PANELS, EXPAND_LINE_STEPS, MR, MR_DOT, MR_WIDE, NR,
+        PREFETCH_BYTES,
+    };
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1064,6 +1308,77 @@ mod x86 {
     tile!(f32, kernel_f32, kernel_f32_wide);
     tile!(f16, kernel_f16, kernel_f16_wide);
     tile!(bf16, kernel_bf16, kernel_bf16_wide);
+
+    /// `R` rows times `P` panels of bf16 pairs, as [`super::pairs_tile_portable`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bf16")]
+    unsafe fn pairs_kernel<const R: usize, const P: usize>(job: &PairJob<'_>) {
+        let (k2, x, panels) = (job.k2, job.x.as_ptr(), job.panels.as_ptr());
+        // SAFETY (whole body): the caller checked the shapes; `out` is the caller's.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); R]; P];
+            for i in 0..k2 {
+                let w: [__m512bh; P] = std::array::from_fn(|p| {
+                    let at = panels.add((p * k2 + i) * NR);
+                    _mm_prefetch::<_MM_HINT_T0>((at as *const i8).wrapping_add(PREFETCH_BYTES));
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at as *const __m512i))
+                });
+                for r in 0..R {
+                    let a = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*x.add(i * R + r) as i32));
+                    for p in 0..P {
+                        acc[p][r] = _mm512_dpbf16_ps(acc[p][r], a, w[p]);
+                    }
+                }
+            }
+            for (p, acc) in acc.iter().enumerate() {
+                let cols = job.cols.saturating_sub(p * NR).min(NR);
+                for (r, acc) in acc.iter().enumerate() {
+                    let out = job.out.add(r * job.ldo + p * NR);
+                    if cols == NR {
+                        _mm512_storeu_ps(out, *acc);
+                    } else {
+                        let mut row = [0f32; NR];
+                        _mm512_storeu_ps(row.as_mut_ptr(), *acc);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), out, cols);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Dispatch a tile of bf16 pairs on its height and width.
+    ///
+    /// # Safety
+    /// As [`super::pairs_tile_portable`], on a CPU with [`super::bf16_dot_available`].
+    pub(super) unsafe fn pairs_tile(job: &PairJob<'_>) {
+        assert!(
+            (1..=MR_DOT).contains(&job.rows)
+                && (1..=DOT_PANELS).contains(&job.panel_count)
+                && job.x.len() >= job.rows * job.k2
+                && job.panels.len() >= job.panel_count * job.k2 * NR
+                && job.cols <= job.panel_count * NR
+        );
+        macro_rules! by_width {
+            ($r:literal) => {
+                match job.panel_count {
+                    1 => pairs_kernel::<$r, 1>(job),
+                    2 => pairs_kernel::<$r, 2>(job),
+                    3 => pairs_kernel::<$r, 3>(job),
+                    _ => pairs_kernel::<$r, 4>(job),
+                }
+            };
+        }
+        // SAFETY: the assertion bounds every read; the caller vouches for the rest.
+        unsafe {
+            match job.rows {
+                1 => by_width!(1),
+                2 => by_width!(2),
+                3 => by_width!(3),
+                4 => by_width!(4),
+                5 => by_width!(5),
+                _ => by_width!(6),
+            }
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -1242,6 +1557,128 @@ mod tests {
         let x = random(m * k, &mut rng);
         let got = PackedMatrix::from_f32(&w, n, k).matmul(&x, m);
         assert!(relative_error(&got, &candle_product(&w, n, k, &x, m)) <= 1e-5);
+    }
+
+    #[test]
+    fn bf16_pair_products_follow_the_reference_on_odd_shapes_and_every_batch_size() {
+        let mut rng = SplitMix::new(41);
+        let kernels: Vec<Kernel> = if bf16_dot_available() {
+            vec![Kernel::Auto, Kernel::Portable]
+        } else {
+            vec![Kernel::Portable]
+        };
+        let mut bit_exact = true;
+        for (n, k) in [(1, 1), (16, 2), (37, 33), (64, 1024), (100, 200), (200, 7)] {
+            let w: Vec<bf16> = random(n * k, &mut rng).iter().map(|&v| bf16::from_f32(v)).collect();
+            let packed = PackedMatrix::from_bf16_pairs(&w, n, k);
+            assert!(packed.bf16_dot());
+            assert_eq!(packed.bytes(), n.div_ceil(NR) * NR * 2 * k.div_ceil(2) * 2);
+            for m in [1, 2, 5, 6, 7, 13, 64] {
+                let x = random(m * k, &mut rng);
+                // The reference: each output one chain of `dot_pair` over its pairs.
+                let mut want = vec![0f32; m * n];
+                let mut pairs = vec![0u32; k.div_ceil(2)];
+                for r in 0..m {
+                    bf16_pairs(&x[r * k..(r + 1) * k], &mut pairs);
+                    for c in 0..n {
+                        let row = &w[c * k..(c + 1) * k];
+                        let mut wp = vec![0u32; k.div_ceil(2)];
+                        bf16_pairs(&row.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), &mut wp);
+                        want[r * n + c] = pairs.iter().zip(&wp).fold(0f32, |acc, (&x, &w)| dot_pair(acc, x, w));
+                    }
+                }
+                for &kernel in &kernels {
+                    let mut got = vec![f32::NAN; m * n];
+                    packed.matmul_into(&x, m, &mut got, kernel);
+                    // Within f32 rounding of the sums of |x·w| (the hardware may
+                    // round its two additions as one).
+                    for r in 0..m {
+                        let xb: Vec<f32> = x[r * k..(r + 1) * k]
+                            .iter()
+                            .map(|&v| bf16::from_f32(v).to_f32())
+                            .collect();
+                        for c in 0..n {
+                            let magnitude: f32 = w[c * k..(c + 1) * k]
+                                .iter()
+                                .zip(&xb)
+                                .map(|(w, x)| (w.to_f32() * x).abs())
+                                .sum();
+                            let (g, e) = (got[r * n + c], want[r * n + c]);
+                            bit_exact &= g.to_bits() == e.to_bits();
+                            assert!(
+                                (g - e).abs() <= magnitude * k as f32 * f32::EPSILON,
+                                "{n}x{k}, {m} rows, {kernel:?}: ({r}, {c}) {g} against {e}"
+                            );
+                        }
+                    }
+                    // A row alone gives what it gives among the others.
+                    for r in [0, m / 2, m - 1] {
+                        let mut alone = vec![0f32; n];
+                        packed.matmul_into(&x[r * k..(r + 1) * k], 1, &mut alone, kernel);
+                        assert_eq!(alone, got[r * n..(r + 1) * n], "{n}x{k}, row {r} of {m}, {kernel:?}");
+                    }
+                }
+            }
+        }
+        eprintln!("bf16 pair kernel bit for bit with the reference: {bit_exact}");
+    }
+
+    #[test]
+    fn bf16_pair_products_stay_near_f32_products() {
+        // Rounding each input and weight to bf16 (8 significant bits) moves a
+        // product by at most about 2⁻⁸ of Σ|x·w|.
+        let mut rng = SplitMix::new(43);
+        let (n, k, m) = (48, 512, 9);
+        let w = random(n * k, &mut rng);
+        let x = random(m * k, &mut rng);
+        let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let got = PackedMatrix::from_bf16_pairs(&brains, n, k).matmul(&x, m);
+        let want = candle_product(&w, n, k, &x, m);
+        for r in 0..m {
+            for c in 0..n {
+                let magnitude: f32 = (0..k).map(|i| (x[r * k + i] * w[c * k + i]).abs()).sum();
+                let err = (got[r * n + c] - want[r * n + c]).abs();
+                assert!(err <= magnitude / 128.0, "({r}, {c}): off by {err} of {magnitude}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_fused_expand_on_bf16_pairs_gives_the_product_then_row_adds_bit_for_bit() {
+        if !PackedMatrix::rows_direct() {
+            return;
+        }
+        let mut rng = SplitMix::new(47);
+        let (n, k, m) = (75, 40, 13);
+        let w: Vec<bf16> = random(n * k, &mut rng).iter().map(|&v| bf16::from_f32(v)).collect();
+        let w = PackedMatrix::from_bf16_pairs(&w, n, k);
+        let b = PackedMatrix::from_f32(&random(27 * 8, &mut rng), 27, 8);
+        let x = random(m * k, &mut rng);
+        let shrunk: Vec<Vec<f32>> = (0..m).map(|_| random(8, &mut rng)).collect();
+        let parts: Vec<Vec<Expand<'_>>> = (0..m)
+            .map(|r| {
+                if r % 2 == 0 {
+                    vec![]
+                } else {
+                    vec![Expand {
+                        b: &b,
+                        shrunk: &shrunk[r],
+                        first_column: 48,
+                        scale: 0.5,
+                    }]
+                }
+            })
+            .collect();
+        let lists: Vec<&[Expand<'_>]> = parts.iter().map(Vec::as_slice).collect();
+        let got = w.matmul_expand(&x, m, &lists);
+        let mut want = w.matmul(&x, m);
+        for (row, parts) in want.chunks_exact_mut(n).zip(&parts) {
+            for part in parts {
+                let out = &mut row[part.first_column..part.first_column + part.b.outputs()];
+                assert!(part.b.row_add(part.shrunk, out, part.scale));
+            }
+        }
+        assert_eq!(got, want);
     }
 
     #[test]

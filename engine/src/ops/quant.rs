@@ -280,7 +280,10 @@ impl QuantType {
     /// Whether a block has a minimum of its own (the others' is a fixed
     /// offset times the scale, or none).
     fn has_minimum(self) -> bool {
-        matches!(self, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K)
+        matches!(
+            self,
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K
+        )
     }
 
     /// Whether a block's product has a term from the token rows' block sums
@@ -436,7 +439,10 @@ fn decode_k(ty: QuantType, b: &[u8]) -> KBlock {
         let (scale, min) = if j < 4 {
             (s[j] & 63, s[j + 4] & 63)
         } else {
-            ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+            (
+                (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+                (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+            )
         };
         k.scales[j] = scale as i8;
         k.minimums[j] = min;
@@ -479,7 +485,8 @@ fn lay_k_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
         for (j, q) in k.q.chunks_exact(QK).enumerate() {
             let sub = &mut out[ty.sub_block_at(j)..];
             if ty.has_fifth_bits() {
-                let plane = |bit: u32| -> u32 { q.iter().enumerate().map(|(i, &q)| ((q as u32 >> bit) & 1) << i).sum() };
+                let plane =
+                    |bit: u32| -> u32 { q.iter().enumerate().map(|(i, &q)| ((q as u32 >> bit) & 1) << i).sum() };
                 sub[4 * l..][..4].copy_from_slice(&plane(4).to_le_bytes());
                 if ty == QuantType::Q6K {
                     sub[4 * WR + 4 * l..][..4].copy_from_slice(&plane(5).to_le_bytes());
@@ -955,12 +962,7 @@ fn dot_reference(part: &Part, row: usize, x: &QuantizedRows, r: usize) -> f32 {
     let (mut acc, mut min) = (0f32, 0f32);
     let (nb, subs) = (x.blocks(), part.ty.sub_blocks());
     for b in 0..nb {
-        let block = group_row(
-            part.ty,
-            part.group(row / WR, b / subs, nb / subs),
-            row % WR,
-            b % subs,
-        );
+        let block = group_row(part.ty, part.group(row / WR, b / subs, nb / subs), row % WR, b % subs);
         let xq = &x.q[r * x.k + b * QK..][..QK];
         let sum = |range: std::ops::Range<usize>| -> i32 { range.map(|i| block.w[i] * xq[i] as i32).sum() };
         let xd = x.d[r * nb + b];
@@ -1247,11 +1249,18 @@ mod x86 {
                                     }
                                 }
                             } else {
-                                let plane = |n: usize| {
-                                    _mm256_loadu_si256(sub.add(ty.fifth_at() + 32 * n) as *const __m256i)
+                                let plane =
+                                    |n: usize| _mm256_loadu_si256(sub.add(ty.fifth_at() + 32 * n) as *const __m256i);
+                                let fifth = if ty.has_fifth_bits() {
+                                    plane(0)
+                                } else {
+                                    _mm256_setzero_si256()
                                 };
-                                let fifth = if ty.has_fifth_bits() { plane(0) } else { _mm256_setzero_si256() };
-                                let sixth = if TY == Q6K { plane(1) } else { _mm256_setzero_si256() };
+                                let sixth = if TY == Q6K {
+                                    plane(1)
+                                } else {
+                                    _mm256_setzero_si256()
+                                };
                                 for c in 0..QK / 8 {
                                     let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
                                     let mut low = _mm256_and_si256(w, nibble);
@@ -1280,7 +1289,10 @@ mod x86 {
                             }
                             if TY == Q6K {
                                 let scale = |s: usize| bytes_ps::<true>(p.add(ty.k_scales() + 8 * s));
-                                let (d0, d1) = (_mm256_mul_ps(d_file, scale(2 * j)), _mm256_mul_ps(d_file, scale(2 * j + 1)));
+                                let (d0, d1) = (
+                                    _mm256_mul_ps(d_file, scale(2 * j)),
+                                    _mm256_mul_ps(d_file, scale(2 * j + 1)),
+                                );
                                 for r in 0..X {
                                     let offset = |h: usize| _mm256_set1_epi32(32 * xh[r][2 * b + h]);
                                     let first = _mm256_sub_epi32(sums[0][r], offset(0));
@@ -1440,7 +1452,17 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_reference_bit_for_bit() {
         let kernels = QuantKernel::available();
-        for (n, k) in [(1, 32usize), (3, 64), (4, 96), (5, 576), (17, 160), (64, 64), (1, 256), (13, 512), (64, 768)] {
+        for (n, k) in [
+            (1, 32usize),
+            (3, 64),
+            (4, 96),
+            (5, 576),
+            (17, 160),
+            (64, 64),
+            (1, 256),
+            (13, 512),
+            (64, 768),
+        ] {
             let parts: Vec<QuantMatrix> = TYPES
                 .iter()
                 .filter(|(ty, _)| k.is_multiple_of(ty.block_weights()))
@@ -1485,7 +1507,12 @@ mod tests {
             let x = values(9 * k, 8);
             let all = w.matmul(&x, 9);
             for r in 0..9 {
-                assert_eq!(w.matmul(&x[r * k..][..k], 1), all[r * n..][..n], "{} row {r}", ty.name());
+                assert_eq!(
+                    w.matmul(&x[r * k..][..k], 1),
+                    all[r * n..][..n],
+                    "{} row {r}",
+                    ty.name()
+                );
             }
         }
     }
