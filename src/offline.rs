@@ -212,10 +212,13 @@ pub struct EngineArgs {
     /// unchanged, but a seed's draws then depend on what shares the batch).
     #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]
     pub speculate_sampled: bool,
-    /// How quantized weights are multiplied: `native` (a GGUF file's `Q8_0`,
-    /// `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` and `Q6_K` blocks as
-    /// they are, each token row quantized to 8-bit blocks) or `exact` (every weight dequantized at load and token
-    /// rows in f32: transformers' arithmetic, several times the bytes a step reads).
+    /// How weights are multiplied: `native` (a GGUF file's `Q8_0`, `Q4_0`,
+    /// `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` and `Q6_K` blocks as they are,
+    /// each token row quantized to 8-bit blocks; f16 and bf16 projections with
+    /// bf16 dot products where the CPU has AVX-512 BF16) or `exact` (every
+    /// weight dequantized at load, half precision widened in the product,
+    /// token rows in f32: transformers' arithmetic, several times the bytes a
+    /// step reads).
     #[arg(long, env = "LORRY_PRODUCTS", default_value = "native", value_parser = products)]
     pub products: Products,
     /// Quantize a checkpoint's f32, f16 and bf16 projections at load (weight

@@ -1152,7 +1152,8 @@ impl Llama {
 
 impl Llama {
     /// Load a Hugging Face checkpoint directory: f32 activations; projections
-    /// packed in the checkpoint's precision (f32, f16 or bf16).
+    /// packed in the checkpoint's precision (f32, f16 or bf16; half precision
+    /// as bf16 pairs where the CPU has bf16 dot products).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
         Llama::from_dir_with(dir, device, Products::Native)
     }
@@ -1170,8 +1171,8 @@ impl Llama {
         Llama::load_from(vb, &cfg, products.projections(dtype, None, device))
     }
 
-    /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0` or `Q5_1`
-    /// as their blocks (unless `products` is [`Products::Exact`]); other
+    /// Load a GGUF file: on the CPU, projections in `Q8_0`, `Q4_0`, `Q4_1`,
+    /// `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` or `Q6_K` as their blocks (unless `products` is [`Products::Exact`]); other
     /// tensors dequantized one at a time as the layers ask for them (f32, or
     /// the file's own f16/bf16 where every projection is half precision).
     pub fn from_gguf(file: &super::gguf::GgufFile, device: &Device, products: Products) -> Result<Self> {

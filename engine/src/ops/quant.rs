@@ -43,9 +43,10 @@
 //! them too and a projection may mix K-quants with the others. At load a
 //! group of [`WR`] rows holds per super-block the rows' scales, their
 //! sub-block scales and minimums as bytes, then each sub-block as the
-//! 32-weight formats lay theirs (nibbles, and the fifth bits apart; `Q6_K`'s
-//! sixth bits a second `u32`): 148, 180 and 210 bytes a row where the file
-//! takes 144, 176 and 210. `Q6_K`'s two halves of a sub-block keep their
+//! 32-weight formats lay theirs (nibbles, and `Q5_K`'s fifth bits apart;
+//! `Q6_K`'s two high bits of two sub-blocks four to a byte, laid as the
+//! nibbles are, so that a mask and a shift put them in place): 148, 180 and
+//! 210 bytes a row where the file takes 144, 176 and 210. `Q6_K`'s two halves of a sub-block keep their
 //! own integer sums, each a scale of its own; its weights are `q − 32`,
 //! taken as `Σ q·x − 32·Σx` over each half with the token rows' half sums.
 
@@ -295,10 +296,7 @@ impl QuantType {
 
     /// Whether the quants have a fifth bit, kept apart (32 bits a block).
     fn has_fifth_bits(self) -> bool {
-        matches!(
-            self,
-            QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K | QuantType::Q6K
-        )
+        matches!(self, QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K)
     }
 }
 
@@ -310,12 +308,14 @@ impl QuantType {
 /// sub-block by sub-block ([`QuantType::k_scales`]; `Q6_K`: sixteen, signed),
 /// for `Q4_K`/`Q5_K` the minimums likewise ([`QuantType::k_minimums`]),
 /// then the eight sub-blocks ([`QuantType::sub_block_at`]), each its fifth
-/// bits (`Q5_K`, `Q6_K`; `Q6_K`'s sixth bits after them) and its quants as
-/// a 32-weight group's.
+/// bits (`Q5_K`) and its quants as a 32-weight group's; `Q6_K`'s sub-blocks
+/// go in pairs, the pair's high bits ([`QuantType::high_bits_at`]) before
+/// its two sub-blocks' quants.
 impl QuantType {
     fn group_bytes(self) -> usize {
         match self {
-            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => self.sub_block_at(8),
+            QuantType::Q4K | QuantType::Q5K => self.sub_block_at(8),
+            QuantType::Q6K => self.high_bits_at(8),
             _ => WR * self.block_bytes(),
         }
     }
@@ -343,14 +343,26 @@ impl QuantType {
         let (first, each) = match self {
             QuantType::Q4K => (self.k_minimums() + 8 * WR, 16 * WR),
             QuantType::Q5K => (self.k_minimums() + 8 * WR, 20 * WR),
-            QuantType::Q6K => (self.k_scales() + 16 * WR, 24 * WR),
+            // A pair: high bits, then the two sub-blocks' quants.
+            QuantType::Q6K => {
+                let first = self.k_scales() + 16 * WR;
+                return first + (j / 2) * 48 * WR + 16 * WR + (j % 2) * 16 * WR;
+            }
             _ => return 0,
         };
         first + j * each
     }
 
+    /// Where `Q6_K`'s high bits of sub-blocks `j` and its pair start: a byte
+    /// for weights `t` and `t + 16` of both, laid as the quants are; in it
+    /// bits `2·(j % 2)` and up hold weight `t`'s of sub-block `j`, bits
+    /// `4 + 2·(j % 2)` and up weight `t + 16`'s.
+    fn high_bits_at(self, j: usize) -> usize {
+        self.k_scales() + 16 * WR + (j / 2) * 48 * WR
+    }
+
     /// Where a (sub-)block's fifth bits start, from its start (`Q5_0`,
-    /// `Q5_1`, `Q5_K`, `Q6_K`: a `u32` a row; `Q6_K`'s sixth bits follow).
+    /// `Q5_1`, `Q5_K`: a `u32` a row).
     fn fifth_at(self) -> usize {
         match self {
             QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 0,
@@ -361,10 +373,7 @@ impl QuantType {
 
     /// Where a (sub-)block's quants start, from its start.
     fn quants_in(self) -> usize {
-        match self {
-            QuantType::Q6K => 8 * WR,
-            _ => self.fifth_at() + if self.has_fifth_bits() { 4 * WR } else { 0 },
-        }
+        self.fifth_at() + if self.has_fifth_bits() { 4 * WR } else { 0 }
     }
 }
 
@@ -483,14 +492,17 @@ fn lay_k_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
             }
         }
         for (j, q) in k.q.chunks_exact(QK).enumerate() {
+            if ty == QuantType::Q6K {
+                let high = &mut out[ty.high_bits_at(j)..];
+                for t in 0..QK / 2 {
+                    let at = (t / 4) * 4 * WR + 4 * l + t % 4;
+                    high[at] |= ((q[t] >> 4) << (2 * (j % 2))) | ((q[t + QK / 2] >> 4) << (4 + 2 * (j % 2)));
+                }
+            }
             let sub = &mut out[ty.sub_block_at(j)..];
             if ty.has_fifth_bits() {
-                let plane =
-                    |bit: u32| -> u32 { q.iter().enumerate().map(|(i, &q)| ((q as u32 >> bit) & 1) << i).sum() };
-                sub[4 * l..][..4].copy_from_slice(&plane(4).to_le_bytes());
-                if ty == QuantType::Q6K {
-                    sub[4 * WR + 4 * l..][..4].copy_from_slice(&plane(5).to_le_bytes());
-                }
+                let plane: u32 = q.iter().enumerate().map(|(i, &q)| ((q as u32 >> 4) & 1) << i).sum();
+                sub[4 * l..][..4].copy_from_slice(&plane.to_le_bytes());
             }
             for t in 0..QK / 2 {
                 sub[ty.quants_in() + (t / 4) * 4 * WR + 4 * l + t % 4] = (q[t] & 0x0f) | ((q[t + QK / 2] & 0x0f) << 4);
@@ -615,17 +627,23 @@ fn group_row(ty: QuantType, group: &[u8], l: usize, j: usize) -> Block {
         QuantType::Q6K => ([d * scale(2 * j), d * scale(2 * j + 1)], 0.0),
     };
     let sub = &group[ty.sub_block_at(j)..];
-    let plane = |n: usize| {
-        let at = ty.fifth_at() + 4 * WR * n + 4 * l;
+    let fifth = if ty.has_fifth_bits() {
+        let at = ty.fifth_at() + 4 * l;
         u32::from_le_bytes([sub[at], sub[at + 1], sub[at + 2], sub[at + 3]])
-    };
-    let (fifth, sixth) = match ty {
-        QuantType::Q6K => (plane(0), plane(1)),
-        _ if ty.has_fifth_bits() => (plane(0), 0),
-        _ => (0, 0),
+    } else {
+        0
     };
     let quants = &sub[ty.quants_in()..];
     let byte = |i: usize| quants[(i / 4) * 4 * WR + 4 * l + i % 4];
+    // `Q6_K`'s two high bits of weight `i`, at bits 4 and 5.
+    let high = |i: usize| -> i32 {
+        if ty != QuantType::Q6K {
+            return 0;
+        }
+        let t = i % (QK / 2);
+        let b = group[ty.high_bits_at(j) + (t / 4) * 4 * WR + 4 * l + t % 4];
+        (((b >> (2 * (j % 2) + 4 * (i / (QK / 2)))) & 3) as i32) << 4
+    };
     let w = match ty {
         QuantType::Q8_0 => std::array::from_fn(|i| byte(i) as i8 as i32),
         _ => std::array::from_fn(|i| {
@@ -634,7 +652,7 @@ fn group_row(ty: QuantType, group: &[u8], l: usize, j: usize) -> Block {
             } else {
                 byte(i - QK / 2) >> 4
             };
-            let q = low as i32 | (((fifth >> i) & 1) << 4) as i32 | (((sixth >> i) & 1) << 5) as i32;
+            let q = low as i32 | (((fifth >> i) & 1) << 4) as i32 | high(i);
             if ty == QuantType::Q6K {
                 q - 32
             } else {
@@ -1249,18 +1267,12 @@ mod x86 {
                                     }
                                 }
                             } else {
-                                let plane =
-                                    |n: usize| _mm256_loadu_si256(sub.add(ty.fifth_at() + 32 * n) as *const __m256i);
                                 let fifth = if ty.has_fifth_bits() {
-                                    plane(0)
+                                    _mm256_loadu_si256(sub.add(ty.fifth_at()) as *const __m256i)
                                 } else {
                                     _mm256_setzero_si256()
                                 };
-                                let sixth = if TY == Q6K {
-                                    plane(1)
-                                } else {
-                                    _mm256_setzero_si256()
-                                };
+                                let high_bits = p.add(ty.high_bits_at(j));
                                 for c in 0..QK / 8 {
                                     let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
                                     let mut low = _mm256_and_si256(w, nibble);
@@ -1270,9 +1282,27 @@ mod x86 {
                                         high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
                                     }
                                     if TY == Q6K {
-                                        let (l6, h6) = (fifth_bit(sixth, 4 * c), fifth_bit(sixth, QK / 2 + 4 * c));
-                                        low = _mm256_or_si256(low, _mm256_add_epi8(l6, l6));
-                                        high = _mm256_or_si256(high, _mm256_add_epi8(h6, h6));
+                                        // Weight `t`'s two bits at `2·(j % 2)`, weight
+                                        // `t + 16`'s at `4 + 2·(j % 2)`: masked, then shifted
+                                        // to bits 4–5 (16-bit shifts of masked bytes
+                                        // carry nothing across bytes).
+                                        let h = _mm256_loadu_si256(high_bits.add(32 * c) as *const __m256i);
+                                        let (l6, h6) = if j % 2 == 0 {
+                                            (
+                                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4),
+                                                _mm256_and_si256(h, _mm256_set1_epi8(0x30)),
+                                            )
+                                        } else {
+                                            (
+                                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0c)), 2),
+                                                _mm256_srli_epi16(
+                                                    _mm256_and_si256(h, _mm256_set1_epi8(0xc0u8 as i8)),
+                                                    2,
+                                                ),
+                                            )
+                                        };
+                                        low = _mm256_or_si256(low, l6);
+                                        high = _mm256_or_si256(high, h6);
                                     }
                                     let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
                                     for r in 0..X {
