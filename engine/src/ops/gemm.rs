@@ -1311,6 +1311,7 @@ mod x86 {
 
     /// `R` rows times `P` panels of bf16 pairs, as [`super::pairs_tile_portable`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bf16")]
+    #[allow(clippy::needless_range_loop)] // a register tile, indexed by row and panel
     unsafe fn pairs_kernel<const R: usize, const P: usize>(job: &PairJob<'_>) {
         let (k2, x, panels) = (job.k2, job.x.as_ptr(), job.panels.as_ptr());
         // SAFETY (whole body): the caller checked the shapes; `out` is the caller's.
