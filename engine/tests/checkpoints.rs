@@ -217,6 +217,34 @@ fn smollm2_gguf_tokenizes_as_transformers() {
 /// of the largest (measured: 5.3%), greedy tokens the same up to a place
 /// where the exact model's two best were within 0.25 of each other
 /// (measured: 8 of 16 generations of 24 tokens part, at gaps of 0.04–0.15).
+/// The largest difference between two rows of logits, as a share of the
+/// second's largest.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale
+}
+
+/// Where `native`'s greedy tokens `a` and `exact`'s `b` after `prompt` part:
+/// the token, the exact model's lead of its best over its second there, and
+/// how far the two models' logits there differ ([`largest_difference`]).
+/// `None` where they do not part.
+fn parting(native: &TextModel, exact: &TextModel, prompt: &[u32], a: &[u32], b: &[u32]) -> Option<(usize, f32, f32)> {
+    if a == b {
+        return None;
+    }
+    let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let mut context = prompt.to_vec();
+    context.extend(&b[..at]);
+    let logits = |m: &TextModel| {
+        let mut cache = m.model.new_cache();
+        m.model.forward(&context, &mut cache).unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (mut row, moved) = (logits(exact), logits(native));
+    let drift = largest_difference(&moved, &row);
+    row.sort_by(|x, y| y.total_cmp(x));
+    Some((at, row[0] - row[1], drift))
+}
+
 #[test]
 fn smollm2_quantized_products_follow_the_dequantized_weights() {
     let native = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
@@ -266,20 +294,8 @@ fn smollm2_quantized_products_follow_the_dequantized_weights() {
         let request = request(record, 24);
         let (a, b) = (native.generate(&request).unwrap(), exact.generate(&request).unwrap());
         compared += 1;
-        if a.token_ids != b.token_ids {
-            // Where they part, the exact model's two best must be a near tie.
-            let at = a.token_ids.iter().zip(&b.token_ids).take_while(|(x, y)| x == y).count();
-            let mut context = prompt.clone();
-            context.extend(&b.token_ids[..at]);
-            let mut cache = exact.model.new_cache();
-            let mut row = exact
-                .model
-                .forward(&context, &mut cache)
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            row.sort_by(|x, y| y.total_cmp(x));
-            let gap = row[0] - row[1];
+        // Where they part, the exact model's two best must be a near tie.
+        if let Some((at, gap, _)) = parting(&native, &exact, &prompt, &a.token_ids, &b.token_ids) {
             assert!(
                 gap < 0.25,
                 "{:?}: tokens part at {at} where the best led by {gap}",
@@ -337,15 +353,12 @@ fn native_logit_drift(path: &Path, text: &str) -> f32 {
         let mut cache = m.model.new_cache();
         m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
     };
-    let (a, b) = (logits(&native), logits(&exact));
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let drift = largest_difference(&logits(&native), &logits(&exact));
     eprintln!(
-        "{}: largest logit difference {} of the largest logit",
-        path.display(),
-        worst / scale
+        "{}: largest logit difference {drift} of the largest logit",
+        path.display()
     );
-    worst / scale
+    drift
 }
 
 /// A `llama` file whose q/k rows llama.cpp permuted, with Q8_0 and Q4_0
@@ -498,47 +511,24 @@ fn smollm2_k_quant_blocks_follow_the_same_blocks_dequantized() {
         let exact = TextModel::open_with(&dequantized_dir, &Device::Cpu, Products::Exact).unwrap();
         assert!(native.model.weight_bytes_per_param() < 1.1);
         assert_eq!(exact.model.weight_bytes_per_param(), 4.0);
-        let (mut worst_ratio, mut near_ties, mut wide_partings) = (0f32, 0, 0);
+        let (mut worst_ratio, mut partings, mut wide_partings) = (0f32, 0, 0);
         for record in expected["prompts"].as_array().unwrap().iter().step_by(4) {
             let prompt = ids(&record["prompt_ids"]);
             let logits = |m: &TextModel| {
                 let mut cache = m.model.new_cache();
                 m.model.forward(&prompt, &mut cache).unwrap().to_vec1::<f32>().unwrap()
             };
-            let (a, b) = (logits(&native), logits(&exact));
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-            worst_ratio = worst_ratio.max(worst / scale);
+            let drift = largest_difference(&logits(&native), &logits(&exact));
+            worst_ratio = worst_ratio.max(drift);
             assert!(
-                worst <= 0.08 * scale,
-                "{}: logits after {:?} differ by {worst} (largest {scale})",
+                drift <= 0.08,
+                "{}: logits after {:?} differ by {drift} of the largest",
                 ty.name(),
                 record["text"]
             );
             let request = request(record, 16);
             let (a, b) = (native.generate(&request).unwrap(), exact.generate(&request).unwrap());
-            if a.token_ids != b.token_ids {
-                let at = a.token_ids.iter().zip(&b.token_ids).take_while(|(x, y)| x == y).count();
-                let mut context = prompt.clone();
-                context.extend(&b.token_ids[..at]);
-                let mut cache = exact.model.new_cache();
-                let mut row = exact
-                    .model
-                    .forward(&context, &mut cache)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap();
-                let mut cache = native.model.new_cache();
-                let moved = native
-                    .model
-                    .forward(&context, &mut cache)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap();
-                let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let drift = moved.iter().zip(&row).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale;
-                row.sort_by(|x, y| y.total_cmp(x));
-                let gap = row[0] - row[1];
+            if let Some((at, gap, drift)) = parting(&native, &exact, &prompt, &a.token_ids, &b.token_ids) {
                 eprintln!(
                     "{}: {:?} parts at token {at}, where the exact model's best led by {gap} and the logits differ by {drift} of the largest",
                     ty.name(),
@@ -547,7 +537,7 @@ fn smollm2_k_quant_blocks_follow_the_same_blocks_dequantized() {
                 if gap >= 0.25 {
                     wide_partings += 1;
                 }
-                near_ties += 1;
+                partings += 1;
             }
         }
         let text: Vec<u32> = corpus
@@ -560,7 +550,7 @@ fn smollm2_k_quant_blocks_follow_the_same_blocks_dequantized() {
             exact.model.mean_nll(&text, 256).unwrap(),
         );
         eprintln!(
-            "{}: largest logit difference {worst_ratio} of the largest; {near_ties} of 6 generations part; mean NLL {a} on the blocks, {b} dequantized",
+            "{}: largest logit difference {worst_ratio} of the largest; {partings} of 6 generations part; mean NLL {a} on the blocks, {b} dequantized",
             ty.name()
         );
         assert!((a - b).abs() <= 0.01 * b, "{}: mean NLL {a} against {b}", ty.name());

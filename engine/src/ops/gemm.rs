@@ -1460,10 +1460,17 @@ mod tests {
             return; // no AVX2 here: callers add the adapters after the product.
         }
         let mut rng = SplitMix::new(29);
-        // A base of 80 outputs (5 panels, the last partial) and parts of
-        // rank 8 and 16 in f32 and bf16, at several panel boundaries.
+        // A base of 80 outputs (5 panels, the last partial; in f32 and as
+        // bf16 pairs) and parts of rank 8 and 16 in f32 and bf16, at several
+        // panel boundaries.
         let (n, k) = (75, 40);
-        let w = PackedMatrix::from_f32(&random(n * k, &mut rng), n, k);
+        let weights = random(n * k, &mut rng);
+        let brains: Vec<bf16> = weights.iter().map(|&v| bf16::from_f32(v)).collect();
+        // The base in f32 panels and as bf16 pairs.
+        let bases = [
+            PackedMatrix::from_f32(&weights, n, k),
+            PackedMatrix::from_bf16_pairs(&brains, n, k),
+        ];
         let part = |outputs: usize, rank: usize, half: bool, rng: &mut SplitMix| {
             let values = random(outputs * rank, rng);
             if half {
@@ -1507,16 +1514,18 @@ mod tests {
                 })
                 .collect();
             let lists: Vec<&[Expand<'_>]> = parts.iter().map(Vec::as_slice).collect();
-            let got = w.matmul_expand(&x, m, &lists);
-            let mut want = w.matmul(&x, m);
-            for (row, parts) in want.chunks_exact_mut(n).zip(&parts) {
-                for part in parts {
-                    let out = &mut row[part.first_column..part.first_column + part.b.outputs()];
-                    assert!(part.b.row_add(part.shrunk, out, part.scale));
+            for w in &bases {
+                let got = w.matmul_expand(&x, m, &lists);
+                let mut want = w.matmul(&x, m);
+                for (row, parts) in want.chunks_exact_mut(n).zip(&parts) {
+                    for part in parts {
+                        let out = &mut row[part.first_column..part.first_column + part.b.outputs()];
+                        assert!(part.b.row_add(part.shrunk, out, part.scale));
+                    }
                 }
+                assert_eq!(got, want, "{m} rows, bf16 pairs: {}", w.bf16_dot());
+                assert_eq!(w.matmul_expand(&x, m, &[]), w.matmul(&x, m), "{m} rows, no parts");
             }
-            assert_eq!(got, want, "{m} rows");
-            assert_eq!(w.matmul_expand(&x, m, &[]), w.matmul(&x, m), "{m} rows, no parts");
         }
     }
 
@@ -1642,44 +1651,6 @@ mod tests {
                 assert!(err <= magnitude / 128.0, "({r}, {c}): off by {err} of {magnitude}");
             }
         }
-    }
-
-    #[test]
-    fn a_fused_expand_on_bf16_pairs_gives_the_product_then_row_adds_bit_for_bit() {
-        if !PackedMatrix::rows_direct() {
-            return;
-        }
-        let mut rng = SplitMix::new(47);
-        let (n, k, m) = (75, 40, 13);
-        let w: Vec<bf16> = random(n * k, &mut rng).iter().map(|&v| bf16::from_f32(v)).collect();
-        let w = PackedMatrix::from_bf16_pairs(&w, n, k);
-        let b = PackedMatrix::from_f32(&random(27 * 8, &mut rng), 27, 8);
-        let x = random(m * k, &mut rng);
-        let shrunk: Vec<Vec<f32>> = (0..m).map(|_| random(8, &mut rng)).collect();
-        let parts: Vec<Vec<Expand<'_>>> = (0..m)
-            .map(|r| {
-                if r % 2 == 0 {
-                    vec![]
-                } else {
-                    vec![Expand {
-                        b: &b,
-                        shrunk: &shrunk[r],
-                        first_column: 48,
-                        scale: 0.5,
-                    }]
-                }
-            })
-            .collect();
-        let lists: Vec<&[Expand<'_>]> = parts.iter().map(Vec::as_slice).collect();
-        let got = w.matmul_expand(&x, m, &lists);
-        let mut want = w.matmul(&x, m);
-        for (row, parts) in want.chunks_exact_mut(n).zip(&parts) {
-            for part in parts {
-                let out = &mut row[part.first_column..part.first_column + part.b.outputs()];
-                assert!(part.b.row_add(part.shrunk, out, part.scale));
-            }
-        }
-        assert_eq!(got, want);
     }
 
     #[test]
