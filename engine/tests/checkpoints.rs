@@ -217,6 +217,19 @@ fn smollm2_gguf_tokenizes_as_transformers() {
 /// of the largest (measured: 5.3%), greedy tokens the same up to a place
 /// where the exact model's two best were within 0.25 of each other
 /// (measured: 8 of 16 generations of 24 tokens part, at gaps of 0.04–0.15).
+/// The first 2,048 tokens of the tokenizer corpus on `model`'s tokenizer:
+/// the fixed text whose likelihood the quantized products are held to.
+fn corpus_tokens(model: &TextModel) -> Vec<u32> {
+    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
+    let text: Vec<u32> = corpus
+        .iter()
+        .flat_map(|line| model.encode_raw(line).unwrap())
+        .take(2048)
+        .collect();
+    assert_eq!(text.len(), 2048);
+    text
+}
+
 /// The largest difference between two rows of logits, as a share of the
 /// second's largest.
 fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
@@ -316,13 +329,7 @@ fn smollm2_quantized_products_follow_the_dequantized_weights() {
 fn smollm2_quantized_products_keep_the_likelihood_of_text() {
     let native = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
     let exact = TextModel::open_with(&smollm2_gguf(), &Device::Cpu, Products::Exact).unwrap();
-    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
-    let text: Vec<u32> = corpus
-        .iter()
-        .flat_map(|line| exact.encode_raw(line).unwrap())
-        .take(2048)
-        .collect();
-    assert!(text.len() >= 2000, "{} tokens", text.len());
+    let text = corpus_tokens(&exact);
     let (a, b) = (
         native.model.mean_nll(&text, 256).unwrap(),
         exact.model.mean_nll(&text, 256).unwrap(),
@@ -386,13 +393,7 @@ fn mixed_block_formats_follow_the_dequantized_weights() {
     // The mean negative log-likelihood of the corpus (2,048 tokens) within 1%.
     let native = TextModel::open(&path, &Device::Cpu).unwrap();
     let exact = TextModel::open_with(&path, &Device::Cpu, Products::Exact).unwrap();
-    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
-    let text: Vec<u32> = corpus
-        .iter()
-        .flat_map(|line| exact.encode_raw(line).unwrap())
-        .take(2048)
-        .collect();
-    assert_eq!(text.len(), 2048);
+    let text = corpus_tokens(&exact);
     // In four passages of 512 tokens (the model's context).
     let nll = |m: &TextModel| {
         text.chunks(512)
@@ -465,7 +466,6 @@ fn smollm2_k_quant_blocks_follow_the_same_blocks_dequantized() {
     let dir = smollm2_hf_dir("smollm2-hf-k", DType::F32);
     let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let expected = reference("smollm2.json");
-    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(data("corpus.json")).unwrap()).unwrap();
     for ty in [QuantType::Q4K, QuantType::Q6K] {
         // The blocks `--quantize` makes, dequantized, as an untied checkpoint.
         let dequantized_dir = scratch(&format!("smollm2-hf-{}", ty.name()));
@@ -540,11 +540,7 @@ fn smollm2_k_quant_blocks_follow_the_same_blocks_dequantized() {
                 partings += 1;
             }
         }
-        let text: Vec<u32> = corpus
-            .iter()
-            .flat_map(|line| exact.encode_raw(line).unwrap())
-            .take(2048)
-            .collect();
+        let text = corpus_tokens(&exact);
         let (a, b) = (
             native.model.mean_nll(&text, 256).unwrap(),
             exact.model.mean_nll(&text, 256).unwrap(),

@@ -289,28 +289,18 @@ fn pack<T: Element>(w: &[T], n: usize, k: usize) -> Aligned<T> {
     out
 }
 
-/// Lay `w` (`n × k`, row-major, as f32 values of bf16 weights) out as
-/// panels of `NR` rows of bf16 pairs, each stored `[k/2][NR]`, padded with zeros.
+/// Lay `w` (`n × k`, row-major) out as panels of `NR` rows of bf16 pairs,
+/// each stored `[k/2][NR]` (an odd `k`'s last pair holding a zero).
 fn pack_pairs(w: &[bf16], n: usize, k: usize) -> Aligned<u32> {
     assert_eq!(w.len(), n * k, "weight shape");
-    let k2 = k.div_ceil(2);
-    let mut out = Aligned::zeroed(n.div_ceil(NR) * k2 * NR);
-    if k == 0 {
-        return out;
-    }
-    out.as_mut_slice()
-        .par_chunks_mut(k2 * NR)
-        .enumerate()
-        .for_each(|(p, panel)| {
-            for j in 0..NR.min(n - p * NR) {
-                let row = &w[(p * NR + j) * k..][..k];
-                for (i, pair) in row.chunks(2).enumerate() {
-                    let high = pair.get(1).map_or(0, |v| v.to_bits() as u32);
-                    panel[i * NR + j] = pair[0].to_bits() as u32 | (high << 16);
-                }
-            }
-        });
-    out
+    let pairs: Vec<u32> = w
+        .chunks(k.max(1))
+        .flat_map(|row| {
+            row.chunks(2)
+                .map(|pair| pair[0].to_bits() as u32 | (pair.get(1).map_or(0, |v| v.to_bits() as u32) << 16))
+        })
+        .collect();
+    pack(&pairs, n, k.div_ceil(2))
 }
 
 impl PackedMatrix {
