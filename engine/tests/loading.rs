@@ -164,7 +164,8 @@ fn a_half_precision_checkpoint_gives_the_logits_its_widened_weights_give() {
         );
         // The native products: bf16 dot products where the CPU has them
         // (weights and token rows rounded to bf16), the same two bytes a
-        // weight; logits within 2% of the largest (measured 0.3–0.5%).
+        // weight; logits within 2% of the largest (measured 0.9–1.1%: the tiny
+        // fixture's logits are small).
         let native = Llama::from_dir(&half, &Device::Cpu).unwrap();
         assert_eq!(native.weight_bytes_per_param(), 2.0);
         let got = logits(&native);
