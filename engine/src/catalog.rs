@@ -107,8 +107,9 @@ fn task_of(dir: &Path) -> Result<Task, ModelError> {
 /// Read a catalogue file (`LORRY_MODELS`): a JSON object from served names to
 /// checkpoint directories or GGUF files, each a path or `{"path": …, "draft": …, "quantize": …}` (`draft`:
 /// a smaller text-generation checkpoint sharing the tokenizer, for
-/// speculative decoding; `quantize`: `q8_0`, `q4_1` or `q4_0`, the
-/// projections quantized at load); relative paths start at the file's directory.
+/// speculative decoding; `quantize`: `q8_0`, `q4_1`, `q4_0`, `q4_k`, `q5_k`
+/// or `q6_k`, the projections quantized at load); relative paths start at
+/// the file's directory.
 pub fn read_catalog_file(path: &Path) -> Result<Vec<ModelSource>, ModelError> {
     let fail = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
