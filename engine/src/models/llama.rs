@@ -555,19 +555,23 @@ impl Linear {
     /// Ready for the forward pass: packed on the CPU (quantized to blocks
     /// where `p` asks and the inputs are whole blocks), f32 elsewhere.
     fn packed(self, p: Projections<'_>) -> Result<Self> {
+        // The format a CPU tensor is quantized to, where one is asked and fits.
+        let quantize_to = match &self.weight {
+            Weight::Tensor(t) if t.device().is_cpu() => p.quantize.and_then(|ty| ty.for_inputs(t.dim(1).ok()?)),
+            _ => None,
+        };
         let weight = match self.weight {
-            Weight::Tensor(t)
-                if t.device().is_cpu() && p.quantize.and_then(|ty| ty.for_inputs(t.dim(1).ok()?)).is_some() =>
-            {
+            Weight::Tensor(t) if quantize_to.is_some() => {
                 let (n, k) = t.dims2()?;
                 let w = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let ty = p.quantize.and_then(|ty| ty.for_inputs(k)).expect("checked");
+                let ty = quantize_to.expect("checked");
                 Weight::Quant(QuantMatrix::quantize(ty, &w, n, k).map_err(|e| ModelError::Config(e.to_string()))?)
             }
-            Weight::Tensor(t) if t.device().is_cpu() && p.bf16_dot => {
-                Weight::Packed(PackedMatrix::from_tensor_dot(&t)?)
-            }
-            Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(PackedMatrix::from_tensor(&t)?),
+            Weight::Tensor(t) if t.device().is_cpu() => Weight::Packed(if p.bf16_dot {
+                PackedMatrix::from_tensor_dot(&t)?
+            } else {
+                PackedMatrix::from_tensor(&t)?
+            }),
             Weight::Tensor(t) => Weight::Tensor(t.to_dtype(DType::F32)?),
             packed => packed,
         };

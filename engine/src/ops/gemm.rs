@@ -209,12 +209,17 @@ pub(crate) fn dot_pair(acc: f32, x: u32, w: u32) -> f32 {
     odd + half(x & 0xffff) * half(w & 0xffff)
 }
 
-/// `x` rounded to bf16 pairs: `pairs[i] = (bf16(x[2i + 1]) << 16) | bf16(x[2i])`,
-/// an odd length's last pair holding a zero.
+/// Two consecutive bf16 values (the second absent past an odd length's end)
+/// as one pair: `(second << 16) | first`.
+fn pair_of(two: &[bf16]) -> u32 {
+    two[0].to_bits() as u32 | (two.get(1).map_or(0, |v| v.to_bits() as u32) << 16)
+}
+
+/// `x` rounded to bf16 pairs ([`pair_of`]), an odd length's last pair
+/// holding a zero.
 fn bf16_pairs(x: &[f32], pairs: &mut [u32]) {
-    for (i, pair) in pairs.iter_mut().enumerate() {
-        let bits = |j: usize| x.get(j).map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
-        *pair = bits(2 * i) | (bits(2 * i + 1) << 16);
+    for (pair, two) in pairs.iter_mut().zip(x.chunks(2)) {
+        *pair = pair_of(&[bf16::from_f32(two[0]), bf16::from_f32(*two.get(1).unwrap_or(&0.0))]);
     }
 }
 
@@ -293,13 +298,7 @@ fn pack<T: Element>(w: &[T], n: usize, k: usize) -> Aligned<T> {
 /// each stored `[k/2][NR]` (an odd `k`'s last pair holding a zero).
 fn pack_pairs(w: &[bf16], n: usize, k: usize) -> Aligned<u32> {
     assert_eq!(w.len(), n * k, "weight shape");
-    let pairs: Vec<u32> = w
-        .chunks(k.max(1))
-        .flat_map(|row| {
-            row.chunks(2)
-                .map(|pair| pair[0].to_bits() as u32 | (pair.get(1).map_or(0, |v| v.to_bits() as u32) << 16))
-        })
-        .collect();
+    let pairs: Vec<u32> = w.chunks(k.max(1)).flat_map(|row| row.chunks(2).map(pair_of)).collect();
     pack(&pairs, n, k.div_ceil(2))
 }
 
