@@ -16,7 +16,7 @@ use lorry_engine::models::llama::{Llama, Products};
 use lorry_engine::ops::quant::QuantType;
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::embedding::Embedder;
-use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig, SpecPolicy};
 use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde::Deserialize;
@@ -205,11 +205,19 @@ pub struct EngineArgs {
     #[arg(long, env = "LORRY_SPECULATE", default_value = "ngram", value_parser = Speculate::parse)]
     pub speculate: Speculate,
     /// Speculate only in steps where at most this many sequences decode
-    /// [default: 32 for prompt lookup, 2 for a draft model].
+    /// [default: no limit for prompt lookup under the measured policy, 32
+    /// under `always`; 2 for a draft model].
     #[arg(long, env = "LORRY_SPECULATE_MAX_BATCH")]
     pub speculate_max_batch: Option<usize>,
+    /// How a step decides to guess: `measured` (from each sequence's
+    /// acceptance and the measured step cost, so that guesses are taken only
+    /// where they are expected to pay) or `always` (every step, within
+    /// `--speculate-max-batch`).
+    #[arg(long, env = "LORRY_SPECULATE_POLICY", default_value = "measured", value_parser = SpecPolicy::parse)]
+    pub speculate_policy: SpecPolicy,
     /// Speculate for sampled requests too (their output distribution is
-    /// unchanged, but a seed's draws then depend on what shares the batch).
+    /// unchanged, but a seed's draws then depend on what shares the batch
+    /// and, under the measured policy, on the steps' timings).
     #[arg(long, env = "LORRY_SPECULATE_SAMPLED", default_value_t = false)]
     pub speculate_sampled: bool,
     /// How weights are multiplied: `native` (a GGUF file's `Q8_0`, `Q4_0`,
@@ -305,6 +313,7 @@ impl EngineArgs {
                 },
                 max_batch: self.speculate_max_batch,
                 sampled: self.speculate_sampled,
+                policy: self.speculate_policy,
                 ..SpecConfig::default()
             },
             ..EngineConfig::default()

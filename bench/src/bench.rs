@@ -22,6 +22,7 @@ use anyhow::{bail, Context as _};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::scheduler::Policy;
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig, SpecPolicy};
 use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
@@ -183,6 +184,65 @@ pub struct EngineBenchArgs {
     /// Sequences at once in that comparison.
     #[arg(long, default_value_t = 32)]
     pub tail_batch: usize,
+    /// `off`: decode with speculation off (the model's rate); `compare`: also
+    /// with prompt lookup guessing in every step and under the measured
+    /// policy (the service's default), on the same prompts, the three in turn
+    /// for `--rounds` rounds at each batch size, the best of each kept.
+    #[arg(long, default_value = "off", value_parser = ["off", "compare"])]
+    pub speculation: String,
+    /// Rounds of `--speculation compare`.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// The prompts: `lorem` (a numbered lorem ipsum of `--prompt-tokens`) or
+    /// `questions` (a different question on each row, answered in prose:
+    /// the prompt's length is its own).
+    #[arg(long, default_value = "lorem", value_parser = ["lorem", "questions"])]
+    pub prompts: String,
+}
+
+/// What `--prompts questions` asks about.
+const TOPICS: [&str; 32] = [
+    "a refrigerator",
+    "photosynthesis",
+    "a bicycle gear",
+    "the immune system",
+    "a compass",
+    "bread rising",
+    "a rainbow",
+    "a steam engine",
+    "the tides",
+    "a vaccine",
+    "an electric motor",
+    "a volcano",
+    "the heart",
+    "a telescope",
+    "compound interest",
+    "a thermostat",
+    "wind turbines",
+    "the water cycle",
+    "a camera lens",
+    "earthquakes",
+    "a lock and key",
+    "composting",
+    "a microwave oven",
+    "bird migration",
+    "a solar panel",
+    "the stock market",
+    "a piano",
+    "glaciers",
+    "a battery",
+    "sleep",
+    "a parachute",
+    "coffee brewing",
+];
+
+/// `--prompts questions`'s `i`-th prompt.
+fn question(i: usize) -> String {
+    let topic = TOPICS[i % TOPICS.len()];
+    match i / TOPICS.len() {
+        0 => format!("Question: Explain in detail how {topic} works, step by step.\nAnswer:"),
+        n => format!("Question {n}: Describe the history of {topic} and why it matters.\nAnswer:"),
+    }
 }
 
 /// The machine's ceilings, measured in the same run.
@@ -453,6 +513,18 @@ async fn timed(engine: &TextEngine, requests: &[ValidRequest]) -> anyhow::Result
 /// The engine as this benchmark measures it: speculation off, since it
 /// measures the model's decode rate, not how often guesses are accepted.
 fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
+    bench_engine_speculating(
+        max_seqs,
+        policy,
+        SpecConfig {
+            proposer: Proposer::Off,
+            ..Default::default()
+        },
+    )
+}
+
+/// The same engine with `speculation`.
+fn bench_engine_speculating(max_seqs: usize, policy: Policy, speculation: SpecConfig) -> EngineConfig {
     EngineConfig {
         max_seqs,
         rt_reserved_seqs: 0,
@@ -464,12 +536,15 @@ fn bench_engine_config(max_seqs: usize, policy: Policy) -> EngineConfig {
         // Each batch size runs its prompts twice (pre-fill alone, then whole):
         // the second run must compute them again for the difference to be decoding.
         prefix_cache: false,
-        speculation: lorry_engine::runtime::speculative::SpecConfig {
-            proposer: lorry_engine::runtime::speculative::Proposer::Off,
-            ..Default::default()
-        },
+        speculation,
         ..EngineConfig::default()
     }
+}
+
+/// Prompt lookup's guesses so far: proposed and accepted.
+fn speculation_counts(engine: &TextEngine) -> (u64, u64) {
+    let (proposed, accepted) = engine.counters().speculation(Proposer::Ngram);
+    (proposed.load(Ordering::Relaxed), accepted.load(Ordering::Relaxed))
 }
 
 /// This process's resident memory in bytes (Linux), for the load line.
@@ -564,6 +639,8 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     eprintln!("timing the products");
     products(&config, &args.batch)?;
     let compute_roof = ceilings.peak_flops.max(ceilings.gemm_flops);
+    let compare = args.speculation == "compare";
+    let mut compared: Vec<String> = Vec::new();
     println!(
         "| weights | batch | decode tok/s | ms/step | memory roofline tok/s | compute roofline tok/s | of roofline | vs batch 1 | prompt tok/s |"
     );
@@ -588,17 +665,93 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             model.clone(),
             bench_engine_config(max_batch, Policy::Continuous),
         );
+        // With `--speculation compare`: prompt lookup in every step and under
+        // the measured policy, and a second engine without speculation (what
+        // two identical engines differ by on this machine).
+        let beside: Vec<TextEngine> = [
+            (Proposer::Off, SpecPolicy::Measured),
+            (Proposer::Ngram, SpecPolicy::Always),
+            (Proposer::Ngram, SpecPolicy::Measured),
+        ]
+        .into_iter()
+        .filter(|_| compare)
+        .map(|(proposer, policy)| {
+            let speculation = SpecConfig {
+                proposer,
+                max_batch: Some(usize::MAX),
+                policy,
+                ..Default::default()
+            };
+            TextEngine::start(
+                "bench",
+                model.clone(),
+                bench_engine_speculating(max_batch, Policy::Continuous, speculation),
+            )
+        })
+        .collect();
         // Prompts of `--prompt-tokens` on this model's tokenizer, found once.
         let lengths = prompt_lengths(&model, max_batch, args.prompt_tokens)?;
-        let requests =
-            |count: usize, new_tokens: usize| requests_of(count, &|i| bench_text(i, lengths[i]), &|_| new_tokens);
-        timed(&engine, &requests(1, 2)).await?; // warm up
+        let text = |i: usize| match args.prompts.as_str() {
+            "questions" => question(i),
+            _ => bench_text(i, lengths[i]),
+        };
+        let requests = |count: usize, new_tokens: usize| requests_of(count, &text, &|_| new_tokens);
+        for engine in std::iter::once(&engine).chain(&beside) {
+            timed(engine, &requests(1, 2)).await?; // warm up
+        }
+        let steps = (args.new_tokens - 1) as f64;
+        // Decode seconds of `batch` sequences: a whole run less its pre-fill alone.
+        let decode_seconds = |engine: &TextEngine, batch: usize| {
+            let engine = engine.clone();
+            let (prefill, whole) = (requests(batch, 1), requests(batch, args.new_tokens));
+            async move {
+                let prefill = timed(&engine, &prefill).await?;
+                let total = timed(&engine, &whole).await?;
+                anyhow::Ok((prefill, total.saturating_sub(prefill).as_secs_f64()))
+            }
+        };
         let mut batch_one = None;
         for &batch in &args.batch {
-            let prefill = timed(&engine, &requests(batch, 1)).await?;
-            let total = timed(&engine, &requests(batch, args.new_tokens)).await?;
-            let steps = (args.new_tokens - 1) as f64;
-            let decode = (total.saturating_sub(prefill)).as_secs_f64();
+            let (prefill, decode) = decode_seconds(&engine, batch).await?;
+            if compare {
+                // Rounds of the four in turn (each round starting one later),
+                // each round's times against its own engine without speculation.
+                let engines: Vec<&TextEngine> = std::iter::once(&engine).chain(&beside).collect();
+                let mut ratios = vec![Vec::new(); beside.len()];
+                let mut plain = Vec::new();
+                let mut counts = vec![(0, 0); beside.len()];
+                for round in 0..args.rounds.max(1) {
+                    let mut seconds = vec![0.0; engines.len()];
+                    for turn in 0..engines.len() {
+                        let i = (round + turn) % engines.len();
+                        let before = speculation_counts(engines[i]);
+                        seconds[i] = decode_seconds(engines[i], batch).await?.1;
+                        if i > 0 {
+                            let after = speculation_counts(engines[i]);
+                            let c = &mut counts[i - 1];
+                            (c.0, c.1) = (c.0 + after.0 - before.0, c.1 + after.1 - before.1);
+                        }
+                    }
+                    plain.push(batch as f64 * steps / seconds[0]);
+                    for (i, ratio) in ratios.iter_mut().enumerate() {
+                        ratio.push(seconds[0] / seconds[i + 1]);
+                    }
+                }
+                let spread = |values: &mut Vec<f64>| {
+                    values.sort_by(f64::total_cmp);
+                    let median = values[values.len() / 2];
+                    format!("{median:.3}x ({:.3}–{:.3})", values[0], values[values.len() - 1])
+                };
+                plain.sort_by(f64::total_cmp);
+                let mut row = format!("| {name} | {batch} | {:.1} |", plain[plain.len() / 2]);
+                for (ratio, (proposed, accepted)) in ratios.iter_mut().zip(&counts) {
+                    row += &format!(" {} |", spread(ratio));
+                    if *proposed > 0 {
+                        row += &format!(" {accepted} of {proposed} |");
+                    }
+                }
+                compared.push(row);
+            }
             let rate = batch as f64 * steps / decode;
             let memory_roof = batch as f64 * ceilings.bandwidth / weight_bytes;
             let compute_roof = compute_roof / (2.0 * params);
@@ -612,6 +765,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             );
         }
         drop(engine);
+        drop(beside);
         reference.get_or_insert(model);
     }
     println!(
@@ -624,6 +778,23 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("(speculation off: this measures the model's decode rate)");
+    if compare {
+        println!(
+            "\nSpeculation against none, decode tok/s: {} rounds of four engines in turn on the same prompts, each \
+             round's time without speculation over each engine's; median (lowest–highest). `again`: a second \
+             engine without speculation, what two identical engines differ by here. `every step`: prompt lookup \
+             guessing in every step. `measured`: prompt lookup under the measured policy, the service's default. \
+             Guesses kept: of those made, all rounds.\n",
+            args.rounds.max(1)
+        );
+        println!(
+            "| weights | batch | off tok/s | again / off | every step / off | guesses kept | measured / off | guesses kept |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        for row in &compared {
+            println!("{row}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }

@@ -14,7 +14,7 @@ use lorry_engine::input::Prompt;
 use lorry_engine::models::llama::Llama;
 use lorry_engine::ops::gemm::Precision;
 use lorry_engine::runtime::chat::TextModel;
-use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig, SpecPolicy};
 use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::json;
@@ -267,10 +267,11 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     let (requests, _, settled) = repetitive_requests(&model, candidates, args.new_tokens, &[]).await?;
     let (adapted, order, adapted_settled) = repetitive_requests(&model, candidates, args.new_tokens, &made).await?;
     let adapters: Vec<Option<AdapterRef>> = order.iter().map(|&i| made[i].clone()).collect();
-    let spec = |proposer, max_batch| SpecConfig {
+    let spec = |proposer, policy| SpecConfig {
         proposer,
         max_draft: args.max_draft,
-        max_batch: Some(max_batch),
+        max_batch: Some(usize::MAX),
+        policy,
         ..SpecConfig::default()
     };
     let policy = |proposer| {
@@ -280,23 +281,37 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
         }
         .batch_limit()
     };
-    // Each proposer's engine, speculating at every batch size; a draft by its fixture's name.
+    // Each proposer's engine, speculating at every batch size, then prompt
+    // lookup as the service runs it; a draft by its fixture's name.
     let runs = vec![
-        ("off", Proposer::Off, None),
-        ("ngram (prompt lookup)", Proposer::Ngram, None),
+        ("off", Proposer::Off, SpecPolicy::Always, None),
+        (
+            "ngram (prompt lookup), every step",
+            Proposer::Ngram,
+            SpecPolicy::Always,
+            None,
+        ),
+        (
+            "ngram, measured policy (the default)",
+            Proposer::Ngram,
+            SpecPolicy::Measured,
+            None,
+        ),
         (
             "draft: bench-draft (own random weights)",
             Proposer::Draft,
+            SpecPolicy::Always,
             Some(("bench-draft", Fixture::BenchDraft)),
         ),
         (
             "draft: bench-smooth-draft (the target's first 2 of 8 layers)",
             Proposer::Draft,
+            SpecPolicy::Always,
             Some(("bench-smooth-draft", Fixture::BenchSmoothDraft)),
         ),
     ];
     let mut results = Vec::new();
-    for (name, proposer, draft) in &runs {
+    for (name, proposer, how, draft) in &runs {
         eprintln!("measuring {name}");
         let draft = match draft {
             Some((what, fixture)) => Some(Llama::open(&scratch(what, *fixture)?, &Device::Cpu)?),
@@ -306,7 +321,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
             "bench",
             model.clone(),
             draft,
-            engine_config(max_batch, spec(*proposer, usize::MAX), true),
+            engine_config(max_batch, spec(*proposer, *how), true),
         )
         .with_adapters(local_adapters());
         results.push(measure(&engine, *proposer, &cases, [&requests, &adapted], &adapters).await?);
@@ -317,12 +332,12 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
          for {settled} of {candidates} candidate prompts, {adapted_settled} of {candidates} with their adapters, \
          and each case takes those first, so up to {count} requests a case hold their answer). Prompts cached before the timed runs, so the time is decoding; {} new tokens each; \
          {REQUESTS_PER_SLOT}× batch requests a case, `batch` of them decoding at once (a finished one's slot \
-         goes to the next). Speculation is forced on at every batch size here; by default \
-         (`LORRY_SPECULATE_MAX_BATCH`) a step speculates only while at most {} sequences decode with prompt \
-         lookup, {} with a draft model, and runs as `off` above that. Step cost: a step's time with speculation against one without.\n",
+         goes to the next). `every step`: speculation forced on at every batch size. `measured policy`: \
+         the service's default, guesses taken per step from measured acceptance and step cost. A draft model \
+         speculates by default only while at most {} sequences decode. Step cost: a step's time with \
+         speculation against one without.\n",
         2 * OPENING + args.new_tokens,
         args.new_tokens,
-        policy(Proposer::Ngram),
         policy(Proposer::Draft),
     );
     println!(
@@ -330,7 +345,7 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---|");
     let off = &results[0];
-    for ((name, _, _), run) in runs.iter().zip(&results).skip(1) {
+    for ((name, _, _, _), run) in runs.iter().zip(&results).skip(1) {
         for (i, &(batch, mixed)) in cases.iter().enumerate() {
             let tokens = (REQUESTS_PER_SLOT * batch * args.new_tokens) as f64;
             let (proposed, accepted, steps, generated) = run.counts[i];

@@ -13,7 +13,7 @@ use lorry_engine::models::llama::{Llama, SeqChunk};
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::kv::prefix::BlockHasher;
 use lorry_engine::runtime::kv::{prefix, BlockPool, BlockTable, KvCache};
-use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
+use lorry_engine::runtime::speculative::{Proposer, SpecConfig, SpecPolicy};
 use lorry_engine::runtime::text_engine::{Counters, EngineConfig, TextEngine};
 use lorry_engine::{collect, AdapterShape, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::{json, Value};
@@ -71,10 +71,13 @@ fn config(speculation: SpecConfig, prefix_cache: bool) -> EngineConfig {
     }
 }
 
+/// Guessing in every step: step counts and seeded draws compare run to run
+/// (the measured policy decides by the clock).
 fn spec(proposer: Proposer) -> SpecConfig {
     SpecConfig {
         proposer,
         max_batch: Some(16),
+        policy: SpecPolicy::Always,
         ..SpecConfig::default()
     }
 }
@@ -172,6 +175,24 @@ async fn greedy_output_is_the_same_with_and_without_speculation_for_both_propose
         "the draft guessed nothing right"
     );
     assert_eq!(load(&c.ngram_proposed), 0);
+
+    // The measured policy: whatever it decides step by step, the same output.
+    let measured = TextEngine::start(
+        "tiny",
+        model.clone(),
+        config(
+            SpecConfig {
+                policy: SpecPolicy::Measured,
+                ..spec(Proposer::Ngram)
+            },
+            true,
+        ),
+    );
+    assert_eq!(
+        run(&measured, &requests).await,
+        want,
+        "the measured policy changed an output"
+    );
 
     // A batch larger than the policy's limit does not speculate.
     let mut limited = spec(Proposer::Ngram);

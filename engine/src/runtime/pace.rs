@@ -14,8 +14,11 @@
 //! real-time-only steps for a time it [`Owed`]: its share of the last step
 //! it shared, over the slack.
 
-/// Buckets of tokens per step: `[1], [2,3], [4,7], …, [2^15, …)`.
-const BUCKETS: usize = 16;
+/// Octaves of tokens per step: `[1], [2,3], [4,7], …, [2^15, …)`.
+const OCTAVES: usize = 16;
+/// The most buckets an octave is split into ([`StepCost::finer`]).
+const MOST_PER_OCTAVE: usize = 4;
+const BUCKETS: usize = OCTAVES * MOST_PER_OCTAVE;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Point {
@@ -27,12 +30,33 @@ struct Point {
 }
 
 /// A step's measured cost by its tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct StepCost {
     points: [Point; BUCKETS],
+    /// Buckets an octave of tokens is split into.
+    per_octave: usize,
+}
+
+impl Default for StepCost {
+    /// An octave a bucket.
+    fn default() -> Self {
+        StepCost {
+            points: [Point::default(); BUCKETS],
+            per_octave: 1,
+        }
+    }
 }
 
 impl StepCost {
+    /// Quarter octaves a bucket (`…, [32,39], [40,47], [48,55], [56,63], …`):
+    /// fine enough to tell a step from one a few rows larger.
+    pub(crate) fn finer() -> Self {
+        StepCost {
+            per_octave: MOST_PER_OCTAVE,
+            ..StepCost::default()
+        }
+    }
+
     /// How much a new step moves its bucket's means.
     const WEIGHT: f64 = 0.2;
 
@@ -40,7 +64,7 @@ impl StepCost {
     #[cfg(test)]
     pub(crate) fn linear(base_ms: f64, per_token_ms: f64) -> Self {
         let mut cost = StepCost::default();
-        for b in 0..BUCKETS {
+        for b in 0..OCTAVES {
             let tokens = (1usize << b) as f64;
             cost.points[b] = Point {
                 tokens,
@@ -51,8 +75,15 @@ impl StepCost {
         cost
     }
 
-    fn bucket(tokens: usize) -> usize {
-        (usize::BITS - 1 - tokens.max(1).leading_zeros()).min(BUCKETS as u32 - 1) as usize
+    fn bucket(&self, tokens: usize) -> usize {
+        let tokens = tokens.max(1);
+        let octave = (usize::BITS - 1 - tokens.leading_zeros()) as usize;
+        if octave >= OCTAVES {
+            return OCTAVES * self.per_octave - 1;
+        }
+        // The part of the octave past its start, in `per_octave` steps.
+        let within = ((tokens - (1 << octave)) * self.per_octave) >> octave;
+        octave * self.per_octave + within
     }
 
     /// Count a step of `tokens` that took `ms`.
@@ -60,7 +91,7 @@ impl StepCost {
         if tokens == 0 || !ms.is_finite() {
             return;
         }
-        let p = &mut self.points[Self::bucket(tokens)];
+        let p = &mut self.points[self.bucket(tokens)];
         if p.seen {
             p.tokens += Self::WEIGHT * (tokens as f64 - p.tokens);
             p.ms += Self::WEIGHT * (ms - p.ms);
@@ -111,6 +142,25 @@ impl StepCost {
             0.0
         };
         Some(line.max(floor).max(0.0))
+    }
+
+    /// The predicted time of a step of `tokens`: from this table up to the
+    /// largest step it has seen, and beyond it that step's time plus what
+    /// `wider` (a table of more kinds of steps) predicts the further tokens
+    /// add — so that a size never tried is first tried on the other table's
+    /// word, and then known. `None` before this table has seen a step.
+    pub(crate) fn predict_within(&self, tokens: usize, wider: &StepCost) -> Option<f64> {
+        let largest = self.points.iter().rev().find(|p| p.seen)?;
+        if tokens as f64 <= largest.tokens {
+            return self.predict(tokens);
+        }
+        let from = largest.tokens.round().max(1.0) as usize;
+        let extra = match (wider.predict(tokens), wider.predict(from)) {
+            (Some(to), Some(from)) => (to - from).max(0.0),
+            // Nothing wider: each further token at this table's mean.
+            _ => largest.ms * (tokens as f64 - largest.tokens) / largest.tokens.max(1.0),
+        };
+        Some(largest.ms + extra)
     }
 
     /// The most tokens (at least `at_least`, at most `at_most`) a step may
@@ -254,6 +304,36 @@ mod tests {
         // batch work.
         let pace = Pace { cost, slack: 0.5 };
         assert_eq!(pace.batch_tokens(8, 512), 11);
+    }
+
+    #[test]
+    fn decode_steps_are_priced_by_their_own_table_and_extended_by_the_wider_one() {
+        // Pre-fill tokens at 1 ms each past a 10 ms base; decode rows at 3 ms.
+        let mut wide = StepCost::default();
+        let mut decodes = StepCost::finer();
+        assert_eq!(decodes.predict_within(8, &wide), None, "no decode step seen");
+        for (tokens, ms) in [(8, 34.0), (128, 138.0)] {
+            wide.observe(tokens, ms);
+        }
+        decodes.observe(8, 34.0);
+        // Beyond the decodes seen: their time plus the wider table's extra.
+        assert_eq!(decodes.predict_within(8, &wide), Some(34.0));
+        assert_eq!(decodes.predict_within(20, &wide), Some(34.0 + 12.0 * (104.0 / 120.0)));
+        // Once steps of guesses are measured, they are what counts.
+        decodes.observe(20, 70.0);
+        assert_eq!(decodes.predict_within(20, &wide), Some(70.0));
+        assert_eq!(decodes.predict_within(14, &wide), Some(52.0));
+        // Nothing wider: further rows at the decodes' own mean.
+        assert_eq!(decodes.predict_within(40, &StepCost::default()), Some(70.0 + 70.0));
+        // Quarter octaves tell a 32-row step from one of 44: an octave a bucket does not.
+        let (mut finer, mut coarse) = (StepCost::finer(), StepCost::default());
+        for cost in [&mut finer, &mut coarse] {
+            cost.observe(32, 100.0);
+            cost.observe(44, 150.0);
+        }
+        assert_eq!(finer.predict(38), Some(125.0));
+        assert_eq!(finer.predict(32), Some(100.0));
+        assert_ne!(coarse.predict(32), Some(100.0));
     }
 
     #[test]

@@ -15,13 +15,22 @@
 //!   It runs without adapters: an adapted row's drafts are the base draft's
 //!   guesses, accepted or not by the adapted target, so output stays exact.
 //!
-//! Each sequence adapts its draft length to its acceptance ([`SpecState`]) and
-//! stops speculating for a while when guesses keep failing; a step speculates
-//! only while at most [`SpecConfig::batch_limit`] sequences decode, because a
-//! large batch already keeps the cores busy and verifying guesses there costs
-//! more than the steps it saves. The limit depends on the proposer: prompt
-//! lookup's guesses cost only their verification rows, a draft model's also
-//! its own passes.
+//! Whether a step guesses, and how much, is decided per step from what was
+//! measured ([`SpecPolicy::Measured`], the default): each sequence's
+//! acceptance ([`SpecState`], its own guesses' record over the engine's as a
+//! prior, [`Acceptance`]) gives each guess the chance that it is kept, and the
+//! engine's measured step cost what the guesses' verification rows cost; the
+//! step takes the guesses, likeliest first, that make the most tokens per
+//! unit of time ([`choose`]), and none where no guesses beat a plain step. A
+//! small batch, whose step is bound by reading the weights, takes nearly any
+//! guess; a large one, whose step grows with every row, only guesses that are
+//! nearly sure. A sequence left out is tried now and then with a few guesses
+//! ([`Probes`]), within a small share of the step's rows, so that a
+//! sequence whose output turns repetitive is found. [`SpecPolicy::Always`]
+//! guesses in every step (each sequence adapting its draft length to its
+//! acceptance and pausing when guesses keep failing) while at most
+//! [`SpecConfig::batch_limit`] sequences decode. A draft model's guesses
+//! also cost its own passes: it speculates only in the smallest batches.
 
 use std::collections::HashMap;
 
@@ -52,6 +61,27 @@ impl Proposer {
     }
 }
 
+/// How a step decides to guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpecPolicy {
+    /// From measured acceptance and step cost, per step ([`choose`]).
+    #[default]
+    Measured,
+    /// In every step while at most [`SpecConfig::batch_limit`] sequences decode.
+    Always,
+}
+
+impl SpecPolicy {
+    /// `measured` or `always`.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "measured" => Ok(SpecPolicy::Measured),
+            "always" => Ok(SpecPolicy::Always),
+            _ => Err(format!("{value:?}: expected measured or always")),
+        }
+    }
+}
+
 /// How the engine speculates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecConfig {
@@ -67,6 +97,8 @@ pub struct SpecConfig {
     /// steps that speculated, and so on the rest of the batch: off by default,
     /// so that a seeded request gives the same output whatever shares its batch.
     pub sampled: bool,
+    /// How a step decides to guess.
+    pub policy: SpecPolicy,
 }
 
 impl Default for SpecConfig {
@@ -76,12 +108,14 @@ impl Default for SpecConfig {
             max_draft: 6,
             max_batch: None,
             sampled: false,
+            policy: SpecPolicy::Measured,
         }
     }
 }
 
-/// Prompt lookup's default [`SpecConfig::batch_limit`]: the largest batch
-/// measured (`lorry bench speculative`), where it still paid.
+/// Prompt lookup's default [`SpecConfig::batch_limit`] when every step
+/// guesses: the largest batch measured (`lorry bench speculative`) where it
+/// still paid. Measured steps have no limit of their own.
 pub(crate) const NGRAM_BATCH_LIMIT: usize = 32;
 /// A draft model's: beyond it, its passes cost more than they save.
 pub(crate) const DRAFT_BATCH_LIMIT: usize = 2;
@@ -89,10 +123,11 @@ pub(crate) const DRAFT_BATCH_LIMIT: usize = 2;
 impl SpecConfig {
     /// The most sequences decoding in a step that speculates.
     pub fn batch_limit(&self) -> usize {
-        self.max_batch.unwrap_or(match self.proposer {
-            Proposer::Off => 0,
-            Proposer::Ngram => NGRAM_BATCH_LIMIT,
-            Proposer::Draft => DRAFT_BATCH_LIMIT,
+        self.max_batch.unwrap_or(match (self.proposer, self.policy) {
+            (Proposer::Off, _) => 0,
+            (Proposer::Ngram, SpecPolicy::Measured) => usize::MAX,
+            (Proposer::Ngram, SpecPolicy::Always) => NGRAM_BATCH_LIMIT,
+            (Proposer::Draft, _) => DRAFT_BATCH_LIMIT,
         })
     }
 }
@@ -124,7 +159,57 @@ pub(crate) fn ngram_proposal(tokens: &[u32], k: usize) -> Vec<u32> {
     Vec::new()
 }
 
-/// One sequence's speculation: its draft length and recent acceptance.
+/// A record of guesses as the chance that a guess is kept, given that the
+/// guesses before it were: guesses run in order and verification stops at
+/// the first it rejects, so each round tells of the guesses accepted and, if
+/// it stopped early, of one rejected. Older rounds count less, by `decay`
+/// a round.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Acceptance {
+    accepted: f64,
+    rejected: f64,
+    decay: f64,
+}
+
+impl Acceptance {
+    /// A sequence's own record: a round counts a fifth as much five rounds on.
+    pub(crate) const OWN: f64 = 0.8;
+    /// The engine's, over every sequence: a prior for those with little record.
+    pub(crate) const ENGINE: f64 = 0.98;
+
+    pub(crate) fn new(decay: f64) -> Self {
+        Acceptance {
+            accepted: 0.0,
+            rejected: 0.0,
+            decay,
+        }
+    }
+
+    /// `accepted` of `proposed` guesses were kept.
+    pub(crate) fn observe(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.accepted = self.decay * self.accepted + accepted as f64;
+        self.rejected = self.decay * self.rejected + f64::from(u8::from(accepted < proposed));
+    }
+
+    /// The chance that a guess is kept, with `weight` rounds' worth of `prior`.
+    pub(crate) fn rate(&self, prior: f64, weight: f64) -> f64 {
+        (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+    }
+
+    /// The engine's own rate: an even chance before any round.
+    pub(crate) fn engine_rate(&self) -> f64 {
+        self.rate(0.5, 2.0)
+    }
+}
+
+/// Rounds' worth of the engine's acceptance a sequence starts with.
+const PRIOR_WEIGHT: f64 = 2.0;
+
+/// One sequence's speculation: its record of guesses, and (for
+/// [`SpecPolicy::Always`]) its draft length and pauses.
 #[derive(Debug, Clone)]
 pub(crate) struct SpecState {
     k: usize,
@@ -135,6 +220,10 @@ pub(crate) struct SpecState {
     /// Steps left without speculating, and the next pause's length.
     paused: u32,
     pause: u32,
+    /// Its guesses' record, for [`SpecPolicy::Measured`].
+    acceptance: Acceptance,
+    /// Steps since it last guessed.
+    idle: u32,
 }
 
 impl SpecState {
@@ -147,7 +236,29 @@ impl SpecState {
             rounds: 0,
             paused: 0,
             pause: 8,
+            acceptance: Acceptance::new(Acceptance::OWN),
+            idle: 0,
         }
+    }
+
+    /// The most tokens it guesses in a step.
+    pub(crate) fn max(&self) -> usize {
+        self.max
+    }
+
+    /// The chance that its next guess is kept, the engine's rate as prior.
+    pub(crate) fn acceptance(&self, engine: f64) -> f64 {
+        self.acceptance.rate(engine, PRIOR_WEIGHT)
+    }
+
+    /// Count a step it decoded in: whether it guessed.
+    pub(crate) fn stepped(&mut self, guessed: bool) {
+        self.idle = if guessed { 0 } else { self.idle.saturating_add(1) };
+    }
+
+    /// Steps since it last guessed.
+    pub(crate) fn idle(&self) -> u32 {
+        self.idle
     }
 
     /// How many tokens to guess this step (0: not now). Call once per step.
@@ -164,6 +275,7 @@ impl SpecState {
         if proposed == 0 {
             return;
         }
+        self.acceptance.observe(proposed, accepted);
         self.rounds += 1;
         self.rate = 0.7 * self.rate + 0.3 * accepted as f64 / proposed as f64;
         self.k = if accepted == proposed {
@@ -182,6 +294,99 @@ impl SpecState {
         } else if self.rate > 0.5 {
             self.pause = 8;
         }
+    }
+}
+
+/// A decoding sequence a step may guess for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Candidate {
+    /// The most guesses it can take this step.
+    pub available: usize,
+    /// The chance that a guess is kept given the ones before it were.
+    pub acceptance: f64,
+}
+
+/// The gain over a plain step that guesses must promise: the step cost is a
+/// prediction, and a verification row (which computes logits) costs a little
+/// more than the mean token it was measured from.
+const MARGIN: f64 = 0.05;
+
+/// How many guesses each candidate takes this step, where `decoding`
+/// sequences decode and `cost(tokens)` predicts a step's time. A
+/// candidate's `j`-th guess is kept with chance `acceptanceʲ`; taking the `m`
+/// likeliest guesses of all makes `decoding + Σ chance` tokens in
+/// `cost(decoding + m)`. The `m` with the most tokens per unit of time is
+/// taken, if it beats `m = 0` by [`MARGIN`]; none without a prediction.
+/// The engine predicts with what steps of decodes alone cost (each row
+/// computes logits, as a verification row does; a pre-fill token does not).
+pub(crate) fn choose(decoding: usize, candidates: &[Candidate], cost: impl Fn(usize) -> Option<f64>) -> Vec<usize> {
+    let mut taken = vec![0; candidates.len()];
+    let Some(plain) = cost(decoding).filter(|&t| t > 0.0) else {
+        return taken;
+    };
+    let mut guesses: Vec<(f64, usize)> = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let a = c.acceptance.clamp(0.0, 1.0);
+        let mut chance = 1.0;
+        for _ in 0..c.available {
+            chance *= a;
+            if chance < 1e-3 {
+                break;
+            }
+            guesses.push((chance, i));
+        }
+    }
+    // Likeliest first; a candidate's guesses stay in their order (their chances fall).
+    guesses.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let base = decoding as f64 / plain;
+    let (mut best, mut best_rate, mut expected) = (0, base * (1.0 + MARGIN), decoding as f64);
+    for (m, &(chance, _)) in guesses.iter().enumerate() {
+        expected += chance;
+        let Some(time) = cost(decoding + m + 1).filter(|&t| t > 0.0) else {
+            break;
+        };
+        if expected / time > best_rate {
+            (best, best_rate) = (m + 1, expected / time);
+        }
+    }
+    for &(_, i) in &guesses[..best] {
+        taken[i] += 1;
+    }
+    taken
+}
+
+/// Steps a sequence left out sits before it may be tried again.
+const PROBE_AFTER: u32 = 8;
+/// Guesses a try takes.
+const PROBE_GUESSES: usize = 3;
+/// The share of a step's decoding rows that tries may add, over time.
+const PROBE_SHARE: f64 = 0.01;
+
+/// Tries of sequences that [`choose`] left out: their own record may be
+/// short or old, and the engine's rate is a mean. Each step earns
+/// [`PROBE_SHARE`] of its decoding rows in credit; a try spends its
+/// guesses, so tries add at most that share of rows, however they fare.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Probes {
+    credit: f64,
+}
+
+impl Probes {
+    /// The candidate (by index) to try this step, and how many guesses:
+    /// the one left out longest, once it sat out [`PROBE_AFTER`] steps and
+    /// the credit covers its guesses.
+    pub(crate) fn pick(&mut self, decoding: usize, left_out: &[(usize, u32, usize)]) -> Option<(usize, usize)> {
+        self.credit = (self.credit + PROBE_SHARE * decoding as f64).min(4.0 * PROBE_GUESSES as f64);
+        let &(i, _, available) = left_out
+            .iter()
+            .filter(|c| c.1 >= PROBE_AFTER && c.2 > 0)
+            .max_by_key(|c| (c.1, std::cmp::Reverse(c.0)))?;
+        let k = available.min(PROBE_GUESSES);
+        if self.credit < k as f64 {
+            return None;
+        }
+        self.credit -= k as f64;
+        Some((i, k))
     }
 }
 
@@ -352,17 +557,127 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_proposer_speculates_up_to_its_own_batch_limit_unless_one_is_set() {
+    fn each_proposer_and_policy_speculates_up_to_its_own_batch_limit_unless_one_is_set() {
         let config = |proposer, max_batch| SpecConfig {
             proposer,
             max_batch,
             ..SpecConfig::default()
         };
-        assert_eq!(config(Proposer::Ngram, None).batch_limit(), NGRAM_BATCH_LIMIT);
+        assert_eq!(
+            config(Proposer::Ngram, None).batch_limit(),
+            usize::MAX,
+            "measured steps decide"
+        );
+        let always = SpecConfig {
+            policy: SpecPolicy::Always,
+            ..config(Proposer::Ngram, None)
+        };
+        assert_eq!(always.batch_limit(), NGRAM_BATCH_LIMIT);
         assert_eq!(config(Proposer::Draft, None).batch_limit(), DRAFT_BATCH_LIMIT);
         assert_eq!(config(Proposer::Off, None).batch_limit(), 0);
         assert_eq!(config(Proposer::Draft, Some(12)).batch_limit(), 12);
         assert_eq!(config(Proposer::Ngram, Some(0)).batch_limit(), 0);
+    }
+
+    fn candidates(rates: &[f64], available: usize) -> Vec<Candidate> {
+        rates
+            .iter()
+            .map(|&acceptance| Candidate { available, acceptance })
+            .collect()
+    }
+
+    #[test]
+    fn a_step_bound_by_reading_the_weights_takes_nearly_any_guess() {
+        // The same time for any step up to 64 tokens: guesses are free.
+        let flat = |t: usize| Some(if t <= 64 { 12.0 } else { 12.0 + (t - 64) as f64 });
+        assert_eq!(choose(1, &candidates(&[0.5], 4), flat), vec![4]);
+        assert_eq!(
+            choose(4, &candidates(&[0.9, 0.2, 0.05, 0.5], 6), flat),
+            vec![6, 4, 2, 6]
+        );
+        // Without a measured step, no guess.
+        assert_eq!(choose(4, &candidates(&[0.9; 4], 6), |_| None), vec![0; 4]);
+    }
+
+    #[test]
+    fn a_step_whose_time_grows_with_its_rows_takes_only_nearly_sure_guesses() {
+        // Each row costs what the mean row of a plain step costs: no guess pays.
+        let proportional = |t: usize| Some(t as f64);
+        assert_eq!(choose(32, &candidates(&[0.95; 32], 6), proportional), vec![0; 32]);
+        // A fixed part and a cost per row, as a 32-sequence step on a CPU: a
+        // guess costs about four fifths of a plain row.
+        let linear = |t: usize| Some(10.0 + t as f64);
+        assert_eq!(choose(32, &candidates(&[0.3; 32], 6), linear), vec![0; 32]);
+        assert_eq!(choose(32, &candidates(&[0.5; 32], 6), linear), vec![0; 32]);
+        let sure = choose(32, &candidates(&[0.97; 32], 6), linear);
+        assert!(sure.iter().all(|&k| k > 0), "{sure:?}");
+        // Mixed: the repetitive sequences guess, the others do not.
+        let mut rates = vec![0.3; 32];
+        rates[..16].fill(0.98);
+        let mixed = choose(32, &candidates(&rates, 6), linear);
+        assert!(mixed[..16].iter().all(|&k| k > 0), "{mixed:?}");
+        assert!(mixed[16..].iter().all(|&k| k == 0), "{mixed:?}");
+        // The guesses taken are the ones that pay: the rate they promise beats
+        // a plain step by the margin and beats taking one guess more or fewer.
+        let rate = |taken: &[usize]| {
+            let tokens: f64 = 32.0
+                + taken
+                    .iter()
+                    .zip(&rates)
+                    .map(|(&k, &a)| (1..=k).map(|j| a.powi(j as i32)).sum::<f64>())
+                    .sum::<f64>();
+            tokens / linear(32 + taken.iter().sum::<usize>()).unwrap()
+        };
+        assert!(rate(&mixed) >= (32.0 / linear(32).unwrap()) * (1.0 + MARGIN));
+        for i in 0..32 {
+            let mut more = mixed.clone();
+            more[i] = (more[i] + 1).min(6);
+            assert!(rate(&more) <= rate(&mixed) + 1e-12, "one guess more for {i} pays");
+        }
+    }
+
+    #[test]
+    fn tries_of_left_out_sequences_stay_within_their_share_of_rows() {
+        let mut probes = Probes::default();
+        let (mut rows, mut tried) = (0, 0);
+        let mut idle = vec![0u32; 32];
+        for _ in 0..10_000 {
+            let left_out: Vec<(usize, u32, usize)> = (0..32).map(|i| (i, idle[i], 6)).collect();
+            rows += 32;
+            idle.iter_mut().for_each(|d| *d += 1);
+            if let Some((i, k)) = probes.pick(32, &left_out) {
+                assert!(left_out[i].1 >= PROBE_AFTER, "tried before sitting out");
+                assert_eq!(k, PROBE_GUESSES);
+                assert_eq!(idle.iter().max(), Some(&(idle[i])), "the longest left out first");
+                tried += k;
+                idle[i] = 0;
+            }
+        }
+        let share = tried as f64 / rows as f64;
+        assert!(share <= PROBE_SHARE && share > 0.9 * PROBE_SHARE, "{share}");
+        // Nothing to try: no try, and the credit stays bounded.
+        assert_eq!(probes.pick(32, &[(0, 3, 6), (1, 100, 0)]), None);
+    }
+
+    #[test]
+    fn acceptance_counts_guesses_kept_and_the_first_rejected_with_a_prior() {
+        let mut a = Acceptance::new(Acceptance::OWN);
+        assert_eq!(a.rate(0.7, 2.0), 0.7, "no record: the prior");
+        a.observe(4, 4);
+        assert!((a.rate(0.5, 2.0) - 5.0 / 6.0).abs() < 1e-12);
+        a.observe(3, 0);
+        // 4 × 0.8 kept, 1 rejected.
+        assert!((a.rate(0.5, 2.0) - (3.2 + 1.0) / (3.2 + 1.0 + 2.0)).abs() < 1e-12);
+        a.observe(0, 0);
+        assert!(
+            (a.rate(0.5, 2.0) - (3.2 + 1.0) / (3.2 + 1.0 + 2.0)).abs() < 1e-12,
+            "no guess, no round"
+        );
+        let mut failing = Acceptance::new(Acceptance::OWN);
+        for _ in 0..50 {
+            failing.observe(2, 0);
+        }
+        assert!(failing.rate(0.5, 2.0) < 0.2);
     }
 
     #[test]

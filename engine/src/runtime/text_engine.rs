@@ -31,7 +31,9 @@ use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
 use crate::runtime::pace::{Owed, Pace, Share, StepCost};
 use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
-use crate::runtime::speculative::{DraftModel, Guess, Proposer, SpecConfig, SpecState};
+use crate::runtime::speculative::{
+    choose, Acceptance, Candidate, DraftModel, Guess, Probes, Proposer, SpecConfig, SpecPolicy, SpecState,
+};
 use crate::{
     AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
     ValidRequest,
@@ -349,8 +351,15 @@ struct EngineLoop {
     prefix_cache: bool,
     speculation: SpecConfig,
     draft: Option<DraftModel>,
+    /// Every sequence's guesses' record: the prior of each one's.
+    acceptance: Acceptance,
+    /// Tries of sequences the measured policy leaves out.
+    probes: Probes,
     /// What a step costs, measured.
     cost: StepCost,
+    /// What a step of decodes alone costs (each row computes logits, as a
+    /// guess's verification row does): what guesses are priced by.
+    decode_cost: StepCost,
     /// Real-time-only time batch work still owes (the hold in time).
     owed: Owed,
     /// When real-time work was last present.
@@ -412,7 +421,10 @@ impl EngineLoop {
             prefix_cache: config.prefix_cache,
             speculation,
             draft,
+            acceptance: Acceptance::new(Acceptance::ENGINE),
+            probes: Probes::default(),
             cost: StepCost::default(),
+            decode_cost: StepCost::finer(),
             owed: Owed::default(),
             last_real_time: None,
             rt_slack: config.rt_step_slack_percent as f64 / 100.0,
@@ -598,57 +610,105 @@ impl EngineLoop {
         }
     }
 
-    /// Guess tokens for the sequences that decode next, when few do.
+    /// Guess tokens for the sequences that decode next: as the policy
+    /// decides, from their acceptance and the measured step cost, or in every
+    /// step while few decode.
     fn propose(&mut self) -> Result<(), String> {
         if self.speculation.proposer == Proposer::Off {
             return Ok(());
         }
-        let decoding = self.scheduler.decoding();
-        if decoding.len() > self.speculation.batch_limit() {
+        let mut ids = self.scheduler.decoding();
+        let decoding = ids.len();
+        if decoding > self.speculation.batch_limit() {
             return Ok(());
         }
-        let mut wants: Vec<(SeqId, &mut Decoding, usize)> = Vec::new();
-        let mut ids: Vec<SeqId> = decoding;
         ids.sort_unstable();
-        let mut remaining: HashMap<SeqId, &mut Active> = self
-            .active
-            .iter_mut()
-            .filter(|(id, _)| ids.binary_search(id).is_ok())
-            .map(|(&id, a)| (id, a))
-            .collect();
-        for id in ids {
-            let Some(active) = remaining.remove(&id) else { continue };
+        let (proposer, policy) = (self.speculation.proposer, self.speculation.policy);
+        let engine_rate = self.acceptance.engine_rate();
+        // Who may guess, prompt lookup's guesses (a draft model's come once
+        // their number is chosen), and what each could take.
+        let mut wanting: Vec<(SeqId, Option<Vec<u32>>)> = Vec::new();
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut idle: Vec<u32> = Vec::new();
+        for &id in &ids {
+            let Some(active) = self.active.get_mut(&id) else {
+                continue;
+            };
             if active.guess.is_some() {
                 continue; // guessed for a step it sat out; still valid
             }
             let Some(spec) = &mut active.spec else { continue };
+            let most = match policy {
+                SpecPolicy::Always => spec.next_k(),
+                SpecPolicy::Measured => spec.max(),
+            };
             // Guesses past the request's last token would be wasted.
-            let k = spec.next_k().min(active.decoding.remaining().saturating_sub(1));
+            let k = most.min(active.decoding.remaining().saturating_sub(1));
+            let lookup = (proposer == Proposer::Ngram)
+                .then(|| crate::runtime::speculative::ngram_proposal(&active.decoding.tokens, k));
+            let available = lookup.as_ref().map_or(k, Vec::len);
+            if available == 0 {
+                continue;
+            }
+            wanting.push((id, lookup));
+            candidates.push(Candidate {
+                available,
+                acceptance: spec.acceptance(engine_rate),
+            });
+            idle.push(spec.idle());
+        }
+        let taken = match policy {
+            SpecPolicy::Always => candidates.iter().map(|c| c.available).collect(),
+            SpecPolicy::Measured => {
+                let (cost, decode_cost) = (&self.cost, &self.decode_cost);
+                let mut taken = choose(decoding, &candidates, |tokens| decode_cost.predict_within(tokens, cost));
+                let left_out: Vec<(usize, u32, usize)> = (0..candidates.len())
+                    .filter(|&i| taken[i] == 0)
+                    .map(|i| (i, idle[i], candidates[i].available))
+                    .collect();
+                if let Some((i, k)) = self.probes.pick(decoding, &left_out) {
+                    taken[i] = k;
+                }
+                taken
+            }
+        };
+        let mut drafting: Vec<(SeqId, usize)> = Vec::new();
+        for ((id, lookup), &k) in wanting.into_iter().zip(&taken) {
+            let Some(active) = self.active.get_mut(&id) else {
+                continue;
+            };
+            if let Some(spec) = &mut active.spec {
+                spec.stepped(k > 0);
+            }
             if k == 0 {
                 continue;
             }
-            match self.speculation.proposer {
-                Proposer::Ngram => {
-                    let tokens = crate::runtime::speculative::ngram_proposal(&active.decoding.tokens, k);
-                    if !tokens.is_empty() {
-                        self.scheduler.propose(id, tokens.len());
-                        active.guess = Some(Guess {
-                            tokens,
-                            q: None,
-                            proposer: Proposer::Ngram,
-                        });
-                    }
+            match lookup {
+                Some(mut tokens) => {
+                    tokens.truncate(k);
+                    self.scheduler.propose(id, tokens.len());
+                    active.guess = Some(Guess {
+                        tokens,
+                        q: None,
+                        proposer: Proposer::Ngram,
+                    });
                 }
-                Proposer::Draft => wants.push((id, &mut active.decoding, k)),
-                Proposer::Off => {}
+                None => drafting.push((id, k)),
             }
         }
         let Some(draft) = &mut self.draft else {
             return Ok(());
         };
-        if wants.is_empty() {
+        if drafting.is_empty() {
             return Ok(());
         }
+        let ks: HashMap<SeqId, usize> = drafting.iter().copied().collect();
+        let mut wants: Vec<(SeqId, &mut Decoding, usize)> = self
+            .active
+            .iter_mut()
+            .filter_map(|(&id, a)| Some((id, &mut a.decoding, *ks.get(&id)?)))
+            .collect();
+        wants.sort_unstable_by_key(|w| w.0);
         let guesses = draft.propose(&mut wants)?;
         let ids: Vec<SeqId> = wants.iter().map(|w| w.0).collect();
         for (id, guess) in ids.into_iter().zip(guesses) {
@@ -694,6 +754,10 @@ impl EngineLoop {
         let took = started.elapsed();
         let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
         self.cost.observe(rt_tokens + batch_tokens, took.as_secs_f64() * 1e3);
+        if plan.chunks.iter().all(|c| c.samples && c.len == 1 + c.draft) {
+            self.decode_cost
+                .observe(rt_tokens + batch_tokens, took.as_secs_f64() * 1e3);
+        }
         self.owe(rt_tokens, batch_tokens, took.as_secs_f64() * 1e3);
         if rt_tokens > 0 {
             self.trace_real_time(&plan, batch_tokens, started, took);
@@ -790,6 +854,7 @@ impl EngineLoop {
             if let (Some(guess), Some(spec)) = (&guess, &mut active.spec) {
                 if chunk.draft > 0 {
                     spec.observe(chunk.draft, accepted);
+                    self.acceptance.observe(chunk.draft, accepted);
                     let (proposed, hits) = self.counters.speculation(guess.proposer);
                     proposed.fetch_add(chunk.draft as u64, Ordering::Relaxed);
                     hits.fetch_add(accepted as u64, Ordering::Relaxed);
