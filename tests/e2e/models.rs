@@ -10,7 +10,7 @@ use lorry::{Application, Role};
 use lorry_engine::fixtures::{self, Fixture};
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::embedding::Embedder;
-use lorry_engine::runtime::speculative::Proposer;
+use lorry_engine::runtime::speculative::{Proposer, SpecPolicy};
 use lorry_engine::{Backend, Task, ValidRequest};
 use serde_json::{json, Value};
 
@@ -140,6 +140,8 @@ async fn a_worker_speculates_with_the_draft_its_catalogue_names_and_answers_as_p
     let app = spawn_app_with(Role::Serve, |s| {
         s.models.catalogue = Some(file);
         s.engine.speculate = Speculate::Draft(None);
+        // Guessing in every step: whether a measured step guesses depends on the clock.
+        s.engine.speculate_policy = SpecPolicy::Always;
     })
     .await;
     let tiny = TextModel::from_dir(&dir.join("tiny"), &Device::Cpu).unwrap();

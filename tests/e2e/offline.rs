@@ -280,7 +280,15 @@ fn lorry_generate_switches_speculation_and_the_prefix_cache_without_changing_gre
     ] {
         let output = dir.join(format!("out-{}.jsonl", outputs.len()));
         // A small step budget spreads the prompts over steps, so later ones find earlier ones' blocks.
-        let mut args = vec!["--adapter", adapter.as_str(), "--step-tokens", "64"];
+        // Guessing in every step: whether a measured step guesses depends on the clock.
+        let mut args = vec![
+            "--adapter",
+            adapter.as_str(),
+            "--step-tokens",
+            "64",
+            "--speculate-policy",
+            "always",
+        ];
         args.extend(switches);
         let result = run_lorry("generate", &model_dir, &input, &output, &args);
         let stderr = String::from_utf8_lossy(&result.stderr).to_string();

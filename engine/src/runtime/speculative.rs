@@ -640,7 +640,7 @@ mod tests {
     fn tries_of_left_out_sequences_stay_within_their_share_of_rows() {
         let mut probes = Probes::default();
         let (mut rows, mut tried) = (0, 0);
-        let mut idle = vec![0u32; 32];
+        let mut idle = [0u32; 32];
         for _ in 0..10_000 {
             let left_out: Vec<(usize, u32, usize)> = (0..32).map(|i| (i, idle[i], 6)).collect();
             rows += 32;
