@@ -185,9 +185,11 @@ pub struct EngineBenchArgs {
     #[arg(long, default_value_t = 32)]
     pub tail_batch: usize,
     /// `off`: decode with speculation off (the model's rate); `compare`: also
-    /// with prompt lookup guessing in every step and under the measured
-    /// policy (the service's default), on the same prompts, the three in turn
-    /// for `--rounds` rounds at each batch size, the best of each kept.
+    /// a second engine without speculation, prompt lookup guessing in every
+    /// step and prompt lookup under the measured policy (the service's
+    /// default), on the same prompts: the four in turn for `--rounds` rounds at
+    /// each batch size, each round against its own run without speculation,
+    /// the median ratio and its range printed.
     #[arg(long, default_value = "off", value_parser = ["off", "compare"])]
     pub speculation: String,
     /// Rounds of `--speculation compare`.
@@ -541,9 +543,9 @@ fn bench_engine_speculating(max_seqs: usize, policy: Policy, speculation: SpecCo
     }
 }
 
-/// Prompt lookup's guesses so far: proposed and accepted.
-fn speculation_counts(engine: &TextEngine) -> (u64, u64) {
-    let (proposed, accepted) = engine.counters().speculation(Proposer::Ngram);
+/// `proposer`'s guesses on `engine` so far: proposed and accepted.
+pub(crate) fn proposed_accepted(engine: &TextEngine, proposer: Proposer) -> (u64, u64) {
+    let (proposed, accepted) = engine.counters().speculation(proposer);
     (proposed.load(Ordering::Relaxed), accepted.load(Ordering::Relaxed))
 }
 
@@ -724,10 +726,10 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                     let mut seconds = vec![0.0; engines.len()];
                     for turn in 0..engines.len() {
                         let i = (round + turn) % engines.len();
-                        let before = speculation_counts(engines[i]);
+                        let before = proposed_accepted(engines[i], Proposer::Ngram);
                         seconds[i] = decode_seconds(engines[i], batch).await?.1;
                         if i > 0 {
-                            let after = speculation_counts(engines[i]);
+                            let after = proposed_accepted(engines[i], Proposer::Ngram);
                             let c = &mut counts[i - 1];
                             (c.0, c.1) = (c.0 + after.0 - before.0, c.1 + after.1 - before.1);
                         }
@@ -737,16 +739,17 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                         ratio.push(seconds[0] / seconds[i + 1]);
                     }
                 }
-                let spread = |values: &mut Vec<f64>| {
+                // Sorted: the median, lowest and highest.
+                let sorted = |mut values: Vec<f64>| {
                     values.sort_by(f64::total_cmp);
-                    let median = values[values.len() / 2];
-                    format!("{median:.3}x ({:.3}–{:.3})", values[0], values[values.len() - 1])
+                    (values[values.len() / 2], values[0], values[values.len() - 1])
                 };
-                plain.sort_by(f64::total_cmp);
-                let mut row = format!("| {name} | {batch} | {:.1} |", plain[plain.len() / 2]);
-                for (ratio, (proposed, accepted)) in ratios.iter_mut().zip(&counts) {
-                    row += &format!(" {} |", spread(ratio));
-                    if *proposed > 0 {
+                let mut row = format!("| {name} | {batch} | {:.1} |", sorted(plain).0);
+                // The second engine without speculation has no guesses column.
+                for (i, (ratio, (proposed, accepted))) in ratios.into_iter().zip(&counts).enumerate() {
+                    let (median, low, high) = sorted(ratio);
+                    row += &format!(" {median:.3}x ({low:.3}–{high:.3}) |");
+                    if i > 0 {
                         row += &format!(" {accepted} of {proposed} |");
                     }
                 }

@@ -19,7 +19,7 @@ use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
 use serde_json::json;
 
-use crate::bench::{adapter_files, local_adapters, random_adapter};
+use crate::bench::{adapter_files, local_adapters, proposed_accepted, random_adapter};
 
 /// `lorry bench speculative`: what to measure.
 #[derive(clap::Args, Debug, Clone)]
@@ -369,11 +369,6 @@ pub async fn speculative(args: &SpeculativeBenchArgs) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&adapter_dir);
     Ok(())
-}
-
-fn proposed_accepted(engine: &TextEngine, proposer: Proposer) -> (u64, u64) {
-    let (p, a) = engine.counters().speculation(proposer);
-    (p.load(Ordering::Relaxed), a.load(Ordering::Relaxed))
 }
 
 /// `lorry bench prefix`: what to measure.

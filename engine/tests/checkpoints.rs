@@ -212,11 +212,6 @@ fn smollm2_gguf_tokenizes_as_transformers() {
     }
 }
 
-/// The products on SmolLM2's Q4_1 and Q8_0 blocks against the same file
-/// dequantized, with and without an adapter: last-position logits within 8%
-/// of the largest (measured: 5.3%), greedy tokens the same up to a place
-/// where the exact model's two best were within 0.25 of each other
-/// (measured: 8 of 16 generations of 24 tokens part, at gaps of 0.04–0.15).
 /// The first 2,048 tokens of the tokenizer corpus on `model`'s tokenizer:
 /// the fixed text whose likelihood the quantized products are held to.
 fn corpus_tokens(model: &TextModel) -> Vec<u32> {
@@ -258,6 +253,11 @@ fn parting(native: &TextModel, exact: &TextModel, prompt: &[u32], a: &[u32], b: 
     Some((at, row[0] - row[1], drift))
 }
 
+/// The products on SmolLM2's Q4_1 and Q8_0 blocks against the same file
+/// dequantized, with and without an adapter: last-position logits within 8%
+/// of the largest (measured: 5.3%), greedy tokens the same up to a place
+/// where the exact model's two best were within 0.25 of each other
+/// (measured: 8 of 16 generations of 24 tokens part, at gaps of 0.04–0.15).
 #[test]
 fn smollm2_quantized_products_follow_the_dequantized_weights() {
     let native = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();

@@ -307,8 +307,8 @@ pub(crate) struct Candidate {
 }
 
 /// The gain over a plain step that guesses must promise: the step cost is a
-/// prediction, and a verification row (which computes logits) costs a little
-/// more than the mean token it was measured from.
+/// prediction from recent steps and a sequence's acceptance an estimate
+/// from a few rounds.
 const MARGIN: f64 = 0.05;
 
 /// How many guesses each candidate takes this step, where `decoding`

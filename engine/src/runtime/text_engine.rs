@@ -627,9 +627,8 @@ impl EngineLoop {
         let engine_rate = self.acceptance.engine_rate();
         // Who may guess, prompt lookup's guesses (a draft model's come once
         // their number is chosen), and what each could take.
-        let mut wanting: Vec<(SeqId, Option<Vec<u32>>)> = Vec::new();
+        let mut wanting: Vec<(SeqId, Option<Vec<u32>>, u32)> = Vec::new();
         let mut candidates: Vec<Candidate> = Vec::new();
-        let mut idle: Vec<u32> = Vec::new();
         for &id in &ids {
             let Some(active) = self.active.get_mut(&id) else {
                 continue;
@@ -650,12 +649,11 @@ impl EngineLoop {
             if available == 0 {
                 continue;
             }
-            wanting.push((id, lookup));
+            wanting.push((id, lookup, spec.idle()));
             candidates.push(Candidate {
                 available,
                 acceptance: spec.acceptance(engine_rate),
             });
-            idle.push(spec.idle());
         }
         let taken = match policy {
             SpecPolicy::Always => candidates.iter().map(|c| c.available).collect(),
@@ -664,7 +662,7 @@ impl EngineLoop {
                 let mut taken = choose(decoding, &candidates, |tokens| decode_cost.predict_within(tokens, cost));
                 let left_out: Vec<(usize, u32, usize)> = (0..candidates.len())
                     .filter(|&i| taken[i] == 0)
-                    .map(|i| (i, idle[i], candidates[i].available))
+                    .map(|i| (i, wanting[i].2, candidates[i].available))
                     .collect();
                 if let Some((i, k)) = self.probes.pick(decoding, &left_out) {
                     taken[i] = k;
@@ -673,7 +671,7 @@ impl EngineLoop {
             }
         };
         let mut drafting: Vec<(SeqId, usize)> = Vec::new();
-        for ((id, lookup), &k) in wanting.into_iter().zip(&taken) {
+        for ((id, lookup, _), &k) in wanting.into_iter().zip(&taken) {
             let Some(active) = self.active.get_mut(&id) else {
                 continue;
             };
@@ -753,12 +751,12 @@ impl EngineLoop {
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
         let took = started.elapsed();
         let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
-        self.cost.observe(rt_tokens + batch_tokens, took.as_secs_f64() * 1e3);
+        let ms = took.as_secs_f64() * 1e3;
+        self.cost.observe(rt_tokens + batch_tokens, ms);
         if plan.chunks.iter().all(|c| c.samples && c.len == 1 + c.draft) {
-            self.decode_cost
-                .observe(rt_tokens + batch_tokens, took.as_secs_f64() * 1e3);
+            self.decode_cost.observe(rt_tokens + batch_tokens, ms);
         }
-        self.owe(rt_tokens, batch_tokens, took.as_secs_f64() * 1e3);
+        self.owe(rt_tokens, batch_tokens, ms);
         if rt_tokens > 0 {
             self.trace_real_time(&plan, batch_tokens, started, took);
         }
