@@ -8,11 +8,15 @@ use crate::extract::Authenticated;
 use crate::{ApiError, AppState};
 
 /// `GET /v1/account`.
+#[utoipa::path(get, path = "/v1/account", tag = crate::openapi::SERVICE,
+    responses((status = 200, description = "The caller's account", body = crate::openapi::Account)))]
 pub async fn show(Authenticated(account): Authenticated) -> Json<Value> {
     Json(json!({"id": account.id, "object": "account", "webhook_secret": account.webhook_secret}))
 }
 
 /// `POST /v1/account/webhook_secret/rotate`: a new secret signs every delivery from now on.
+#[utoipa::path(post, path = "/v1/account/webhook_secret/rotate", tag = crate::openapi::SERVICE,
+    responses((status = 200, description = "The account with its new secret", body = crate::openapi::Account)))]
 pub async fn rotate(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,

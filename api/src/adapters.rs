@@ -97,12 +97,12 @@ fn check_description(description: &str, param: &str) -> Result<(), ApiError> {
 
 /// The base model an adapter names: served, and taking adapters.
 fn check_model(state: &AppState, model: &str, param: &str) -> Result<(), ApiError> {
-    crate::submit::model(state, model, param)?.adapter_shape(param)?;
+    crate::submit::model(&state.catalog, model, param)?.adapter_shape(param)?;
     Ok(())
 }
 
 /// An adapter refused by the checks, as a 4xx naming the file at fault.
-fn refused(error: AdapterError, config_param: &str, weights_param: &str) -> ApiError {
+pub(crate) fn refused(error: AdapterError, config_param: &str, weights_param: &str) -> ApiError {
     let param = if error.in_config { config_param } else { weights_param };
     ApiError::invalid(error.code, param, error.message)
 }
@@ -245,6 +245,9 @@ async fn owned_adapter(
 }
 
 /// `POST /v1/adapters`: multipart `model`, `name`, `description`?, `config`, `weights`.
+#[utoipa::path(post, path = "/v1/adapters", tag = crate::openapi::ADAPTERS,
+    request_body(content = crate::openapi::AdapterUpload, content_type = "multipart/form-data"),
+    responses((status = 201, description = "The adapter, checked against its base model", body = crate::openapi::Adapter)))]
 pub async fn create(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -311,6 +314,9 @@ fn name_taken(name: &str) -> ApiError {
 }
 
 /// `GET /v1/adapters`.
+#[utoipa::path(get, path = "/v1/adapters", tag = crate::openapi::ADAPTERS,
+    params(("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    responses((status = 200, description = "Adapters, newest first", body = crate::openapi::AdapterList)))]
 pub async fn list(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -338,6 +344,9 @@ async fn list_page(
 }
 
 /// `GET /v1/adapters/{id or name}`.
+#[utoipa::path(get, path = "/v1/adapters/{adapter}", tag = crate::openapi::ADAPTERS,
+    params(("adapter" = String, Path, description = "An adapter's id or name")),
+    responses((status = 200, description = "The adapter", body = crate::openapi::Adapter)))]
 pub async fn show(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -352,6 +361,9 @@ pub async fn show(
 
 /// `DELETE /v1/adapters/{id or name}`: the record goes at once, then its files.
 /// Requests already accepted with it end with `adapter_not_found`.
+#[utoipa::path(delete, path = "/v1/adapters/{adapter}", tag = crate::openapi::ADAPTERS,
+    params(("adapter" = String, Path, description = "An adapter's id or name")),
+    responses((status = 200, description = "The adapter is gone", body = crate::openapi::Deleted)))]
 pub async fn delete(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -393,6 +405,10 @@ fn finetune_json(record: &AdapterRecord) -> Value {
 }
 
 /// `POST /client/v4/accounts/{account_id}/ai/finetunes`: `{"model", "name", "description"?}`.
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/finetunes", tag = crate::openapi::ADAPTERS,
+    params(("account_id" = String, Path, description = "The token's account")),
+    request_body = crate::openapi::FinetuneCreate,
+    responses((status = 200, description = "An empty finetune, waiting for its two files", body = crate::openapi::Envelope)))]
 pub async fn create_finetune(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -415,6 +431,9 @@ pub async fn create_finetune(
 }
 
 /// `GET /client/v4/accounts/{account_id}/ai/finetunes`.
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/finetunes", tag = crate::openapi::ADAPTERS,
+    params(("account_id" = String, Path, description = "The token's account"), ("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    responses((status = 200, description = "The account's finetunes", body = crate::openapi::Envelope)))]
 pub async fn list_finetunes(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -429,6 +448,10 @@ pub async fn list_finetunes(
 /// `POST /client/v4/accounts/{account_id}/ai/finetunes/{finetune}/finetune-assets`:
 /// multipart `file_name` (`adapter_config.json` | `adapter_model.safetensors`) and `file`.
 /// A file given again replaces the one before, once it passes the same checks.
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets", tag = crate::openapi::ADAPTERS,
+    params(("account_id" = String, Path, description = "The token's account"), ("finetune_id" = String, Path, description = "A finetune's id or name")),
+    request_body(content = crate::openapi::FinetuneAsset, content_type = "multipart/form-data"),
+    responses((status = 200, description = "The file, checked", body = crate::openapi::Envelope)))]
 pub async fn upload_asset(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,

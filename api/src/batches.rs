@@ -10,7 +10,7 @@ use lorry_batcher::ids::BatchId;
 use lorry_batcher::model::{Batch, OpenAiBatch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
 use lorry_protocol::input::Fields;
-use lorry_protocol::ErrorCode;
+use lorry_protocol::{Catalog, ErrorCode};
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated, JsonBody};
@@ -45,6 +45,10 @@ pub async fn owned_batch(
 }
 
 /// `POST /v1/batches`.
+#[utoipa::path(post, path = "/v1/batches", tag = crate::openapi::NATIVE,
+    request_body = crate::openapi::BatchCreate,
+    params(("Idempotency-Key" = Option<String>, Header, description = "1–255 visible ASCII: a retry with the same key and body answers the same batch")),
+    responses((status = 202, description = "The batch, accepted", body = crate::openapi::Batch)))]
 pub async fn create(
     State(state): State<AppState>,
     account: Authenticated,
@@ -55,7 +59,7 @@ pub async fn create(
     let read = if f.raw("input_file_id").is_some() {
         from_file(&state, &account, f).await?
     } else {
-        inline(&state, f)?
+        inline(&state.catalog, f)?
     };
     let new = submit::prepare(
         &state,
@@ -83,8 +87,8 @@ pub async fn create(
 }
 
 /// A submission read from either shape of `POST /v1/batches`.
-struct Read<'a> {
-    submission: Submission<'a>,
+pub(crate) struct Read<'a> {
+    pub(crate) submission: Submission<'a>,
     /// The adapter of `model: "base:adapter"`, for requests that name none.
     default_adapter: Option<String>,
     /// Where request `i`'s adapter is named, for errors.
@@ -92,7 +96,7 @@ struct Read<'a> {
 }
 
 /// The native shape: `{"model", "requests": [{"custom_id"?, "body"}], …}`.
-fn inline<'a>(state: &'a AppState, mut f: Fields<'_>) -> Result<Read<'a>, ApiError> {
+pub(crate) fn inline<'a>(catalog: &'a Catalog, mut f: Fields<'_>) -> Result<Read<'a>, ApiError> {
     let model_name: String = f.required("model", "a string")?;
     let requests = f
         .raw("requests")
@@ -106,8 +110,8 @@ fn inline<'a>(state: &'a AppState, mut f: Fields<'_>) -> Result<Read<'a>, ApiErr
     };
     f.optional::<String>("endpoint", "a string")?;
     f.deny_unknown()?;
-    let (base, default_adapter) = submit::split_model(state, &model_name);
-    let spec = submit::model(state, base, "model")?;
+    let (base, default_adapter) = submit::split_model(catalog, &model_name);
+    let spec = submit::model(catalog, base, "model")?;
     if default_adapter.is_some() {
         spec.adapter_shape("model")?;
     }
@@ -152,7 +156,7 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
             error_file_id: None,
         }),
     };
-    let spec = submit::model(state, &first.model, "model")?;
+    let spec = submit::model(&state.catalog, &first.model, "model")?;
     Ok(Read {
         submission: Submission {
             spec,
@@ -197,6 +201,9 @@ fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
 }
 
 /// `GET /v1/batches/{id}`.
+#[utoipa::path(get, path = "/v1/batches/{id}", tag = crate::openapi::NATIVE,
+    params(("id" = String, Path, description = "A batch id")),
+    responses((status = 200, description = "The batch", body = crate::openapi::Batch)))]
 pub async fn show(
     State(state): State<AppState>,
     account: Authenticated,
@@ -208,6 +215,9 @@ pub async fn show(
 }
 
 /// `GET /v1/batches?limit&after`: newest first.
+#[utoipa::path(get, path = "/v1/batches", tag = crate::openapi::NATIVE,
+    params(("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    responses((status = 200, description = "Batches, newest first", body = crate::openapi::BatchList)))]
 pub async fn list(
     State(state): State<AppState>,
     account: Authenticated,
@@ -232,6 +242,9 @@ pub async fn list(
 }
 
 /// `POST /v1/batches/{id}/cancel`: unstarted requests are cancelled; running ones finish.
+#[utoipa::path(post, path = "/v1/batches/{id}/cancel", tag = crate::openapi::NATIVE,
+    params(("id" = String, Path, description = "A batch id")),
+    responses((status = 200, description = "The batch, cancelling", body = crate::openapi::Batch)))]
 pub async fn cancel(
     State(state): State<AppState>,
     account: Authenticated,
@@ -255,19 +268,48 @@ pub async fn cancel(
 }
 
 /// `GET /v1/batches/{id}/results`: one JSON line per finished request, in index order.
+#[utoipa::path(get, path = "/v1/batches/{id}/results", tag = crate::openapi::NATIVE,
+    params(("id" = String, Path, description = "A batch id")),
+    responses((status = 200, description = "One line per finished request, in index order", content_type = "application/jsonl", body = crate::openapi::ResultLine)))]
 pub async fn results(
     State(state): State<AppState>,
     account: Authenticated,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let batch = owned_batch(&state, &account, &id, "id").await?;
-    // The first page is read before answering, so that a database failure is
-    // a clean 503; the rest stream a page at a time (memory: one page per
-    // response, however large the batch).
-    let first = state.store.finished_requests_page(&batch.id, -1, RESULTS_PAGE).await?;
+    let lines = finished_pieces(&state, &batch.id, |body, _, request, batch| {
+        serde_json::to_writer(&mut *body, &request.result_line(batch))?;
+        body.push(b'\n');
+        Ok(())
+    })
+    .await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/jsonl")],
+        axum::body::Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// A batch's finished requests as pieces of a response body, in index order,
+/// each written by `write` (given the piece, how many were written before it,
+/// the request and the batch id). The first page is read before answering, so
+/// that a database failure is a clean 503; the rest are read a page at a time
+/// as the client takes them (memory: one page per response, however large
+/// the batch). A failure part way ends the body early, logged.
+pub async fn finished_pieces<W>(
+    state: &AppState,
+    batch: &BatchId,
+    write: W,
+) -> Result<impl futures::Stream<Item = Result<axum::body::Bytes, lorry_batcher::BatcherError>> + use<W>, ApiError>
+where
+    W: Fn(&mut Vec<u8>, usize, &lorry_batcher::model::FinishedRequest, &BatchId) -> serde_json::Result<()>
+        + Send
+        + 'static,
+{
+    let first = state.store.finished_requests_page(batch, -1, RESULTS_PAGE).await?;
     let pages = futures::stream::try_unfold(
-        (Some(first), None, state.store.clone(), batch.id.clone()),
-        |(first, after, store, id)| async move {
+        (Some(first), None, 0usize, state.store.clone(), batch.clone(), write),
+        |(first, after, written, store, id, write)| async move {
             let page = match (first, after) {
                 (Some(page), _) => page,
                 (None, Some(after)) => store.finished_requests_page(&id, after, RESULTS_PAGE).await?,
@@ -277,26 +319,23 @@ pub async fn results(
                 return Ok(None);
             };
             let mut body = Vec::with_capacity(page.len() * 256);
-            for request in &page {
-                serde_json::to_writer(&mut body, &request.result_line(&id))
-                    .map_err(lorry_batcher::BatcherError::from)?;
-                body.push(b'\n');
+            for (n, request) in page.iter().enumerate() {
+                write(&mut body, written + n, request, &id).map_err(lorry_batcher::BatcherError::from)?;
             }
             // A short page is the last one.
             let after = (page.len() as i64 == RESULTS_PAGE).then_some(last);
-            Ok::<_, lorry_batcher::BatcherError>(Some((axum::body::Bytes::from(body), (None, after, store, id))))
+            let written = written + page.len();
+            Ok::<_, lorry_batcher::BatcherError>(Some((
+                axum::body::Bytes::from(body),
+                (None, after, written, store, id, write),
+            )))
         },
     );
-    let pages = futures::StreamExt::inspect(pages, |page| {
+    Ok(futures::StreamExt::inspect(pages, |page| {
         if let Err(error) = page {
             tracing::error!(%error, "a results listing failed part way; its response ends early");
         }
-    });
-    Ok((
-        [(header::CONTENT_TYPE, "application/jsonl")],
-        axum::body::Body::from_stream(pages),
-    )
-        .into_response())
+    }))
 }
 
 /// Results read and sent at a time by `GET /v1/batches/{id}/results`.

@@ -180,8 +180,34 @@ impl From<BatcherError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = self.body();
-        self.respond(body)
+        let mut response = self.respond(body);
+        response.extensions_mut().insert(Plain(self));
+        response
     }
+}
+
+/// The error behind a response in the plain shape, for [`cloudflare_envelope`].
+#[derive(Clone)]
+struct Plain(ApiError);
+
+/// On the Workers AI routes every error comes in Cloudflare's envelope,
+/// whoever found it: the handler, an extractor (the token, the JSON body, a
+/// multipart form), a guard or the router. The outermost layer: it re-renders
+/// the plain shape, keeping the status and headers.
+pub async fn cloudflare_envelope(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let workers_ai = request.uri().path().starts_with("/client/v4/");
+    let response = next.run(request).await;
+    if !workers_ai {
+        return response;
+    }
+    let Some(Plain(error)) = response.extensions().get::<Plain>().cloned() else {
+        return response;
+    };
+    let (mut parts, _) = response.into_parts();
+    parts.extensions.remove::<Plain>();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = serde_json::to_vec(&error.cloudflare_body()).expect("an error body serialises");
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 impl ApiError {

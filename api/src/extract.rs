@@ -55,11 +55,17 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
                 crate::guard::unreadable(&rejection, rejection.body_text())
             }
         })?;
-        let value = lorry_protocol::json::parse(&raw)
-            .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("the body is not valid JSON: {e}")))?;
-        lorry_protocol::input::refuse_nul(&value, "")?;
+        let value = parse_json(&raw)?;
         Ok(JsonBody { value, raw })
     }
+}
+
+/// A JSON body read strictly (a key named twice refused) with no U+0000 in any string.
+pub fn parse_json(raw: &[u8]) -> Result<Value, ApiError> {
+    let value = lorry_protocol::json::parse(raw)
+        .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("the body is not valid JSON: {e}")))?;
+    lorry_protocol::input::refuse_nul(&value, "")?;
+    Ok(value)
 }
 
 /// A multipart body, its rejection (no boundary, wrong content type) in the

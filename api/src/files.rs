@@ -17,7 +17,7 @@ use lorry_batcher::ids::{AccountId, FileId};
 use lorry_batcher::openai::Endpoint;
 use lorry_batcher::store::{FileRecord, NewFile};
 use lorry_protocol::input::Fields;
-use lorry_protocol::ErrorCode;
+use lorry_protocol::{Catalog, ErrorCode};
 use serde_json::{json, Value};
 
 use crate::extract::{page, Authenticated, Form};
@@ -59,7 +59,8 @@ fn line_error(number: usize, error: ApiError) -> ApiError {
 /// read (so that checking an upload holds one line's values at a time, not
 /// the file's); the first bad line is refused, named. Returns the count.
 pub fn check_lines(
-    state: &AppState,
+    catalog: &Catalog,
+    max_requests: usize,
     bytes: &[u8],
     mut each: impl FnMut(Line) -> Result<(), ApiError>,
 ) -> Result<usize, ApiError> {
@@ -72,11 +73,11 @@ pub fn check_lines(
         if raw.trim().is_empty() {
             continue;
         }
-        if count == state.config.max_requests {
+        if count == max_requests {
             return Err(ApiError::invalid(
                 ErrorCode::TooManyRequests,
                 "file",
-                format!("a batch file holds at most {} requests", state.config.max_requests),
+                format!("a batch file holds at most {max_requests} requests"),
             ));
         }
         let value: Value = lorry_protocol::json::parse_str(raw).map_err(|e| {
@@ -86,7 +87,7 @@ pub fn check_lines(
             )
         })?;
         lorry_protocol::input::refuse_nul(&value, "").map_err(|e| line_error(number, e.into()))?;
-        let line = read_line(state, &value).map_err(|e| line_error(number, e))?;
+        let line = read_line(catalog, &value).map_err(|e| line_error(number, e))?;
         let (custom_id, endpoint, request) = line;
         if !seen.insert(custom_id.clone()) {
             return Err(line_error(
@@ -116,7 +117,7 @@ pub fn check_lines(
     Ok(count)
 }
 
-fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Translated), ApiError> {
+fn read_line(catalog: &Catalog, value: &Value) -> Result<(String, Endpoint, Translated), ApiError> {
     let mut f = Fields::new(value, "")?;
     let custom_id: String = f.required("custom_id", "a string")?;
     if custom_id.is_empty() || custom_id.len() > MAX_CUSTOM_ID {
@@ -146,7 +147,7 @@ fn read_line(state: &AppState, value: &Value) -> Result<(String, Endpoint, Trans
         .raw("body")
         .ok_or_else(|| ApiError::invalid(ErrorCode::MissingField, "body", "body is required"))?;
     f.deny_unknown()?;
-    let request = translate(state, endpoint, body).map_err(|e| {
+    let request = translate(catalog, endpoint, body).map_err(|e| {
         let field = e.param.clone().unwrap_or_default();
         let mut e = e;
         e.param = Some(if field.is_empty() {
@@ -185,7 +186,7 @@ pub async fn batch_items(
     let bytes = state.objects.get(&file.file.object_key).await?;
     let mut items = Vec::new();
     let mut first: Option<Translated> = None;
-    check_lines(state, &bytes, |line| {
+    check_lines(&state.catalog, state.config.max_requests, &bytes, |line| {
         let first = first.get_or_insert_with(|| line.request.clone());
         let path = format!("input_file_id.line[{}]", line.number);
         if line.endpoint != endpoint {
@@ -244,6 +245,9 @@ fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError 
 }
 
 /// `POST /v1/files`: multipart `purpose` (`batch`) and `file` (JSONL).
+#[utoipa::path(post, path = "/v1/files", tag = crate::openapi::OPENAI,
+    request_body(content = crate::openapi::FileUpload, content_type = "multipart/form-data"),
+    responses((status = 200, description = "The file, every line checked", body = crate::openapi::FileObject)))]
 pub async fn create(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -277,7 +281,7 @@ pub async fn create(
             "the file name must be 1 to 255 bytes without slashes or U+0000",
         ));
     }
-    let lines = check_lines(&state, &bytes, |_| Ok(()))?;
+    let lines = check_lines(&state.catalog, state.config.max_requests, &bytes, |_| Ok(()))?;
     let id = FileId::generate();
     // The key is made of ids alone: the client's name is kept in the record.
     let key = format!("accounts/{}/files/{id}", account.id);
@@ -337,6 +341,9 @@ async fn upload_parts(multipart: &mut Multipart) -> Result<(Option<String>, Opti
 }
 
 /// `GET /v1/files?purpose&limit&after`: newest first.
+#[utoipa::path(get, path = "/v1/files", tag = crate::openapi::OPENAI,
+    params(("purpose" = Option<String>, Query, description = "Only files of this purpose"), ("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    responses((status = 200, description = "Files, newest first", body = crate::openapi::FileList)))]
 pub async fn list(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -358,6 +365,9 @@ pub async fn list(
 }
 
 /// `GET /v1/files/{id}`.
+#[utoipa::path(get, path = "/v1/files/{id}", tag = crate::openapi::OPENAI,
+    params(("id" = String, Path, description = "A file id")),
+    responses((status = 200, description = "The file", body = crate::openapi::FileObject)))]
 pub async fn show(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -367,6 +377,9 @@ pub async fn show(
 }
 
 /// `GET /v1/files/{id}/content`.
+#[utoipa::path(get, path = "/v1/files/{id}/content", tag = crate::openapi::OPENAI,
+    params(("id" = String, Path, description = "A file id")),
+    responses((status = 200, description = "The file's bytes", content_type = "application/jsonl", body = String)))]
 pub async fn content(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,
@@ -383,6 +396,9 @@ pub async fn content(
 }
 
 /// `DELETE /v1/files/{id}`: the record first, then the bytes.
+#[utoipa::path(delete, path = "/v1/files/{id}", tag = crate::openapi::OPENAI,
+    params(("id" = String, Path, description = "A file id")),
+    responses((status = 200, description = "The file is gone", body = crate::openapi::Deleted)))]
 pub async fn delete(
     State(state): State<AppState>,
     Authenticated(account): Authenticated,

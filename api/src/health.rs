@@ -11,11 +11,18 @@ use serde_json::{json, Value};
 use crate::AppState;
 
 /// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = crate::openapi::SERVICE,
+    responses((status = 200, description = "The process is up", body = crate::openapi::Health)))]
 pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
 /// Postgres, RabbitMQ and S3 are all reachable.
+#[utoipa::path(get, path = "/readyz", tag = crate::openapi::SERVICE,
+    responses(
+        (status = 200, description = "PostgreSQL, RabbitMQ and S3 all answer", body = crate::openapi::Ready),
+        (status = 503, description = "A backing service does not answer", body = crate::openapi::Ready),
+    ))]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
     let (db, broker, s3) = tokio::join!(
         bounded(state.store.ping()),

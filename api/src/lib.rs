@@ -12,10 +12,12 @@ mod batches;
 pub mod error;
 mod extract;
 mod files;
+pub mod fuzzing;
 pub mod guard;
 mod health;
 mod lane;
 pub mod openai;
+mod openapi;
 pub mod serve;
 mod submit;
 mod workers_ai;
@@ -33,6 +35,9 @@ use lorry_batcher::store::Store;
 use lorry_protocol::lora::AdapterLimits;
 use lorry_protocol::Catalog;
 use lorry_protocol::ErrorCode;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouterExt};
+use utoipa_axum::routes;
 
 pub use error::ApiError;
 
@@ -112,50 +117,49 @@ impl AppState {
     }
 }
 
-/// The whole HTTP API.
+/// The whole HTTP API, and its OpenAPI document at `/openapi.json`.
 pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
     // Both adapter files in one body, the configuration capped at 1 MiB.
     let upload_limit = state.config.adapter_limits.max_bytes + (2 << 20);
     let uploads = DefaultBodyLimit::max(upload_limit);
-    Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/v1/account", get(account::show))
-        .route("/v1/account/webhook_secret/rotate", post(account::rotate))
+    let files_limit = DefaultBodyLimit::max(state.config.max_file_bytes);
+    // Every route is registered with its description, so none goes undocumented.
+    let (router, doc) = OpenApiRouter::with_openapi(openapi::Base::openapi())
+        .routes(routes!(health::healthz))
+        .routes(routes!(health::readyz))
+        .routes(routes!(account::show))
+        .routes(routes!(account::rotate))
+        .routes(routes!(adapters::create).layer(uploads.clone()))
+        .routes(routes!(adapters::list))
+        .routes(routes!(adapters::show, adapters::delete))
+        .routes(routes!(adapters::create_finetune, adapters::list_finetunes))
+        .routes(routes!(adapters::upload_asset).layer(uploads))
+        .routes(routes!(openai::models))
+        .routes(routes!(openai::chat))
+        .routes(routes!(openai::completions))
+        .routes(routes!(openai::embeddings))
+        .routes(routes!(files::create).layer(files_limit))
+        .routes(routes!(files::list))
+        .routes(routes!(files::show, files::delete))
+        .routes(routes!(files::content))
+        .routes(routes!(batches::create, batches::list))
+        .routes(routes!(batches::show))
+        .routes(routes!(batches::cancel))
+        .routes(routes!(batches::results))
+        .split_for_parts();
+    // Model names hold slashes: these two take the rest of the path (their
+    // descriptions are in `openapi::Base`, under `{model}`).
+    let router = router.route("/v1/models/{*model}", get(openai::model)).route(
+        "/client/v4/accounts/{account_id}/ai/run/{*model}",
+        post(workers_ai::run),
+    );
+    let document =
+        axum::body::Bytes::from(serde_json::to_vec(&openapi::finish(doc)).expect("the OpenAPI document serialises"));
+    router
         .route(
-            "/v1/adapters",
-            post(adapters::create).layer(uploads).get(adapters::list),
-        )
-        .route("/v1/adapters/{adapter}", get(adapters::show).delete(adapters::delete))
-        .route(
-            "/client/v4/accounts/{account_id}/ai/finetunes",
-            post(adapters::create_finetune).get(adapters::list_finetunes),
-        )
-        .route(
-            "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets",
-            post(adapters::upload_asset).layer(uploads),
-        )
-        .route("/v1/models", get(openai::models))
-        .route("/v1/models/{*model}", get(openai::model))
-        .route("/v1/chat/completions", post(openai::chat))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/embeddings", post(openai::embeddings))
-        .route(
-            "/v1/files",
-            post(files::create)
-                .layer(DefaultBodyLimit::max(state.config.max_file_bytes))
-                .get(files::list),
-        )
-        .route("/v1/files/{id}", get(files::show).delete(files::delete))
-        .route("/v1/files/{id}/content", get(files::content))
-        .route("/v1/batches", post(batches::create).get(batches::list))
-        .route("/v1/batches/{id}", get(batches::show))
-        .route("/v1/batches/{id}/cancel", post(batches::cancel))
-        .route("/v1/batches/{id}/results", get(batches::results))
-        .route(
-            "/client/v4/accounts/{account_id}/ai/run/{*model}",
-            post(workers_ai::run),
+            "/openapi.json",
+            get(move || async move { ([(axum::http::header::CONTENT_TYPE, "application/json")], document) }),
         )
         .fallback(|| async { ApiError::new(ErrorCode::RouteNotFound, "no such route") })
         .method_not_allowed_fallback(|| async {
@@ -167,5 +171,6 @@ pub fn router(state: AppState) -> Router {
             guard::body_pace,
         ))
         .layer(axum::middleware::from_fn(guard::uri))
+        .layer(axum::middleware::from_fn(error::cloudflare_envelope))
         .with_state(state)
 }

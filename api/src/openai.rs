@@ -16,7 +16,7 @@ use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::Task;
-use lorry_protocol::{InputError, Output, ValidRequest};
+use lorry_protocol::{Catalog, InputError, Output, ValidRequest};
 use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
@@ -39,11 +39,11 @@ pub struct Translated {
 
 /// Read an OpenAI request body for `endpoint`: every field checked, unknown
 /// fields refused, each error naming the field as the client spelled it.
-pub fn translate(state: &AppState, endpoint: Endpoint, body: &Value) -> Result<Translated, ApiError> {
+pub fn translate(catalog: &Catalog, endpoint: Endpoint, body: &Value) -> Result<Translated, ApiError> {
     let mut f = Fields::new(body, "")?;
     let requested: String = f.required("model", "a string")?;
-    let (base, adapter) = submit::split_model(state, &requested);
-    let spec = submit::model(state, base, "model")?;
+    let (base, adapter) = submit::split_model(catalog, &requested);
+    let spec = submit::model(catalog, base, "model")?;
     check_endpoint(spec, endpoint, adapter.is_some())?;
     let mut draft = Draft::default();
     match endpoint {
@@ -253,14 +253,21 @@ fn unsupported(param: &str, message: &str) -> ApiError {
 
 /// An engine error about one of its fields, named as the client spelled it.
 pub fn rename(mut error: InputError, renamed: &[(&str, &str)]) -> InputError {
+    error.param = renamed_param(&error.param, renamed);
+    error
+}
+
+/// A field path in the engine's spelling (`text[2]`) in the client's (`input[2]`).
+fn renamed_param(param: &str, renamed: &[(&str, &str)]) -> String {
     for (engine, client) in renamed {
-        if error.param == *engine {
-            error.param = client.to_string();
-        } else if let Some(rest) = error.param.strip_prefix(engine).filter(|r| r.starts_with('[')) {
-            error.param = format!("{client}{rest}");
+        if param == *engine {
+            return client.to_string();
+        }
+        if let Some(rest) = param.strip_prefix(engine).filter(|r| r.starts_with('[')) {
+            return format!("{client}{rest}");
         }
     }
-    error
+    param.to_string()
 }
 
 /// OpenAI messages → the engine's `{role, content}` list: content as a string
@@ -342,6 +349,8 @@ fn model_json(spec: &lorry_protocol::ModelSpec) -> Value {
 }
 
 /// `GET /v1/models`.
+#[utoipa::path(get, path = "/v1/models", tag = crate::openapi::OPENAI,
+    responses((status = 200, description = "Every served model", body = crate::openapi::ModelList)))]
 pub async fn models(State(state): State<AppState>, _account: Authenticated) -> Json<Value> {
     let mut data: Vec<Value> = state.catalog.iter().map(model_json).collect();
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
@@ -349,34 +358,52 @@ pub async fn models(State(state): State<AppState>, _account: Authenticated) -> J
 }
 
 /// `GET /v1/models/{model}` (the name may hold slashes).
+#[utoipa::path(get, path = "/v1/models/{model}", tag = crate::openapi::OPENAI,
+    params(("model" = String, Path, description = "A served model's name (it may hold slashes)")),
+    responses((status = 200, description = "The model", body = crate::openapi::Model)))]
 pub async fn model(
     State(state): State<AppState>,
     _account: Authenticated,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    Ok(Json(model_json(submit::model(&state, &name, "model")?)))
+    Ok(Json(model_json(submit::model(&state.catalog, &name, "model")?)))
 }
 
 /// `POST /v1/chat/completions`.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = crate::openapi::OPENAI,
+    request_body = crate::openapi::ChatRequest,
+    responses((status = 200, description = "The completion, or with `stream` its chunks as server-sent events",
+        content((crate::openapi::Completion = "application/json"), (crate::openapi::ServerSentEvent = "text/event-stream")))))]
 pub async fn chat(state: State<AppState>, account: Authenticated, body: JsonBody) -> Result<Response, ApiError> {
     generate(state, account, body, Endpoint::Chat).await
 }
 
 /// `POST /v1/completions`.
+#[utoipa::path(post, path = "/v1/completions", tag = crate::openapi::OPENAI,
+    request_body = crate::openapi::CompletionRequest,
+    responses((status = 200, description = "The completion, or with `stream` its chunks as server-sent events",
+        content((crate::openapi::Completion = "application/json"), (crate::openapi::ServerSentEvent = "text/event-stream")))))]
 pub async fn completions(state: State<AppState>, account: Authenticated, body: JsonBody) -> Result<Response, ApiError> {
     generate(state, account, body, Endpoint::Completions).await
 }
 
 /// `POST /v1/embeddings`.
+#[utoipa::path(post, path = "/v1/embeddings", tag = crate::openapi::OPENAI,
+    request_body = crate::openapi::EmbeddingsRequest,
+    responses((status = 200, description = "One vector a text", body = crate::openapi::EmbeddingList)))]
 pub async fn embeddings(
     State(state): State<AppState>,
     account: Authenticated,
     body: JsonBody,
 ) -> Result<Response, ApiError> {
-    let request = translate(&state, Endpoint::Embeddings, &body.value)?;
+    let request = translate(&state.catalog, Endpoint::Embeddings, &body.value)?;
     let base64 = body.value["encoding_format"] == "base64";
     let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone()).await?;
-    let output = call.output().await?;
+    // What the engine finds of a text (one it makes no tokens of) names it as the client did.
+    let output = call.output().await.map_err(|mut e| {
+        e.param = e.param.map(|p| renamed_param(&p, &[("text", "input")]));
+        e
+    })?;
     let done = Finished {
         content: &output.content,
         finish_reason: None,
@@ -400,7 +427,7 @@ async fn generate(
     body: JsonBody,
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
-    let mut request = translate(&state, endpoint, &body.value)?;
+    let mut request = translate(&state.catalog, endpoint, &body.value)?;
     request.valid.stream = request.stream;
     let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());

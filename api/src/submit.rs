@@ -11,11 +11,11 @@ use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
-use lorry_protocol::{ModelSpec, ValidRequest};
+use lorry_protocol::{Catalog, ModelSpec, ValidRequest};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::{ApiError, AppState};
+use crate::{ApiConfig, ApiError, AppState};
 
 /// The default completion window.
 pub const DEFAULT_WINDOW: &str = "24h";
@@ -58,8 +58,8 @@ pub struct Options {
 }
 
 /// Look a model up, or refuse with 404 naming `param`.
-pub fn model<'a>(state: &'a AppState, name: &str, param: &str) -> Result<&'a ModelSpec, ApiError> {
-    state.catalog.get(name).ok_or_else(|| {
+pub fn model<'a>(catalog: &'a Catalog, name: &str, param: &str) -> Result<&'a ModelSpec, ApiError> {
+    catalog.get(name).ok_or_else(|| {
         ApiError::new(ErrorCode::ModelNotFound, format!("model {name} is not served here")).with_param(param)
     })
 }
@@ -67,12 +67,12 @@ pub fn model<'a>(state: &'a AppState, name: &str, param: &str) -> Result<&'a Mod
 /// `base:adapter` (OpenAI's fine-tuned model names) → the base model and the
 /// adapter every request uses unless it names its own. A served name that
 /// holds a colon is taken whole.
-pub fn split_model<'a>(state: &AppState, model: &'a str) -> (&'a str, Option<&'a str>) {
-    if state.catalog.get(model).is_some() {
+pub fn split_model<'a>(catalog: &Catalog, model: &'a str) -> (&'a str, Option<&'a str>) {
+    if catalog.get(model).is_some() {
         return (model, None);
     }
     match model.rsplit_once(':') {
-        Some((base, adapter)) if !adapter.is_empty() && state.catalog.get(base).is_some() => (base, Some(adapter)),
+        Some((base, adapter)) if !adapter.is_empty() && catalog.get(base).is_some() => (base, Some(adapter)),
         _ => (model, None),
     }
 }
@@ -91,7 +91,7 @@ pub struct Submission<'a> {
 
 /// Validate a whole submission into a batch ready to write.
 pub fn validate(
-    state: &AppState,
+    config: &ApiConfig,
     account: &AccountId,
     submission: Submission<'_>,
     headers: &HeaderMap,
@@ -103,13 +103,13 @@ pub fn validate(
         items,
         options,
     } = submission;
-    let requests = check_requests(state, spec, items)?;
+    let requests = check_requests(config.max_requests, spec, items)?;
     let completion_window = options.completion_window.unwrap_or_else(|| DEFAULT_WINDOW.to_string());
     let window = parse_window(&completion_window)?;
     let metadata = options.metadata.map(check_metadata).transpose()?;
     let webhook_url = options
         .webhook_url
-        .map(|url| allowed_webhook(state, &url))
+        .map(|url| allowed_webhook(config, &url))
         .transpose()?;
     Ok(NewBatch {
         id: BatchId::generate(),
@@ -128,7 +128,7 @@ pub fn validate(
 }
 
 /// Every request checked against the model, `custom_id`s unique.
-fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Result<Vec<NewRequest>, ApiError> {
+fn check_requests(max_requests: usize, spec: &ModelSpec, items: Vec<Item>) -> Result<Vec<NewRequest>, ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid(
             ErrorCode::EmptyBatch,
@@ -136,11 +136,11 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
             "requests must hold at least one request",
         ));
     }
-    if items.len() > state.config.max_requests {
+    if items.len() > max_requests {
         return Err(ApiError::invalid(
             ErrorCode::TooManyRequests,
             "requests",
-            format!("a batch holds at most {} requests", state.config.max_requests),
+            format!("a batch holds at most {max_requests} requests"),
         ));
     }
     let mut seen = HashSet::new();
@@ -182,8 +182,8 @@ fn check_requests(state: &AppState, spec: &ModelSpec, items: Vec<Item>) -> Resul
 }
 
 /// A webhook target the deployment allows.
-fn allowed_webhook(state: &AppState, url: &str) -> Result<String, ApiError> {
-    check_url(url, state.config.allow_private_webhooks)
+fn allowed_webhook(config: &ApiConfig, url: &str) -> Result<String, ApiError> {
+    check_url(url, config.allow_private_webhooks)
         .map(|u| u.to_string())
         .map_err(|problem| {
             let code = match problem {
@@ -207,7 +207,7 @@ pub async fn prepare(
     path: impl Fn(usize) -> String,
 ) -> Result<NewBatch, ApiError> {
     let model = submission.spec.name.clone();
-    let mut new = validate(state, account, submission, headers, raw)?;
+    let mut new = validate(&state.config, account, submission, headers, raw)?;
     crate::adapters::resolve_requests(state, account, &model, &mut new.requests, default, path).await?;
     Ok(new)
 }

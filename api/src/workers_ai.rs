@@ -34,6 +34,13 @@ fn envelope(result: Value) -> Json<Value> {
 }
 
 /// `POST /client/v4/accounts/{account_id}/ai/run/{model}`.
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/run/{model}", tag = crate::openapi::WORKERS_AI,
+    request_body = crate::openapi::RunBody,
+    params(("account_id" = String, Path, description = "The token's account"), ("model" = String, Path, description = "A served model's name (it may hold slashes)"),
+        ("queueRequest" = Option<bool>, Query, description = "Queue the body's `requests` as a batch"),
+        ("Idempotency-Key" = Option<String>, Header, description = "For a queued batch: as on `POST /v1/batches`")),
+    responses((status = 200, description = "A queued batch's id, a polled batch's state or responses, or one request's answer (with `stream`, server-sent events)",
+        content((crate::openapi::Envelope = "application/json"), (crate::openapi::ServerSentEvent = "text/event-stream")))))]
 pub async fn run(
     State(state): State<AppState>,
     account: Authenticated,
@@ -46,7 +53,7 @@ pub async fn run(
         return Err(ApiError::not_found(ErrorCode::AccountNotFound, "account_id", "account").into());
     }
     let model = model.trim_start_matches('/');
-    let spec = submit::model(&state, model, "model")?;
+    let spec = submit::model(&state.catalog, model, "model")?;
     let queued_in_query = match query.get("queueRequest").map(String::as_str) {
         None | Some("false") => false,
         Some("true") => true,
@@ -92,7 +99,18 @@ async fn queue(
     headers: &HeaderMap,
     body: &JsonBody,
 ) -> Result<Response, CloudflareError> {
-    let mut f = Fields::new(&body.value, "")?;
+    let submission = queued(spec, &body.value)?;
+    let new = submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
+        format!("requests[{i}]")
+    })
+    .await?;
+    let (batch, _) = submit::create(state, new).await?;
+    Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
+}
+
+/// A queued batch's body: `{"requests": [model input, "external_reference"?], "webhook"?}`.
+pub(crate) fn queued<'a>(spec: &'a lorry_protocol::ModelSpec, body: &Value) -> Result<Submission<'a>, ApiError> {
+    let mut f = Fields::new(body, "")?;
     f.raw("queueRequest");
     let requests = f.raw("requests").ok_or_else(|| {
         ApiError::invalid(
@@ -135,18 +153,12 @@ async fn queue(
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let submission = Submission {
+    Ok(Submission {
         spec,
         shape: Shape::WorkersAi,
         items,
         options,
-    };
-    let new = submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
-        format!("requests[{i}]")
     })
-    .await?;
-    let (batch, _) = submit::create(state, new).await?;
-    Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
 }
 
 async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result<Response, CloudflareError> {
@@ -165,24 +177,44 @@ async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result
         let result = json!({"status": status, "request_id": batch.id, "model": batch.model});
         return Ok(envelope(result).into_response());
     }
-    let finished = state.store.finished_requests(&batch.id).await?;
-    let responses: Vec<Value> = finished
-        .iter()
-        .map(|r| {
-            let mut line = json!({"id": r.index, "success": r.status == RequestStatus::Succeeded});
-            match (&r.response, &r.error) {
-                (Some(response), _) => line["result"] = response.clone(),
-                (None, error) => line["error"] = json!(error),
-            }
-            if let Some(reference) = &r.custom_id {
-                line["external_reference"] = json!(reference);
-            }
-            line
-        })
-        .collect();
+    // `{"result":{"status","request_id","responses":[…],"usage"},"success":true,…}`,
+    // the responses read and sent a page at a time.
     let usage = Usage::json(tally.prompt_tokens, tally.completion_tokens);
-    let result = json!({"status": batch.status, "request_id": batch.id, "responses": responses, "usage": usage});
-    Ok(envelope(result).into_response())
+    let head = format!(
+        r#"{{"result":{{"status":{},"request_id":{},"responses":["#,
+        json!(batch.status),
+        json!(batch.id)
+    );
+    let tail = format!(r#"],"usage":{usage}}},"success":true,"errors":[],"messages":[]}}"#);
+    let responses = crate::batches::finished_pieces(state, &batch.id, |body, written, r, _| {
+        if written > 0 {
+            body.push(b',');
+        }
+        serde_json::to_writer(&mut *body, &response_line(r))
+    })
+    .await?;
+    let piece = |text: String| Ok::<_, lorry_batcher::BatcherError>(axum::body::Bytes::from(text));
+    let body = stream::once(async move { piece(head) })
+        .chain(responses)
+        .chain(stream::once(async move { piece(tail) }));
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response())
+}
+
+/// One request of a polled batch that has ended.
+fn response_line(r: &lorry_batcher::model::FinishedRequest) -> Value {
+    let mut line = json!({"id": r.index, "success": r.status == RequestStatus::Succeeded});
+    match (&r.response, &r.error) {
+        (Some(response), _) => line["result"] = response.clone(),
+        (None, error) => line["error"] = json!(error),
+    }
+    if let Some(reference) = &r.custom_id {
+        line["external_reference"] = json!(reference);
+    }
+    line
 }
 
 async fn realtime(
@@ -191,7 +223,7 @@ async fn realtime(
     model: &str,
     input: Value,
 ) -> Result<Response, CloudflareError> {
-    let valid = submit::model(state, model, "model")?.validate(&input)?;
+    let valid = submit::model(&state.catalog, model, "model")?.validate(&input)?;
     let call = lane::start(state, account, model, valid).await?;
     if call.stream {
         return Ok(stream_replies(call).into_response());

@@ -26,7 +26,6 @@ use lorry_engine::{
 };
 use serde_json::json;
 use sqlx::PgPool;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "@test/scripted";
@@ -67,8 +66,8 @@ impl Backend for Scripted {
             ))),
             _ => panic!("no script for {prompt:?}"),
         };
-        let (tx, rx) = mpsc::unbounded_channel();
-        tx.send(event).unwrap();
+        let (tx, rx) = lorry_engine::event_channel();
+        assert!(tx.send(event));
         Ok(rx)
     }
 }

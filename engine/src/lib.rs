@@ -11,10 +11,14 @@
 pub mod adapters;
 pub mod catalog;
 pub mod fixtures;
+pub mod fuzzing;
 pub mod lora;
 pub mod models;
 pub mod ops;
 pub mod runtime;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -54,12 +58,19 @@ pub enum EngineError {
     /// just now; the request was not run, and may be delivered again.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The request's reader left [`MAX_UNREAD_EVENTS`] unread; the engine
+    /// dropped the request rather than hold more for it.
+    #[error("the reader of this stream fell {MAX_UNREAD_EVENTS} events behind; the request was dropped")]
+    Overrun,
 }
 
 impl EngineError {
     /// Whether running the same request again could succeed.
     pub fn retryable(&self) -> bool {
-        matches!(self, EngineError::Stopped | EngineError::Unavailable(_))
+        matches!(
+            self,
+            EngineError::Stopped | EngineError::Unavailable(_) | EngineError::Overrun
+        )
     }
 
     /// A stable machine-readable code.
@@ -69,12 +80,90 @@ impl EngineError {
             EngineError::Input(e) => e.code,
             EngineError::Model(_) => ErrorCode::ModelError,
             EngineError::Unavailable(_) => ErrorCode::ServiceUnavailable,
+            EngineError::Overrun => ErrorCode::ServiceUnavailable,
         }
     }
 }
 
+/// The most events a request's reader may leave unread. An engine never
+/// waits for a reader (one engine step serves every sequence), so a stream
+/// whose reader falls further behind (a worker that cannot publish) is ended
+/// instead: its sequence is dropped and its last event is
+/// [`EngineError::Overrun`]. What an engine holds for one request is bounded
+/// by this, not by the request's `max_tokens`.
+pub const MAX_UNREAD_EVENTS: usize = 1024;
+
 /// The events of one request, in order; dropping it cancels the request.
-pub type EventStream = mpsc::UnboundedReceiver<Event>;
+#[derive(Debug)]
+pub struct EventStream {
+    events: mpsc::UnboundedReceiver<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+impl EventStream {
+    /// The next event, or `None` once the engine has dropped the request.
+    pub async fn recv(&mut self) -> Option<Event> {
+        let event = self.events.recv().await;
+        if event.is_some() {
+            self.unread.fetch_sub(1, Ordering::AcqRel);
+        }
+        event
+    }
+
+    /// The next event if one is waiting, without waiting.
+    pub fn try_recv(&mut self) -> Result<Event, mpsc::error::TryRecvError> {
+        let event = self.events.try_recv()?;
+        self.unread.fetch_sub(1, Ordering::AcqRel);
+        Ok(event)
+    }
+}
+
+/// Where an engine sends one request's events.
+#[derive(Debug, Clone)]
+pub struct Events {
+    events: mpsc::UnboundedSender<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+impl Events {
+    /// Send an event; false when the reader has gone (the request is cancelled).
+    pub fn send(&self, event: Event) -> bool {
+        self.unread.fetch_add(1, Ordering::AcqRel);
+        let sent = self.events.send(event).is_ok();
+        if !sent {
+            self.unread.fetch_sub(1, Ordering::AcqRel);
+        }
+        sent
+    }
+
+    /// Whether the reader has gone.
+    pub fn is_closed(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Waits until the reader has gone.
+    pub async fn closed(&self) {
+        self.events.closed().await
+    }
+
+    /// How many events sent the reader has not taken yet.
+    pub fn unread(&self) -> usize {
+        self.unread.load(Ordering::Acquire)
+    }
+}
+
+/// A request's event channel: the engine's end and the reader's.
+pub fn event_channel() -> (Events, EventStream) {
+    let (events, stream) = mpsc::unbounded_channel();
+    let unread = Arc::new(AtomicUsize::new(0));
+    (
+        Events {
+            events,
+            unread: Arc::clone(&unread),
+        },
+        EventStream { events: stream, unread },
+    )
+}
 
 /// What a backend is asked to run: a validated request, its lane, and the
 /// adapter it runs with (whose files the engine fetches, checks and packs

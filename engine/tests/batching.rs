@@ -161,6 +161,42 @@ async fn a_dropped_stream_cancels_its_request_and_others_carry_on() {
 }
 
 #[tokio::test]
+async fn a_stream_whose_reader_falls_too_far_behind_is_dropped_with_what_it_was_owed() {
+    let (reference, dir) = model("overrun");
+    let config = EngineConfig {
+        max_unread_events: 8,
+        ..engine_config(1 << 30, 64)
+    };
+    let engine = TextEngine::start("tiny", reference, config);
+    let body = json!({"prompt": "a", "raw": true, "max_tokens": 200, "ignore_eos": true, "stream": true});
+    let mut behind = engine
+        .submit(Request::new(request(body.clone()), Lane::RealTime))
+        .unwrap();
+    // A reader that keeps up, beside it, runs to the end.
+    let kept_up = collect(engine.submit(Request::new(request(body), Lane::RealTime)).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(kept_up.usage.completion_tokens, 200);
+    // The one never read was dropped once 8 of its events were waiting:
+    // it gets those, then the overrun, and the engine stopped generating for it.
+    let mut tokens = 0;
+    let last = loop {
+        match behind.recv().await.expect("the stream ends with an event") {
+            Event::Token(_) => tokens += 1,
+            other => break other,
+        }
+    };
+    assert_eq!(tokens, 8);
+    assert_eq!(last, Event::Failed(EngineError::Overrun));
+    assert_eq!(EngineError::Overrun.code(), ErrorCode::ServiceUnavailable);
+    assert!(behind.recv().await.is_none());
+    let c = engine.counters();
+    assert_eq!(c.cancelled.load(Ordering::Relaxed), 1);
+    assert!(c.generated_tokens.load(Ordering::Relaxed) < 2 * 200);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
 async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
     let (reference, dir) = model("stream");
     let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));

@@ -66,6 +66,25 @@ async fn results_stream_in_index_order_across_pages() {
         })
         .collect();
     assert_eq!(indices, (0..2_345).collect::<Vec<i64>>());
+    // Polled through the Workers AI shape, the same results come in one
+    // JSON answer, also read and sent a page at a time.
+    let polled = app
+        .post(
+            "/client/v4/accounts/default/ai/run/@lorry/echo",
+            &json!({"request_id": id}),
+        )
+        .await;
+    assert_eq!(polled.headers()["content-type"], "application/json");
+    let polled: serde_json::Value = polled.json().await.unwrap();
+    assert_eq!(polled["success"], true);
+    assert_eq!(polled["errors"], json!([]));
+    assert_eq!(polled["result"]["status"], "completed");
+    assert_eq!(polled["result"]["request_id"], id);
+    assert_eq!(polled["result"]["usage"], done["usage"]);
+    let responses = polled["result"]["responses"].as_array().unwrap();
+    let ids: Vec<i64> = responses.iter().map(|r| r["id"].as_i64().unwrap()).collect();
+    assert_eq!(ids, (0..2_345).collect::<Vec<i64>>());
+    assert!(responses.iter().all(|r| r["success"] == true), "{}", responses[0]);
 }
 
 #[tokio::test]

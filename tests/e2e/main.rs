@@ -11,6 +11,7 @@ mod hardening;
 mod models;
 mod offline;
 mod openai;
+mod openapi;
 mod realtime;
 mod sdk;
 mod webhooks;

@@ -213,6 +213,15 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
         .await
         .unwrap();
     assert_eq!(refused["error"]["param"], "input", "{refused}");
+    // A text the model's tokenizer makes nothing of is the client's fault
+    // (400), found by the engine and named as the client named it.
+    for (input, param) in [(json!(""), "input"), (json!(["a", ""]), "input[1]")] {
+        let refused = app.post("/v1/embeddings", &json!({"model": BGE, "input": input})).await;
+        assert_eq!(refused.status(), 400);
+        let refused: Value = refused.json().await.unwrap();
+        assert_eq!(refused["error"]["code"], "empty_prompt", "{refused}");
+        assert_eq!(refused["error"]["param"], param, "{refused}");
+    }
     app.stop().await;
 }
 

@@ -122,8 +122,12 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(super::io_error(path))?;
         let len = file.metadata().map_err(super::io_error(path))?.len();
-        let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| {
+        GgufFile::read(&mut BufReader::new(file), len, path)
+    }
+
+    /// [`GgufFile::open`] on `len` bytes of `reader`, named `path` in errors.
+    pub fn read<R: std::io::Read + std::io::Seek>(reader: &mut R, len: u64, path: &Path) -> Result<Self> {
+        let content = Content::read(reader).map_err(|e| {
             // The first line: candle appends a backtrace where one is asked for.
             let message = e.to_string().lines().next().unwrap_or_default().to_string();
             let message = match message.strip_prefix("unknown dtype for tensor ") {

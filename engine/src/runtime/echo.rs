@@ -9,11 +9,9 @@
 
 use std::time::Duration;
 
-use tokio::sync::mpsc;
-
 use crate::input::{Prompt, ValidRequest};
 use crate::runtime::serial::SerialQueue;
-use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage, ECHO_MODEL};
+use crate::{Backend, Content, EngineError, Event, EventStream, Events, Output, Request, Usage, ECHO_MODEL};
 
 /// How the echo engine behaves.
 #[derive(Debug, Clone, Copy, Default)]
@@ -41,12 +39,16 @@ impl EchoEngine {
     }
 }
 
-fn serve(request: ValidRequest, events: &mpsc::UnboundedSender<Event>) {
+fn serve(request: ValidRequest, events: &Events) {
     let text = echo_text(&request);
     let prompt_tokens = words(&request.prompt_text());
     if request.stream {
         for word in text.split_inclusive(' ') {
-            if events.send(Event::Token(word.to_string())).is_err() {
+            if events.unread() >= crate::MAX_UNREAD_EVENTS {
+                events.send(Event::Failed(EngineError::Overrun));
+                return;
+            }
+            if !events.send(Event::Token(word.to_string())) {
                 return;
             }
         }
@@ -59,7 +61,7 @@ fn serve(request: ValidRequest, events: &mpsc::UnboundedSender<Event>) {
         content: Content::Text(text),
         completion: None,
     };
-    let _ = events.send(Event::Finished(output));
+    events.send(Event::Finished(output));
 }
 
 fn echo_text(request: &ValidRequest) -> String {
@@ -136,6 +138,36 @@ mod tests {
             }
         }
         assert_eq!(tokens, "a b c");
+    }
+
+    #[tokio::test]
+    async fn a_stream_left_unread_ends_at_the_bound_with_an_overrun() {
+        let engine = EchoEngine::start(EchoConfig::default());
+        let words = "w ".repeat(crate::MAX_UNREAD_EVENTS + 100);
+        let mut unread = engine
+            .submit(Request::new(
+                request(json!({"prompt": words, "stream": true})),
+                Lane::RealTime,
+            ))
+            .unwrap();
+        // One request at a time: once the next is answered, the first was served.
+        collect(
+            engine
+                .submit(Request::new(request(json!({"prompt": "x"})), Lane::RealTime))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let mut tokens = 0;
+        let last = loop {
+            match unread.recv().await.unwrap() {
+                Event::Token(_) => tokens += 1,
+                other => break other,
+            }
+        };
+        assert_eq!(tokens, crate::MAX_UNREAD_EVENTS);
+        assert_eq!(last, Event::Failed(EngineError::Overrun));
+        assert!(unread.recv().await.is_none());
     }
 
     #[tokio::test]

@@ -10,7 +10,7 @@ use crate::input::{Prompt, ValidRequest};
 use crate::models::bert::{Bert, Pooling};
 use crate::models::ModelError;
 use crate::runtime::serial::SerialQueue;
-use crate::{Backend, Content, EngineError, Event, EventStream, Output, Request, Usage};
+use crate::{Backend, Content, EngineError, ErrorCode, Event, EventStream, InputError, Output, Request, Usage};
 
 /// An embedding model ready to serve.
 pub struct Embedder {
@@ -87,7 +87,7 @@ impl EmbeddingEngine {
     /// Start serving `embedder` as `name`.
     pub fn start(name: &str, embedder: Embedder) -> Self {
         let queue = SerialQueue::start(&format!("lorry-embed {name}"), move |request, events| {
-            let _ = events.send(match embed_request(&embedder, &request) {
+            events.send(match embed_request(&embedder, &request) {
                 Ok(output) => Event::Finished(output),
                 Err(error) => Event::Failed(error),
             });
@@ -107,14 +107,26 @@ fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, 
     let pooling = request.pooling.unwrap_or(embedder.default_pooling());
     let mut data = Vec::with_capacity(texts.len());
     let mut tokens = 0;
-    for text in texts {
-        tokens += embedder
-            .tokenize(text)
-            .map_err(|e| EngineError::Model(e.to_string()))?
-            .len();
+    for (i, text) in texts.iter().enumerate() {
+        let ids = embedder.tokenize(text).map_err(|e| EngineError::Model(e.to_string()))?;
+        // A text the tokenizer makes nothing of is the client's to fix, not a model failure.
+        if ids.is_empty() {
+            let param = if texts.len() == 1 {
+                "text".to_string()
+            } else {
+                format!("text[{i}]")
+            };
+            return Err(EngineError::Input(InputError::new(
+                ErrorCode::EmptyPrompt,
+                param,
+                "the text has no tokens to embed",
+            )));
+        }
+        tokens += ids.len();
         data.push(
             embedder
-                .embed(text, Some(pooling))
+                .model
+                .embed(&ids, pooling)
                 .map_err(|e| EngineError::Model(e.to_string()))?,
         );
     }

@@ -5,14 +5,12 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 
-use tokio::sync::mpsc;
-
 use crate::input::ValidRequest;
-use crate::{EngineError, Event, EventStream, Lane};
+use crate::{event_channel, EngineError, EventStream, Events, Lane};
 
 struct Job {
     request: ValidRequest,
-    events: mpsc::UnboundedSender<Event>,
+    events: Events,
 }
 
 #[derive(Default)]
@@ -53,7 +51,7 @@ impl SerialQueue {
     /// Start a thread named `name` that hands each request, real time first, to `serve`.
     pub fn start<F>(name: &str, mut serve: F) -> Self
     where
-        F: FnMut(ValidRequest, &mpsc::UnboundedSender<Event>) + Send + 'static,
+        F: FnMut(ValidRequest, &Events) + Send + 'static,
     {
         let shared = Arc::new(Shared {
             queues: Mutex::new(Queues::default()),
@@ -81,7 +79,7 @@ impl SerialQueue {
 
     /// Queue a request on its lane.
     pub fn submit(&self, request: ValidRequest, lane: Lane) -> Result<EventStream, EngineError> {
-        let (events, stream) = mpsc::unbounded_channel();
+        let (events, stream) = event_channel();
         let job = Job { request, events };
         {
             let mut queues = lock(&self.shared);

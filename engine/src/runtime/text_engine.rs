@@ -20,8 +20,6 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
-
 use crate::adapters::{Adapters, Lease};
 use crate::lora::PackedAdapter;
 use crate::models::llama::Llama;
@@ -35,8 +33,8 @@ use crate::runtime::speculative::{
     choose, Acceptance, Candidate, DraftModel, Guess, Probes, Proposer, SpecConfig, SpecPolicy, SpecState,
 };
 use crate::{
-    AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Lane, Output, Request, Usage,
-    ValidRequest,
+    event_channel, AdapterShape, Backend, Completion, Content, EngineError, Event, EventStream, Events, Lane, Output,
+    Request, Usage, ValidRequest,
 };
 
 /// How the engine sizes its cache and batches.
@@ -87,6 +85,9 @@ pub struct EngineConfig {
     /// waits at most about this long for the step in flight, while steps
     /// with no real-time traffic near keep the larger, cheaper pre-fill.
     pub rt_step_max_ms: f64,
+    /// The most events a stream's reader may leave unread before its
+    /// sequence is dropped ([`crate::MAX_UNREAD_EVENTS`]).
+    pub max_unread_events: usize,
 }
 
 impl Default for EngineConfig {
@@ -107,6 +108,7 @@ impl Default for EngineConfig {
             rt_pace_min_step_ms: 10.0,
             step_max_ms: 500.0,
             rt_step_max_ms: 50.0,
+            max_unread_events: crate::MAX_UNREAD_EVENTS,
         }
     }
 }
@@ -176,7 +178,7 @@ struct Job {
     adapter: Option<Lease>,
     /// Its prefix-cache partition ([`Request::cache_partition`]).
     partition: Option<String>,
-    events: mpsc::UnboundedSender<Event>,
+    events: Events,
 }
 
 /// A handle to a running engine; the engine thread stops once every handle is
@@ -250,7 +252,7 @@ impl Backend for TextEngine {
     /// batch as every other, whatever their adapters; the sequence holds the
     /// adapter's lease until it ends.
     fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
-        let (events, stream) = mpsc::unbounded_channel();
+        let (events, stream) = event_channel();
         let Request {
             input,
             lane,
@@ -299,11 +301,11 @@ impl Backend for TextEngine {
                 Ok(lease) => {
                     job.adapter = Some(lease);
                     if let Err(std_mpsc::SendError(job)) = jobs.send(job) {
-                        let _ = job.events.send(Event::Failed(EngineError::Stopped));
+                        job.events.send(Event::Failed(EngineError::Stopped));
                     }
                 }
                 Err(error) => {
-                    let _ = job.events.send(Event::Failed(error));
+                    job.events.send(Event::Failed(error));
                 }
             }
         });
@@ -314,7 +316,7 @@ impl Backend for TextEngine {
 struct Active {
     decoding: Decoding,
     adapter: Option<Lease>,
-    events: mpsc::UnboundedSender<Event>,
+    events: Events,
     stream: bool,
     /// Hashes of its full blocks, when the prefix cache is on.
     hasher: Option<BlockHasher>,
@@ -369,6 +371,8 @@ struct EngineLoop {
     rt_pace_min_step_ms: f64,
     step_max_ms: f64,
     rt_step_max_ms: f64,
+    /// [`EngineConfig::max_unread_events`].
+    max_unread_events: usize,
 }
 
 impl EngineLoop {
@@ -432,6 +436,7 @@ impl EngineLoop {
             rt_pace_min_step_ms: config.rt_pace_min_step_ms,
             step_max_ms: config.step_max_ms,
             rt_step_max_ms: config.rt_step_max_ms,
+            max_unread_events: config.max_unread_events,
         }
     }
 
@@ -527,7 +532,7 @@ impl EngineLoop {
                 );
             }
             Err(error) => {
-                let _ = job.events.send(Event::Failed(error));
+                job.events.send(Event::Failed(error));
             }
         }
     }
@@ -776,7 +781,7 @@ impl EngineLoop {
                 for chunk in &plan.chunks {
                     self.scheduler.discard(chunk.id);
                     if let Some(active) = self.end(chunk.id) {
-                        let _ = active.events.send(Event::Failed(EngineError::Model(told.into())));
+                        active.events.send(Event::Failed(EngineError::Model(told.into())));
                     }
                 }
             }
@@ -889,16 +894,23 @@ impl EngineLoop {
             match (outcome, delta) {
                 (Err(error), _) | (_, Err(error)) => {
                     if let Some(active) = self.end(chunk.id) {
-                        let _ = active.events.send(Event::Failed(error));
+                        active.events.send(Event::Failed(error));
                     }
+                }
+                // A reader this far behind is not waited for (nothing else
+                // would run meanwhile): its sequence goes, and its blocks with it.
+                (Ok(_), Ok(Some(_))) if active.events.unread() >= self.max_unread_events => {
+                    let active = self.end(chunk.id).expect("the sequence is active");
+                    active.events.send(Event::Failed(EngineError::Overrun));
+                    self.counters.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
                 (Ok(finished), Ok(delta)) => {
                     if let Some(text) = delta {
-                        let _ = active.events.send(Event::Token(text));
+                        active.events.send(Event::Token(text));
                     }
                     if finished.is_some() {
                         let active = self.end(chunk.id).expect("the sequence is active");
-                        let _ = active
+                        active
                             .events
                             .send(Event::Finished(output(active.decoding, &self.model)));
                     }

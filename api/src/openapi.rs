@@ -1,0 +1,754 @@
+//! The OpenAPI document, served at `GET /openapi.json`.
+//!
+//! Every route is registered with its `#[utoipa::path]` description (through
+//! `utoipa_axum::routes!`, so a route cannot be served without being
+//! described); the shapes below are what the handlers read and write, and
+//! the error responses every operation can give are added from the one table
+//! of codes ([`crate::error::status`]), so that a new code shows up here
+//! without anyone remembering to document it.
+//!
+//! Request bodies are parsed by hand (`lorry_protocol::input`), field by field
+//! with a code for each fault; these types only describe them. Their
+//! agreement with what the server does is checked by running `schemathesis`
+//! against a live stack (`tests/e2e/openapi.rs`).
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use lorry_protocol::ErrorCode;
+use serde::Deserialize;
+use serde_json::Value;
+use utoipa::openapi::path::Operation;
+use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, OpenApi, RefOr, ResponseBuilder};
+use utoipa::{PartialSchema, ToSchema};
+
+/// Tags, one per part of `docs/API.md`.
+pub const NATIVE: &str = "native batches";
+/// The Workers AI shape.
+pub const WORKERS_AI: &str = "workers ai";
+/// OpenAI's routes.
+pub const OPENAI: &str = "openai";
+/// LoRA adapters, both shapes.
+pub const ADAPTERS: &str = "adapters";
+/// Account and health.
+pub const SERVICE: &str = "service";
+
+// ---------------------------------------------------------------- errors
+
+/// A stable error code (`docs/API.md`, "Errors").
+pub struct Code;
+
+impl PartialSchema for Code {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some(ErrorCode::ALL.iter().map(|c| c.as_str())))
+            .description(Some("A stable, machine-readable error code."))
+            .into()
+    }
+}
+
+impl ToSchema for Code {
+    fn name() -> std::borrow::Cow<'static, str> {
+        "ErrorCode".into()
+    }
+}
+
+/// What went wrong.
+#[derive(ToSchema, Deserialize)]
+pub struct ErrorObject {
+    /// The error's class (`invalid_request_error`, `not_found_error`, …).
+    #[schema(rename = "type")]
+    kind: String,
+    #[schema(value_type = Code)]
+    code: String,
+    /// For people; the code is what programs read.
+    message: String,
+    /// The field at fault as a path into the body (`requests[3].body.messages[0].role`),
+    /// a header or `path`/`query`; null when the whole request is at fault.
+    param: Option<String>,
+}
+
+/// `{"error": {…}}`: every error of the native and OpenAI routes.
+#[derive(ToSchema, Deserialize)]
+pub struct ErrorBody {
+    error: ErrorObject,
+}
+
+/// One entry of Cloudflare's `errors` list.
+#[derive(ToSchema, Deserialize)]
+pub struct CloudflareMessage {
+    /// The HTTP status times ten.
+    code: u32,
+    message: String,
+}
+
+/// Cloudflare's envelope around an error (the Workers AI routes).
+#[derive(ToSchema, Deserialize)]
+pub struct CloudflareError {
+    /// Always false.
+    success: bool,
+    errors: Vec<CloudflareMessage>,
+    messages: Vec<String>,
+    /// Always null.
+    #[schema(value_type = Option<Object>)]
+    result: Option<Value>,
+    error: ErrorObject,
+}
+
+// ---------------------------------------------------------------- model inputs
+
+/// A chat message.
+#[derive(ToSchema, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant` or `tool`.
+    #[schema(pattern = "^(system|user|assistant|tool)$")]
+    role: String,
+    content: String,
+}
+
+/// One string or up to four.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One string, 1–256 bytes.
+    One(String),
+    /// Up to four strings of 1–256 bytes.
+    Many(Vec<String>),
+}
+
+/// `"text"`: one string or a list of 1–100.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum Texts {
+    /// One text.
+    One(String),
+    /// 1 to 100 texts.
+    Many(Vec<String>),
+}
+
+/// A model input: text generation (`prompt` or `messages`, with sampling),
+/// embeddings (`text`, `pooling`); `@lorry/echo` takes `text` as its prompt.
+/// Which fields a model takes depends on its task; a field it does not take
+/// is `400 unknown_field`.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelInput {
+    /// A prompt.
+    prompt: Option<String>,
+    /// A chat, rendered with the model's chat template.
+    messages: Option<Vec<Message>>,
+    /// Embedding models: the texts; `@lorry/echo`: the prompt.
+    text: Option<Texts>,
+    /// Embedding models: `cls` or `mean` (the checkpoint's own when absent).
+    #[schema(pattern = "^(cls|mean)$")]
+    pooling: Option<String>,
+    /// Use the prompt as it is, without the chat template.
+    raw: Option<bool>,
+    /// Server-sent events (the real-time lane only; refused inside a batch).
+    stream: Option<bool>,
+    /// The adapter, by id or name (Workers AI's name for it).
+    lora: Option<String>,
+    /// The adapter, by id or name (the native name for it).
+    adapter: Option<String>,
+    /// 1–32,768 (default 256, cut to the model's context).
+    #[schema(minimum = 1, maximum = 32768)]
+    max_tokens: Option<u32>,
+    /// 0–5; 0, the default, is greedy.
+    #[schema(minimum = 0, maximum = 5)]
+    temperature: Option<f64>,
+    /// (0, 1].
+    #[schema(exclusive_minimum = 0, maximum = 1)]
+    top_p: Option<f64>,
+    top_k: Option<u32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    /// Up to 32 token ids that also end generation.
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    /// 0–2.
+    #[schema(minimum = 0, maximum = 2)]
+    repetition_penalty: Option<f64>,
+    /// −2–2.
+    #[schema(minimum = -2, maximum = 2)]
+    frequency_penalty: Option<f64>,
+    /// −2–2.
+    #[schema(minimum = -2, maximum = 2)]
+    presence_penalty: Option<f64>,
+    /// In a queued Workers AI batch: the client's id for the request, unique in the batch.
+    external_reference: Option<String>,
+}
+
+/// Token counts.
+#[derive(ToSchema, Deserialize)]
+pub struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+}
+
+// ---------------------------------------------------------------- native batches
+
+/// Where the completion webhook goes.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Webhook {
+    /// An absolute `http(s)` URL of a public address.
+    url: String,
+}
+
+/// One request of a native batch.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchItem {
+    /// The client's id for it, unique in the batch (1–512 characters).
+    custom_id: Option<String>,
+    body: ModelInput,
+}
+
+/// A native batch.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NativeBatch {
+    /// A served model, or `<model>:<adapter>`.
+    #[schema(example = "@lorry/echo")]
+    model: String,
+    /// 1 to 50,000 requests (`LORRY_MAX_BATCH_REQUESTS`).
+    requests: Vec<BatchItem>,
+    /// `30s`, `15m`, `24h`, `7d`; 1 s to 7 d (default `24h`).
+    completion_window: Option<String>,
+    /// Up to 16 keys of up to 64 characters, string values of up to 512.
+    metadata: Option<BTreeMap<String, String>>,
+    webhook: Option<Webhook>,
+}
+
+/// A batch from an uploaded batch file (OpenAI's shape).
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileBatch {
+    /// A file uploaded with purpose `batch`.
+    input_file_id: String,
+    /// `/v1/chat/completions`, `/v1/completions` or `/v1/embeddings`: every line must target it.
+    endpoint: String,
+    completion_window: String,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// `POST /v1/batches`: the native shape or one made from a file.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum BatchCreate {
+    /// Requests inline.
+    Native(NativeBatch),
+    /// Requests from a batch file.
+    FromFile(FileBatch),
+}
+
+/// Requests by status. `completed` and `failed` are OpenAI's; the others are Lorry's.
+#[derive(ToSchema, Deserialize)]
+pub struct RequestCounts {
+    total: u64,
+    completed: u64,
+    failed: u64,
+    pending: u64,
+    running: u64,
+    succeeded: u64,
+    errored: u64,
+    canceled: u64,
+    expired: u64,
+}
+
+/// A batch.
+#[derive(ToSchema, Deserialize)]
+pub struct Batch {
+    id: String,
+    /// `batch`.
+    object: String,
+    model: String,
+    /// `validating`, `in_progress`, `finalizing`, `completed`, `failed`, `expired`, `cancelling`, `cancelled`.
+    status: String,
+    completion_window: String,
+    request_counts: RequestCounts,
+    usage: Usage,
+    created_at: i64,
+    in_progress_at: Option<i64>,
+    expires_at: i64,
+    finalizing_at: Option<i64>,
+    completed_at: Option<i64>,
+    failed_at: Option<i64>,
+    expired_at: Option<i64>,
+    cancelling_at: Option<i64>,
+    cancelled_at: Option<i64>,
+    /// A presigned GET of `output.jsonl` once the batch has ended.
+    output_url: Option<String>,
+    /// A presigned GET of `errors.jsonl` once the batch has ended.
+    errors_url: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    metadata: Option<Value>,
+    /// Batches from a file: the route every line targets.
+    #[schema(nullable = false)]
+    endpoint: Option<String>,
+    /// Batches from a file.
+    #[schema(nullable = false)]
+    input_file_id: Option<String>,
+    /// Batches from a file: every success, once ended.
+    output_file_id: Option<String>,
+    /// Batches from a file: every failure, once ended.
+    error_file_id: Option<String>,
+}
+
+/// A page of batches, newest first.
+#[derive(ToSchema, Deserialize)]
+pub struct BatchList {
+    object: String,
+    data: Vec<Batch>,
+    first_id: Option<String>,
+    last_id: Option<String>,
+    has_more: bool,
+}
+
+/// A request's error in a batch's results.
+#[derive(ToSchema, Deserialize)]
+pub struct RequestError {
+    #[schema(rename = "type")]
+    kind: String,
+    code: String,
+    message: String,
+    retryable: bool,
+}
+
+/// A successful request's answer.
+#[derive(ToSchema, Deserialize)]
+pub struct ResultResponse {
+    status_code: u16,
+    #[schema(value_type = Object)]
+    body: Value,
+}
+
+/// One line of `GET /v1/batches/{id}/results` (`application/jsonl`) and of `output.jsonl`.
+#[derive(ToSchema, Deserialize)]
+pub struct ResultLine {
+    id: String,
+    custom_id: Option<String>,
+    index: u64,
+    /// `succeeded`, `errored`, `canceled`, `expired`.
+    status: String,
+    response: Option<ResultResponse>,
+    error: Option<RequestError>,
+    usage: Usage,
+}
+
+// ---------------------------------------------------------------- Workers AI
+
+/// Queues a batch.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(non_snake_case)]
+pub struct QueueBody {
+    /// The model inputs, each with an optional `external_reference`.
+    requests: Vec<ModelInput>,
+    /// Queue it (or `?queueRequest=true`).
+    queueRequest: Option<bool>,
+    webhook: Option<Webhook>,
+}
+
+/// Polls a queued batch.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollBody {
+    /// The `request_id` the batch was queued under.
+    request_id: String,
+}
+
+/// `POST /client/v4/accounts/{account_id}/ai/run/{model}`: a batch to queue,
+/// a batch to poll, or one request for the real-time lane.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum RunBody {
+    /// Queue a batch.
+    Queue(QueueBody),
+    /// Poll one.
+    Poll(PollBody),
+    /// One request, answered now.
+    Run(ModelInput),
+}
+
+/// Cloudflare's envelope around a result.
+#[derive(ToSchema, Deserialize)]
+pub struct Envelope {
+    /// The route's answer: an object, or a list (the finetunes listing).
+    result: Value,
+    /// Always true.
+    success: bool,
+    errors: Vec<CloudflareMessage>,
+    messages: Vec<String>,
+}
+
+/// One server-sent event of a stream: `data` a JSON object (a piece, the
+/// usage, an error) or `[DONE]`; `event` is `error` for a Workers AI stream's error.
+#[derive(ToSchema, Deserialize)]
+pub struct ServerSentEvent {
+    event: Option<String>,
+    data: String,
+}
+
+// ---------------------------------------------------------------- OpenAI
+
+/// A chat message of OpenAI's shape: `content` a string or a list of text parts.
+#[derive(ToSchema, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `developer`, `user`, `assistant`, `tool`.
+    role: String,
+    #[schema(value_type = Object)]
+    content: Value,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(ToSchema, Deserialize)]
+pub struct ChatRequest {
+    /// `<model>` or `<model>:<adapter>`.
+    #[schema(example = "@lorry/echo")]
+    model: String,
+    messages: Vec<ChatMessage>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<u32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    /// 1 only.
+    n: Option<u32>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    user: Option<String>,
+    stream: Option<bool>,
+    #[schema(value_type = Option<Object>)]
+    stream_options: Option<Value>,
+}
+
+/// `POST /v1/completions`.
+#[derive(ToSchema, Deserialize)]
+pub struct CompletionRequest {
+    #[schema(example = "@lorry/echo")]
+    model: String,
+    /// Used as it is: no chat template.
+    prompt: String,
+    max_tokens: Option<u32>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<u32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    n: Option<u32>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    user: Option<String>,
+    stream: Option<bool>,
+    #[schema(value_type = Option<Object>)]
+    stream_options: Option<Value>,
+}
+
+/// `POST /v1/embeddings`.
+#[derive(ToSchema, Deserialize)]
+pub struct EmbeddingsRequest {
+    #[schema(example = "@lorry/demo-bge")]
+    model: String,
+    /// A string or up to 100.
+    input: Texts,
+    /// `float` or `base64` (little-endian f32).
+    encoding_format: Option<String>,
+    user: Option<String>,
+}
+
+/// A chat completion, a text completion, or (streamed) their chunks as server-sent events.
+#[derive(ToSchema, Deserialize)]
+pub struct Completion {
+    id: String,
+    /// `chat.completion` or `text_completion`.
+    object: String,
+    created: i64,
+    model: String,
+    #[schema(value_type = Vec<Object>)]
+    choices: Vec<Value>,
+    usage: Usage,
+}
+
+/// Embeddings.
+#[derive(ToSchema, Deserialize)]
+pub struct EmbeddingList {
+    object: String,
+    #[schema(value_type = Vec<Object>)]
+    data: Vec<Value>,
+    model: String,
+    #[schema(value_type = Object)]
+    usage: Value,
+}
+
+/// A served model.
+#[derive(ToSchema, Deserialize)]
+pub struct Model {
+    id: String,
+    object: String,
+    created: i64,
+    owned_by: String,
+    /// `text-generation` or `embeddings`.
+    task: String,
+    /// Whether it takes LoRA adapters.
+    adapters: bool,
+}
+
+/// Every served model.
+#[derive(ToSchema, Deserialize)]
+pub struct ModelList {
+    object: String,
+    data: Vec<Model>,
+}
+
+/// `POST /v1/files`.
+#[derive(ToSchema, Deserialize)]
+pub struct FileUpload {
+    /// `batch`.
+    purpose: String,
+    /// JSONL: `{"custom_id","method":"POST","url","body"}` a line.
+    #[schema(value_type = String, format = Binary)]
+    file: Vec<u8>,
+}
+
+/// An uploaded file.
+#[derive(ToSchema, Deserialize)]
+pub struct FileObject {
+    id: String,
+    object: String,
+    bytes: u64,
+    created_at: i64,
+    filename: String,
+    purpose: String,
+    status: String,
+}
+
+/// A page of files.
+#[derive(ToSchema, Deserialize)]
+pub struct FileList {
+    object: String,
+    data: Vec<FileObject>,
+    first_id: Option<String>,
+    last_id: Option<String>,
+    has_more: bool,
+}
+
+/// What was deleted.
+#[derive(ToSchema, Deserialize)]
+pub struct Deleted {
+    id: String,
+    object: String,
+    deleted: bool,
+}
+
+// ---------------------------------------------------------------- adapters
+
+/// `POST /v1/adapters`.
+#[derive(ToSchema, Deserialize)]
+pub struct AdapterUpload {
+    /// The base model, one that takes adapters.
+    model: String,
+    /// 1–64 of `A–Z a–z 0–9 . _ -`, unique in the account.
+    name: String,
+    description: Option<String>,
+    /// `adapter_config.json` (PEFT), at most 1 MiB.
+    #[schema(value_type = String, format = Binary)]
+    config: Vec<u8>,
+    /// `adapter_model.safetensors`: f32, f16 or bf16 LoRA weights.
+    #[schema(value_type = String, format = Binary)]
+    weights: Vec<u8>,
+}
+
+/// A LoRA adapter.
+#[derive(ToSchema, Deserialize)]
+pub struct Adapter {
+    id: String,
+    object: String,
+    name: String,
+    model: String,
+    description: String,
+    /// `ready`, or `pending` while a Workers AI finetune waits for a file.
+    status: String,
+    rank: Option<u32>,
+    targets: Option<Vec<String>>,
+    bytes: Option<u64>,
+    sha256: Option<String>,
+    created_at: i64,
+    modified_at: i64,
+}
+
+/// A page of adapters, newest first.
+#[derive(ToSchema, Deserialize)]
+pub struct AdapterList {
+    object: String,
+    data: Vec<Adapter>,
+    first_id: Option<String>,
+    last_id: Option<String>,
+    has_more: bool,
+}
+
+/// `POST …/ai/finetunes`: an empty finetune.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinetuneCreate {
+    model: String,
+    name: String,
+    description: Option<String>,
+}
+
+/// `POST …/finetunes/{finetune_id}/finetune-assets`: one of the two files.
+#[derive(ToSchema, Deserialize)]
+pub struct FinetuneAsset {
+    /// `adapter_config.json` or `adapter_model.safetensors`.
+    file_name: String,
+    #[schema(value_type = String, format = Binary)]
+    file: Vec<u8>,
+}
+
+// ---------------------------------------------------------------- account and health
+
+/// The caller's account.
+#[derive(ToSchema, Deserialize)]
+pub struct Account {
+    id: String,
+    object: String,
+    /// `whsec_…`: signs the account's webhooks.
+    webhook_secret: String,
+}
+
+/// `{"status":"ok"}`.
+#[derive(ToSchema, Deserialize)]
+pub struct Health {
+    status: String,
+}
+
+/// Each backing service's check: `ok`, or what is wrong.
+#[derive(ToSchema, Deserialize)]
+pub struct Checks {
+    postgres: String,
+    rabbitmq: String,
+    s3: String,
+}
+
+/// `ready` or `unavailable`, with each check.
+#[derive(ToSchema, Deserialize)]
+pub struct Ready {
+    status: String,
+    checks: Checks,
+}
+
+// ---------------------------------------------------------------- the document
+
+/// The parts of the document no route carries: title, security, error shapes.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "Lorry",
+        description = "Asynchronous batch inference: native batches, the Workers AI shape, OpenAI's routes and LoRA adapters. See docs/API.md."
+    ),
+    components(schemas(ErrorBody, CloudflareError)),
+    paths(document, crate::openai::model, crate::workers_ai::run),
+    tags(
+        (name = NATIVE, description = "Native batches"),
+        (name = WORKERS_AI, description = "The Workers AI shape"),
+        (name = OPENAI, description = "OpenAI-compatible routes, files and batches"),
+        (name = ADAPTERS, description = "LoRA adapters"),
+        (name = SERVICE, description = "Account and health"),
+    )
+)]
+pub struct Base;
+
+/// Routes that need no token.
+const OPEN: [&str; 3] = ["/healthz", "/readyz", "/openapi.json"];
+
+/// Finishes the document the router collected: the bearer scheme on every
+/// route that needs a token, and every error status each can answer, in the
+/// route's own error shape.
+pub fn finish(mut doc: OpenApi) -> OpenApi {
+    let components = doc.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+    );
+    let statuses: BTreeSet<u16> = ErrorCode::ALL
+        .iter()
+        .map(|&c| crate::error::status(c).as_u16())
+        .collect();
+    for (path, item) in doc.paths.paths.iter_mut() {
+        let open = OPEN.contains(&path.as_str());
+        let shape = if path.starts_with("/client/v4/") {
+            "CloudflareError"
+        } else {
+            "ErrorBody"
+        };
+        for operation in operations(item) {
+            if !open {
+                operation.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
+                    "bearer",
+                    Vec::<String>::new(),
+                )]);
+            }
+            for status in &statuses {
+                // The open routes answer only what a URI or method fault gives.
+                if open && !matches!(status, 400 | 405) {
+                    continue;
+                }
+                let key = status.to_string();
+                if operation.responses.responses.contains_key(&key) {
+                    continue;
+                }
+                let response = ResponseBuilder::new()
+                    .description(reason(*status))
+                    .content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(shape))))
+                            .build(),
+                    )
+                    .build();
+                operation.responses.responses.insert(key, RefOr::T(response));
+            }
+        }
+    }
+    doc
+}
+
+fn operations(item: &mut utoipa::openapi::PathItem) -> impl Iterator<Item = &mut Operation> {
+    [
+        item.get.as_mut(),
+        item.put.as_mut(),
+        item.post.as_mut(),
+        item.delete.as_mut(),
+        item.patch.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
+}
+
+fn reason(status: u16) -> String {
+    let text = axum::http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("error");
+    let codes: Vec<&str> = ErrorCode::ALL
+        .iter()
+        .filter(|&&c| crate::error::status(c).as_u16() == status)
+        .map(|c| c.as_str())
+        .collect();
+    format!("{text}: {}", codes.join(", "))
+}
+
+/// `GET /openapi.json`: this document.
+#[utoipa::path(get, path = "/openapi.json", tag = SERVICE,
+    responses((status = 200, description = "The OpenAPI document", content_type = "application/json", body = Object)))]
+pub async fn document() {}
