@@ -66,6 +66,7 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | EndpointMismatch => StatusCode::BAD_REQUEST,
         InvalidToken => StatusCode::UNAUTHORIZED,
         MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+        UriTooLong => StatusCode::URI_TOO_LONG,
         ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound => {
             StatusCode::NOT_FOUND
         }
@@ -344,6 +345,7 @@ mod tests {
         ),
         (405, &["method_not_allowed"]),
         (408, &["body_timeout"]),
+        (414, &["uri_too_long"]),
         (413, &["body_too_large", "adapter_too_large", "file_too_large"]),
         (429, &["realtime_lane_saturated"]),
         (500, &["internal_error"]),

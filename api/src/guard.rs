@@ -27,10 +27,21 @@ pub struct BodyPace {
     pub min_bytes_per_sec: u64,
 }
 
-/// Refuse a path or query string holding U+0000 or bytes that are not
-/// UTF-8 once percent-decoded, in the API's JSON error shape.
+/// The longest path and query string the API reads, in bytes. Longer ones
+/// are answered `414 uri_too_long` here; from 64 KiB the HTTP parser answers
+/// 414 itself, before any of Lorry's code sees the request, without a body.
+pub const MAX_URI_BYTES: usize = 8 << 10;
+
+/// Refuse a path and query string over [`MAX_URI_BYTES`], or holding U+0000
+/// or bytes that are not UTF-8 once percent-decoded, in the API's JSON error shape.
 pub async fn uri(request: Request, next: Next) -> Response {
     let uri = request.uri();
+    let (path, query) = (uri.path().len(), uri.query().map_or(0, |q| q.len() + 1));
+    if path + query > MAX_URI_BYTES {
+        let part = if path > MAX_URI_BYTES { "path" } else { "query" };
+        let message = format!("the path and query string are over {MAX_URI_BYTES} bytes");
+        return ApiError::invalid(ErrorCode::UriTooLong, part, message).into_response();
+    }
     for (part, text) in [("path", Some(uri.path())), ("query", uri.query())] {
         let Some(text) = text else { continue };
         let decoded = percent_decode(text);

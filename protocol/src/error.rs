@@ -162,6 +162,8 @@ error_codes! {
     RouteNotFound = "route_not_found",
     /// The route does not take this method.
     MethodNotAllowed = "method_not_allowed",
+    /// A path and query string over the longest the API reads.
+    UriTooLong = "uri_too_long",
 
     // Serving.
     /// The real-time lane of this model is full.

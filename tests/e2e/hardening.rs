@@ -248,6 +248,33 @@ async fn odd_requests_are_answered_in_the_json_error_shape_with_the_field_named(
         .await
         .unwrap();
     error(delete, 405, "method_not_allowed", Value::Null).await;
+    // A path or a query string over 8 KiB, on any route, with or without a token.
+    let long = "x".repeat(9 << 10);
+    let path = app
+        .http
+        .get(app.url(&format!("/v1/batches/{long}")))
+        .send()
+        .await
+        .unwrap();
+    error(path, 414, "uri_too_long", json!("path")).await;
+    let query = app
+        .http
+        .get(app.url(&format!("/v1/batches?after={long}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    error(query, 414, "uri_too_long", json!("query")).await;
+    let workers_ai = app
+        .http
+        .post(app.url(&format!("/client/v4/accounts/default/ai/run/{long}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(workers_ai.status(), 414);
+    let envelope: Value = workers_ai.json().await.unwrap();
+    assert_eq!(envelope["success"], false, "{envelope}");
+    assert_eq!(envelope["error"]["code"], "uri_too_long", "{envelope}");
     // A multipart route sent JSON.
     error(
         app.post("/v1/files", &json!({"purpose": "batch"})).await,
