@@ -130,7 +130,7 @@ pub fn router(state: AppState) -> Router {
         .routes(routes!(health::readyz))
         .routes(routes!(account::show))
         .routes(routes!(account::rotate))
-        .routes(routes!(adapters::create).layer(uploads.clone()))
+        .routes(routes!(adapters::create).layer(uploads))
         .routes(routes!(adapters::list))
         .routes(routes!(adapters::show, adapters::delete))
         .routes(routes!(adapters::create_finetune, adapters::list_finetunes))

@@ -372,7 +372,7 @@ pub enum RunBody {
     /// Poll one.
     Poll(PollBody),
     /// One request, answered now.
-    Run(ModelInput),
+    Run(Box<ModelInput>),
 }
 
 /// Cloudflare's envelope around a result.
