@@ -405,15 +405,10 @@ pub struct ChatMessage {
     content: Value,
 }
 
-/// `POST /v1/chat/completions`.
+/// Sampling, stopping and streaming, as both OpenAI generation routes take them.
 #[derive(ToSchema, Deserialize)]
-pub struct ChatRequest {
-    /// `<model>` or `<model>:<adapter>`.
-    #[schema(example = "@lorry/echo")]
-    model: String,
-    messages: Vec<ChatMessage>,
+pub struct OpenAiSampling {
     max_tokens: Option<u32>,
-    max_completion_tokens: Option<u32>,
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<u32>,
@@ -427,32 +422,34 @@ pub struct ChatRequest {
     presence_penalty: Option<f64>,
     user: Option<String>,
     stream: Option<bool>,
+    /// `{"include_usage": true}`: a last chunk with the usage.
     #[schema(value_type = Option<Object>)]
     stream_options: Option<Value>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(ToSchema, Deserialize)]
+pub struct ChatRequest {
+    /// `<model>` or `<model>:<adapter>`.
+    #[schema(example = "@lorry/echo")]
+    model: String,
+    messages: Vec<ChatMessage>,
+    /// `max_tokens` by its newer name.
+    max_completion_tokens: Option<u32>,
+    #[serde(flatten)]
+    sampling: OpenAiSampling,
 }
 
 /// `POST /v1/completions`.
 #[derive(ToSchema, Deserialize)]
 pub struct CompletionRequest {
+    /// `<model>` or `<model>:<adapter>`.
     #[schema(example = "@lorry/echo")]
     model: String,
     /// Used as it is: no chat template.
     prompt: String,
-    max_tokens: Option<u32>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<u32>,
-    seed: Option<u64>,
-    stop: Option<Stop>,
-    stop_token_ids: Option<Vec<u32>>,
-    ignore_eos: Option<bool>,
-    n: Option<u32>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    user: Option<String>,
-    stream: Option<bool>,
-    #[schema(value_type = Option<Object>)]
-    stream_options: Option<Value>,
+    #[serde(flatten)]
+    sampling: OpenAiSampling,
 }
 
 /// `POST /v1/embeddings`.
