@@ -126,7 +126,16 @@ impl GgufFile {
     }
 
     /// [`GgufFile::open`] on `len` bytes of `reader`, named `path` in errors.
-    pub fn read<R: std::io::Read + std::io::Seek>(reader: &mut R, len: u64, path: &Path) -> Result<Self> {
+    pub fn read<R: Read + Seek>(reader: &mut R, len: u64, path: &Path) -> Result<Self> {
+        // Every count and length the header states is checked against the
+        // bytes there are before the header is parsed: the parser allocates
+        // what they say, and a file claiming an exabyte string would abort
+        // the process rather than be refused.
+        let start = reader.stream_position().map_err(super::io_error(path))?;
+        HeaderWalk::new(reader, len.saturating_sub(start))
+            .check()
+            .map_err(|what| ModelError::Gguf(format!("{}: {what}", path.display())))?;
+        reader.seek(SeekFrom::Start(start)).map_err(super::io_error(path))?;
         let content = Content::read(reader).map_err(|e| {
             // The first line: candle appends a backtrace where one is asked for.
             let message = e.to_string().lines().next().unwrap_or_default().to_string();
@@ -641,6 +650,172 @@ fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape((rows, cols))?)
+}
+
+/// A walk over a GGUF header (magic, version, counts, metadata, tensor
+/// directory) that reads nothing it has not first checked fits in the bytes
+/// left: what a length or count claims is compared with what remains before
+/// anything of that size is read.
+struct HeaderWalk<'a, R> {
+    reader: &'a mut R,
+    left: u64,
+    /// Version 1 states lengths and counts in 32 bits; later versions in 64.
+    wide: bool,
+}
+
+/// The deepest nesting of arrays taken (GGUF files nest none).
+const MAX_ARRAY_DEPTH: usize = 4;
+
+/// The most dimensions a tensor may state.
+const MAX_DIMS: u64 = 8;
+
+impl<'a, R: Read> HeaderWalk<'a, R> {
+    fn new(reader: &'a mut R, left: u64) -> Self {
+        HeaderWalk {
+            reader,
+            left,
+            wide: true,
+        }
+    }
+
+    fn check(mut self) -> std::result::Result<(), String> {
+        let magic = self.bytes(4)?;
+        // The parser takes the magic in either byte order; it names any other.
+        if magic != b"GGUF" && magic != b"FUGG" {
+            return Ok(());
+        }
+        let version = self.u32()?;
+        self.wide = version >= 2;
+        let tensors = self.count()?;
+        let entries = self.count()?;
+        // Each entry holds at least a key length and a type; each tensor a
+        // name length, a dimension count, a type and an offset.
+        let (entry, tensor) = if self.wide { (12, 24) } else { (8, 20) };
+        self.fits(entries, entry, "metadata entries")?;
+        for _ in 0..entries {
+            let key = self.string()?;
+            let kind = self.u32()?;
+            if key == b"general.alignment" {
+                self.alignment(kind)?;
+            } else {
+                self.value(kind, 0)?;
+            }
+        }
+        self.fits(tensors, tensor, "tensors")?;
+        for _ in 0..tensors {
+            self.string()?;
+            let dims = u64::from(self.u32()?);
+            if dims > MAX_DIMS {
+                return Err(format!("a tensor states {dims} dimensions"));
+            }
+            self.skip(dims * if self.wide { 8 } else { 4 }, "tensor dimensions")?;
+            self.skip(12, "a tensor's type and offset")?;
+        }
+        Ok(())
+    }
+
+    /// `general.alignment`: a positive integer (the data offset is rounded up to it).
+    fn alignment(&mut self, kind: u32) -> std::result::Result<(), String> {
+        let value = match kind {
+            0 => u64::from(self.bytes(1)?[0]),
+            1 => self.bytes(1)?[0] as i8 as u64,
+            2 => u64::from(u16::from_le_bytes(self.bytes(2)?.try_into().expect("two bytes"))),
+            3 => i16::from_le_bytes(self.bytes(2)?.try_into().expect("two bytes")) as u64,
+            4 => u64::from(self.u32()?),
+            5 => self.u32()? as i32 as u64,
+            _ => return self.value(kind, 0),
+        };
+        if value == 0 || value > 1 << 30 {
+            return Err(format!("general.alignment {} is not a usable alignment", value as i64));
+        }
+        Ok(())
+    }
+
+    fn value(&mut self, kind: u32, depth: usize) -> std::result::Result<(), String> {
+        match kind {
+            0 | 1 | 7 => self.skip(1, "a value"),
+            2 | 3 => self.skip(2, "a value"),
+            4..=6 => self.skip(4, "a value"),
+            10..=12 => self.skip(8, "a value"),
+            8 => self.string().map(drop),
+            9 => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err("arrays nested too deep".into());
+                }
+                let item = self.u32()?;
+                let count = self.count()?;
+                let least = match item {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    10..=12 => 8,
+                    8 => self.width(),
+                    9 => 4 + self.width(),
+                    other => return Err(format!("metadata value type {other} is not a GGUF type")),
+                };
+                self.fits(count, least, "an array")?;
+                match item {
+                    8 | 9 => (0..count).try_for_each(|_| self.value(item, depth + 1)),
+                    _ => self.skip(count * least, "an array"),
+                }
+            }
+            other => Err(format!("metadata value type {other} is not a GGUF type")),
+        }
+    }
+
+    /// The width of a length or count: 8 bytes, or 4 in version 1.
+    fn width(&self) -> u64 {
+        if self.wide {
+            8
+        } else {
+            4
+        }
+    }
+
+    fn count(&mut self) -> std::result::Result<u64, String> {
+        if self.wide {
+            Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("eight bytes")))
+        } else {
+            self.u32().map(u64::from)
+        }
+    }
+
+    fn string(&mut self) -> std::result::Result<Vec<u8>, String> {
+        let len = self.count()?;
+        self.fits(len, 1, "a string")?;
+        self.bytes(len as usize)
+    }
+
+    fn u32(&mut self) -> std::result::Result<u32, String> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("four bytes")))
+    }
+
+    /// Whether `count` items of at least `least` bytes each fit in what is left.
+    fn fits(&self, count: u64, least: u64, what: &str) -> std::result::Result<(), String> {
+        match count.checked_mul(least) {
+            Some(bytes) if bytes <= self.left => Ok(()),
+            _ => Err(format!(
+                "the header states {count} for {what}, more than its {} bytes left hold",
+                self.left
+            )),
+        }
+    }
+
+    fn skip(&mut self, n: u64, what: &str) -> std::result::Result<(), String> {
+        self.fits(n, 1, what)?;
+        std::io::copy(&mut (&mut *self.reader).take(n), &mut std::io::sink()).map_err(|e| e.to_string())?;
+        self.left -= n;
+        Ok(())
+    }
+
+    fn bytes(&mut self, n: usize) -> std::result::Result<Vec<u8>, String> {
+        self.fits(n as u64, 1, "a field")
+            .map_err(|_| "the file ends inside its header (truncated?)".to_string())?;
+        let mut buffer = vec![0; n];
+        self.reader.read_exact(&mut buffer).map_err(|e| e.to_string())?;
+        self.left -= n as u64;
+        Ok(buffer)
+    }
 }
 
 #[cfg(test)]
