@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
-"""Write the fuzz targets' seed corpora (fuzz/corpus/<target>/seed-*): valid
-and nearly valid inputs of each parser, so that fuzzing starts past the
-first checks. Files that a fuzzing run adds beside them are kept as they
-are. Run from the repository root: python3 fuzz/seed.py (it needs the `gguf`
+"""Write the fuzz targets' seeds (fuzz/corpus/<target>/seed-*): valid and
+nearly valid inputs of each parser, so that fuzzing starts past the first
+checks. Files that fuzzing adds beside them are kept as they are. Run from the repository root: python3 fuzz/seed.py (it needs the `gguf`
 and `numpy` packages from PyPI)."""
 import json
 import os
