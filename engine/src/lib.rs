@@ -60,7 +60,7 @@ pub enum EngineError {
     Unavailable(String),
     /// The request's reader left [`MAX_UNREAD_EVENTS`] unread; the engine
     /// dropped the request rather than hold more for it.
-    #[error("the reader of this stream fell {MAX_UNREAD_EVENTS} events behind; the request was dropped")]
+    #[error("the reader of this stream fell too far behind; the request was dropped")]
     Overrun,
 }
 
