@@ -91,23 +91,9 @@ impl Routes {
     pub fn workers_ai(&self, model: &str, body: &[u8]) -> Result<(), ApiError> {
         let value = json_body(body)?;
         let spec = submit::model(&self.catalog, model, "model")?;
-        let object = value
-            .as_object()
-            .ok_or_else(|| ApiError::invalid(lorry_protocol::ErrorCode::InvalidType, "", "not an object"))?;
-        if object.contains_key("request_id") {
-            let mut f = Fields::new(&value, "")?;
-            f.required::<String>("request_id", "a string")?;
-            f.raw("queueRequest");
-            return Ok(f.deny_unknown()?);
+        if let workers_ai::Run::Queue(submission) = workers_ai::read_run(spec, false, &value)? {
+            self.validate(submission, body)?;
         }
-        if object.get("queueRequest") == Some(&Value::Bool(true)) {
-            return self.validate(workers_ai::queued(spec, &value)?, body);
-        }
-        let mut input = value.clone();
-        if let Some(map) = input.as_object_mut() {
-            map.remove("queueRequest");
-        }
-        spec.validate(&input)?;
         Ok(())
     }
 

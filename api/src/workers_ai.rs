@@ -20,7 +20,7 @@ use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
-use lorry_protocol::{Output, Usage};
+use lorry_protocol::{Output, Usage, ValidRequest};
 use serde_json::{json, Value};
 
 use crate::batches::owned_batch;
@@ -66,41 +66,69 @@ pub async fn run(
             .into())
         }
     };
+    match read_run(spec, queued_in_query, &body.value)? {
+        Run::Poll(request_id) => poll(&state, &account, &request_id).await,
+        Run::Queue(submission) => queue(&state, &account, submission, &headers, &body.raw).await,
+        Run::RealTime(valid) => realtime(&state, &account.0.id, model, valid).await,
+    }
+}
+
+/// What a body on the run route asks for.
+pub(crate) enum Run<'a> {
+    /// The state or the responses of the batch queued under this id.
+    Poll(String),
+    /// A batch to queue.
+    Queue(Submission<'a>),
+    /// One request for the real-time lane.
+    RealTime(ValidRequest),
+}
+
+/// Read a body on the run route for `spec`: a poll (`request_id`), a batch
+/// to queue (`queueRequest`, in the query or the body), or one request.
+pub(crate) fn read_run<'a>(
+    spec: &'a lorry_protocol::ModelSpec,
+    queued_in_query: bool,
+    body: &Value,
+) -> Result<Run<'a>, ApiError> {
     let object = body
-        .value
         .as_object()
         .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "", "the body must be a JSON object"))?;
     if object.contains_key("request_id") {
-        return poll(&state, &account, &body.value).await;
+        let mut f = Fields::new(body, "")?;
+        let request_id: String = f.required("request_id", "a string")?;
+        f.raw("queueRequest");
+        f.deny_unknown()?;
+        return Ok(Run::Poll(request_id));
     }
     let queued_in_body = match object.get("queueRequest") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => {
-            return Err(
-                ApiError::invalid(ErrorCode::InvalidType, "queueRequest", "queueRequest must be a boolean").into(),
-            )
+            return Err(ApiError::invalid(
+                ErrorCode::InvalidType,
+                "queueRequest",
+                "queueRequest must be a boolean",
+            ))
         }
     };
     if queued_in_query || queued_in_body {
-        return queue(&state, &account, spec, &headers, &body).await;
+        return Ok(Run::Queue(queued(spec, body)?));
     }
-    let mut input = body.value.clone();
+    let mut input = body.clone();
     if let Some(map) = input.as_object_mut() {
         map.remove("queueRequest");
     }
-    realtime(&state, &account.0.id, model, input).await
+    Ok(Run::RealTime(spec.validate(&input)?))
 }
 
 async fn queue(
     state: &AppState,
     account: &Authenticated,
-    spec: &lorry_protocol::ModelSpec,
+    submission: Submission<'_>,
     headers: &HeaderMap,
-    body: &JsonBody,
+    raw: &[u8],
 ) -> Result<Response, CloudflareError> {
-    let submission = queued(spec, &body.value)?;
-    let new = submit::prepare(state, &account.0.id, submission, headers, &body.raw, None, |i| {
+    let new = submit::prepare(state, &account.0.id, submission, headers, raw, None, |i| {
         format!("requests[{i}]")
     })
     .await?;
@@ -109,7 +137,7 @@ async fn queue(
 }
 
 /// A queued batch's body: `{"requests": [model input, "external_reference"?], "webhook"?}`.
-pub(crate) fn queued<'a>(spec: &'a lorry_protocol::ModelSpec, body: &Value) -> Result<Submission<'a>, ApiError> {
+fn queued<'a>(spec: &'a lorry_protocol::ModelSpec, body: &Value) -> Result<Submission<'a>, ApiError> {
     let mut f = Fields::new(body, "")?;
     f.raw("queueRequest");
     let requests = f.raw("requests").ok_or_else(|| {
@@ -161,12 +189,8 @@ pub(crate) fn queued<'a>(spec: &'a lorry_protocol::ModelSpec, body: &Value) -> R
     })
 }
 
-async fn poll(state: &AppState, account: &Authenticated, body: &Value) -> Result<Response, CloudflareError> {
-    let mut f = Fields::new(body, "")?;
-    let request_id: String = f.required("request_id", "a string")?;
-    f.raw("queueRequest");
-    f.deny_unknown()?;
-    let batch = owned_batch(state, account, &request_id, "request_id").await?;
+async fn poll(state: &AppState, account: &Authenticated, request_id: &str) -> Result<Response, CloudflareError> {
+    let batch = owned_batch(state, account, request_id, "request_id").await?;
     let tally = state.store.tally(&batch.id).await?;
     if !batch.status.is_terminal() {
         let status = if tally.any_started() || batch.status == BatchStatus::Finalizing {
@@ -221,9 +245,8 @@ async fn realtime(
     state: &AppState,
     account: &AccountId,
     model: &str,
-    input: Value,
+    valid: ValidRequest,
 ) -> Result<Response, CloudflareError> {
-    let valid = submit::model(&state.catalog, model, "model")?.validate(&input)?;
     let call = lane::start(state, account, model, valid).await?;
     if call.stream {
         return Ok(stream_replies(call).into_response());
