@@ -7,6 +7,7 @@
 //! [`Application::stopper`] says stop, then drains.
 
 pub mod offline;
+pub mod operator;
 pub mod settings;
 
 use std::sync::Arc;

@@ -3,6 +3,7 @@
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use lorry::offline::{self, EmbedArgs, GenerateArgs};
+use lorry::operator::{self, AccountsCommand, KeysCommand};
 use lorry::{open_store, Application, Role, Settings};
 use lorry_engine::fixtures::{self, Fixture};
 
@@ -27,6 +28,12 @@ enum Command {
     Worker(Settings),
     /// Create the database if it is missing and apply migrations.
     Migrate(Settings),
+    /// Accounts: create, list, disable, enable, delete.
+    #[command(subcommand)]
+    Accounts(AccountsCommand),
+    /// An account's API keys: create, list, revoke.
+    #[command(subcommand)]
+    Keys(KeysCommand),
     /// Generate for every line of a JSONL file with a Llama-family model (offline batch mode).
     Generate(GenerateArgs),
     /// Embed every line of a JSONL file with a BERT-family model.
@@ -98,6 +105,8 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!("database ready");
             return Ok(());
         }
+        Command::Accounts(command) => return operator::accounts(command).await,
+        Command::Keys(command) => return operator::keys(command).await,
         Command::Generate(args) => {
             offline::generate(&args).await?;
             return Ok(());

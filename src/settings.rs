@@ -79,7 +79,27 @@ pub struct Settings {
     pub adapters: AdapterSettings,
     #[command(flatten)]
     #[allow(missing_docs)]
+    pub quotas: QuotaSettings,
+    #[command(flatten)]
+    #[allow(missing_docs)]
     pub engine: EngineArgs,
+}
+
+/// Each account's limits, unless it has its own (`lorry accounts set-quota`); 0 is no limit.
+#[derive(clap::Args, Clone, Debug)]
+pub struct QuotaSettings {
+    /// Batch requests an account may have accepted and not yet ended, across its batches.
+    #[arg(long, env = "LORRY_QUOTA_QUEUED_REQUESTS", default_value_t = 1_000_000)]
+    pub quota_queued_requests: u64,
+    /// Real-time requests an account may make a second (per API process; bursts of one second's worth).
+    #[arg(long, env = "LORRY_QUOTA_REALTIME_PER_SECOND", default_value_t = 100.0)]
+    pub quota_realtime_per_second: f64,
+    /// Bytes of files an account may hold (uploads and batch output files).
+    #[arg(long, env = "LORRY_QUOTA_FILE_BYTES", default_value_t = 10 << 30)]
+    pub quota_file_bytes: u64,
+    /// Adapters an account may hold.
+    #[arg(long, env = "LORRY_QUOTA_ADAPTERS", default_value_t = 1000)]
+    pub quota_adapters: u64,
 }
 
 /// Postgres, RabbitMQ and S3.
@@ -137,6 +157,10 @@ pub struct ApiSettings {
     /// Ensure an account `default` whose API token is this.
     #[arg(long, env = "LORRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
     pub bootstrap_token: Option<Secret>,
+    /// The operator's token for the `/admin/v1` routes (accounts and keys);
+    /// without it they are not served.
+    #[arg(long, env = "LORRY_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<Secret>,
     /// Largest request body in bytes.
     #[arg(long, env = "LORRY_MAX_BODY_BYTES", default_value_t = 10 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -450,6 +474,27 @@ impl Settings {
                 min_bytes_per_sec: a.body_min_rate.max(1),
             },
             max_uploads: a.max_uploads.max(1),
+            quotas: self.quota_defaults(),
+            admin_token_digest: a
+                .admin_token
+                .as_ref()
+                .filter(|t| !t.expose().is_empty())
+                .map(|t| lorry_api::admin::digest(t.expose())),
+        }
+    }
+
+    /// The deployment's per-account limits.
+    pub fn quota_defaults(&self) -> lorry_batcher::quota::Limits {
+        let q = &self.quotas;
+        lorry_batcher::quota::Limits {
+            queued_requests: q.quota_queued_requests,
+            realtime_per_second: if q.quota_realtime_per_second.is_finite() {
+                q.quota_realtime_per_second.max(0.0)
+            } else {
+                0.0
+            },
+            file_bytes: q.quota_file_bytes,
+            adapters: q.quota_adapters,
         }
     }
 

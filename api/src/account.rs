@@ -10,8 +10,13 @@ use crate::{ApiError, AppState};
 /// `GET /v1/account`.
 #[utoipa::path(get, path = "/v1/account", tag = crate::openapi::SERVICE,
     responses((status = 200, description = "The caller's account", body = crate::openapi::Account)))]
-pub async fn show(Authenticated(account): Authenticated) -> Json<Value> {
-    Json(json!({"id": account.id, "object": "account", "webhook_secret": account.webhook_secret}))
+pub async fn show(State(state): State<AppState>, Authenticated(account): Authenticated) -> Json<Value> {
+    Json(json!({
+        "id": account.id,
+        "object": "account",
+        "webhook_secret": account.webhook_secret,
+        "limits": crate::quota::limits(&state, &account),
+    }))
 }
 
 /// `POST /v1/account/webhook_secret/rotate`: a new secret signs every delivery from now on.
@@ -22,7 +27,10 @@ pub async fn rotate(
     Authenticated(account): Authenticated,
 ) -> Result<Json<Value>, ApiError> {
     let secret = state.store.rotate_webhook_secret(&account.id).await?;
-    Ok(Json(
-        json!({"id": account.id, "object": "account", "webhook_secret": secret}),
-    ))
+    Ok(Json(json!({
+        "id": account.id,
+        "object": "account",
+        "webhook_secret": secret,
+        "limits": crate::quota::limits(&state, &account),
+    })))
 }

@@ -292,17 +292,23 @@ pub async fn create(
         }
     };
     let keys = [Some(asset_key(&config)), Some(asset_key(&weights))];
-    match state.store.insert_adapter(&new, Some((config, weights, summary))).await {
-        Ok(Some(record)) => Ok((StatusCode::CREATED, Json(record.to_json())).into_response()),
-        Ok(None) => {
-            forget_objects(&state, keys).await;
-            Err(name_taken(&new.name))
-        }
-        Err(e) => {
-            forget_objects(&state, keys).await;
-            Err(e.into())
-        }
-    }
+    let limit = crate::quota::limits(&state, &account).adapters;
+    let error = match state
+        .store
+        .insert_adapter(&new, Some((config, weights, summary)), limit)
+        .await
+    {
+        Ok(Ok(Some(record))) => return Ok((StatusCode::CREATED, Json(record.to_json())).into_response()),
+        Ok(Ok(None)) => name_taken(&new.name),
+        Ok(Err(refusal)) => over_adapters(refusal),
+        Err(e) => e.into(),
+    };
+    forget_objects(&state, keys).await;
+    Err(error)
+}
+
+fn over_adapters(refusal: lorry_batcher::quota::Refusal) -> ApiError {
+    crate::quota::refused(refusal, ErrorCode::QuotaAdapters, "adapters")
 }
 
 fn name_taken(name: &str) -> ApiError {
@@ -422,10 +428,12 @@ pub async fn create_finetune(
     let description: String = f.optional("description", "a string")?.unwrap_or_default();
     f.deny_unknown()?;
     let new = new_adapter(&state, &account.id, model, name, description)?;
+    let limit = crate::quota::limits(&state, &account).adapters;
     let record = state
         .store
-        .insert_adapter(&new, None)
+        .insert_adapter(&new, None, limit)
         .await?
+        .map_err(over_adapters)?
         .ok_or_else(|| name_taken(&new.name))?;
     Ok(envelope(finetune_json(&record)))
 }

@@ -71,7 +71,7 @@ pub async fn create(
         read.path,
     )
     .await?;
-    let (batch, created) = submit::create(&state, new).await?;
+    let (batch, created) = submit::create(&state, &account.0, new).await?;
     let tally = if created {
         submit::fresh_tally(batch.total)
     } else {

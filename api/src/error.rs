@@ -63,17 +63,20 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | InvalidFile
         | InvalidFilePurpose
         | ModelMismatch
-        | EndpointMismatch => StatusCode::BAD_REQUEST,
+        | EndpointMismatch
+        | InvalidAccountName => StatusCode::BAD_REQUEST,
         InvalidToken => StatusCode::UNAUTHORIZED,
         MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         UriTooLong => StatusCode::URI_TOO_LONG,
-        ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound => {
-            StatusCode::NOT_FOUND
-        }
-        AdapterNameTaken | AdapterNotReady | BatchNotCancellable | IdempotencyKeyReused => StatusCode::CONFLICT,
+        ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound
+        | KeyNotFound => StatusCode::NOT_FOUND,
+        AdapterNameTaken | AdapterNotReady | BatchNotCancellable | IdempotencyKeyReused | AccountExists
+        | AccountBusy => StatusCode::CONFLICT,
         BodyTooLarge | AdapterTooLarge | FileTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-        RealtimeLaneSaturated => StatusCode::TOO_MANY_REQUESTS,
+        RealtimeLaneSaturated | QuotaQueuedRequests | QuotaRealtimeRate | QuotaFileBytes | QuotaAdapters => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         RealtimeTimeout => StatusCode::GATEWAY_TIMEOUT,
         ServiceUnavailable | EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
         InferenceFailed | ModelError | DeliveryLimitExceeded | BatchCancelled | BatchExpired => StatusCode::BAD_GATEWAY,
@@ -114,6 +117,12 @@ impl ApiError {
     /// Name the field at fault.
     pub fn with_param(mut self, param: impl Into<String>) -> Self {
         self.param = Some(param.into());
+        self
+    }
+
+    /// Ask the client to come back in `seconds`.
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
         self
     }
 

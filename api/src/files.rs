@@ -296,14 +296,15 @@ pub async fn create(
         lines: lines as i32,
         object_key: key.clone(),
     };
-    match state.store.insert_file(&new).await {
-        Ok(record) => Ok((StatusCode::OK, Json(record.to_json()))),
-        Err(e) => {
-            // Nothing half-written: the bytes go if the record could not be made.
-            let _ = state.objects.delete(&key).await;
-            Err(e.into())
-        }
-    }
+    let limit = crate::quota::limits(&state, &account).file_bytes;
+    let refusal = match state.store.insert_file(&new, limit).await {
+        Ok(Ok(record)) => return Ok((StatusCode::OK, Json(record.to_json()))),
+        Ok(Err(refusal)) => crate::quota::refused(refusal, ErrorCode::QuotaFileBytes, "bytes of files"),
+        Err(e) => e.into(),
+    };
+    // Nothing half-written: the bytes go if the record could not be made.
+    let _ = state.objects.delete(&key).await;
+    Err(refusal)
 }
 
 /// The `purpose` and `file` parts of an upload, each at most once, nothing else.

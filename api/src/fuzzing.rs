@@ -75,6 +75,13 @@ impl Routes {
                     min_bytes_per_sec: 16 << 10,
                 },
                 max_uploads: 2,
+                admin_token_digest: None,
+                quotas: lorry_batcher::quota::Limits {
+                    queued_requests: 0,
+                    realtime_per_second: 0.0,
+                    file_bytes: 0,
+                    adapters: 0,
+                },
             },
         }
     }

@@ -5,9 +5,8 @@
 
 use std::time::Duration;
 
-use lorry_batcher::ids::AccountId;
 use lorry_batcher::realtime::{RealtimeClient, Reply, RtRequest};
-use lorry_batcher::store::NewRequest;
+use lorry_batcher::store::{Account, NewRequest};
 use lorry_batcher::BatcherError;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, ValidRequest};
@@ -30,7 +29,10 @@ pub struct Call {
 }
 
 /// Resolve the adapter `valid` names, and publish it for `model`.
-pub async fn start(state: &AppState, account: &AccountId, model: &str, valid: ValidRequest) -> Result<Call, ApiError> {
+/// Refused `429 quota_realtime_rate` over the account's rate.
+pub async fn start(state: &AppState, account: &Account, model: &str, valid: ValidRequest) -> Result<Call, ApiError> {
+    crate::quota::realtime(state, account)?;
+    let account = &account.id;
     let stream = valid.stream;
     let started = std::time::Instant::now();
     let mut requests = [NewRequest {

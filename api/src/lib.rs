@@ -8,6 +8,7 @@
 
 mod account;
 mod adapters;
+pub mod admin;
 mod batches;
 pub mod error;
 mod extract;
@@ -18,6 +19,7 @@ mod health;
 mod lane;
 pub mod openai;
 mod openapi;
+pub mod quota;
 pub mod serve;
 mod submit;
 mod workers_ai;
@@ -67,6 +69,11 @@ pub struct ApiConfig {
     /// Uploads (batch files, adapter files) read and checked at once; more
     /// are answered 503 with `Retry-After` (each may hold its whole file).
     pub max_uploads: usize,
+    /// The deployment's per-account limits (an account's own win).
+    pub quotas: lorry_batcher::quota::Limits,
+    /// The SHA-256 digest of `LORRY_ADMIN_TOKEN`; without it the `/admin/v1`
+    /// routes are not served at all.
+    pub admin_token_digest: Option<[u8; 32]>,
 }
 
 /// What every handler can reach; cheap to clone.
@@ -84,6 +91,8 @@ pub struct AppState {
     pub config: Arc<ApiConfig>,
     /// Permits for uploads in progress.
     uploads: Arc<tokio::sync::Semaphore>,
+    /// Each account's real-time token bucket, in this process.
+    pub(crate) realtime_rate: Arc<quota::RealtimeRate>,
 }
 
 impl AppState {
@@ -103,6 +112,7 @@ impl AppState {
             catalog,
             config,
             uploads,
+            realtime_rate: Arc::default(),
         }
     }
 
@@ -125,7 +135,7 @@ pub fn router(state: AppState) -> Router {
     let uploads = DefaultBodyLimit::max(upload_limit);
     let files_limit = DefaultBodyLimit::max(state.config.max_file_bytes);
     // Every route is registered with its description, so none goes undocumented.
-    let (router, doc) = OpenApiRouter::with_openapi(openapi::Base::openapi())
+    let api = OpenApiRouter::with_openapi(openapi::Base::openapi())
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz))
         .routes(routes!(account::show))
@@ -146,8 +156,22 @@ pub fn router(state: AppState) -> Router {
         .routes(routes!(batches::create, batches::list))
         .routes(routes!(batches::show))
         .routes(routes!(batches::cancel))
-        .routes(routes!(batches::results))
-        .split_for_parts();
+        .routes(routes!(batches::results));
+    let api = if state.config.admin_token_digest.is_some() {
+        api.routes(routes!(admin::create_account, admin::list_accounts))
+            .routes(routes!(
+                admin::show_account,
+                admin::update_account,
+                admin::delete_account
+            ))
+            .routes(routes!(admin::disable_account))
+            .routes(routes!(admin::enable_account))
+            .routes(routes!(admin::create_key, admin::list_keys))
+            .routes(routes!(admin::revoke_key))
+    } else {
+        api
+    };
+    let (router, doc) = api.split_for_parts();
     // Model names hold slashes: these two take the rest of the path (their
     // descriptions are in `openapi::Base`, under `{model}`).
     let router = router.route("/v1/models/{*model}", get(openai::model)).route(

@@ -398,7 +398,7 @@ pub async fn embeddings(
 ) -> Result<Response, ApiError> {
     let request = translate(&state.catalog, Endpoint::Embeddings, &body.value)?;
     let base64 = body.value["encoding_format"] == "base64";
-    let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone()).await?;
+    let call = lane::start(&state, &account.0, &request.model, request.valid.clone()).await?;
     // What the engine finds of a text (one it makes no tokens of) names it as the client did.
     let output = call.output().await.map_err(|mut e| {
         e.param = e.param.map(|p| renamed_param(&p, &[("text", "input")]));
@@ -431,7 +431,7 @@ async fn generate(
     request.valid.stream = request.stream;
     let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-    let call = lane::start(&state, &account.0.id, &request.model, request.valid.clone())
+    let call = lane::start(&state, &account.0, &request.model, request.valid.clone())
         .await
         .map_err(|mut e| {
             // The adapter came from `model: "base:adapter"`.

@@ -34,6 +34,8 @@ pub const OPENAI: &str = "openai";
 pub const ADAPTERS: &str = "adapters";
 /// Account and health.
 pub const SERVICE: &str = "service";
+/// The operator's routes (`LORRY_ADMIN_TOKEN`).
+pub const ADMIN: &str = "admin";
 
 // ---------------------------------------------------------------- errors
 
@@ -621,6 +623,113 @@ pub struct Account {
     object: String,
     /// `whsec_…`: signs the account's webhooks.
     webhook_secret: String,
+    /// The limits that apply to it (0: no limit).
+    limits: Limits,
+}
+
+/// The limits that apply to an account: its own, else the deployment's (0: no limit).
+#[derive(ToSchema, Deserialize)]
+pub struct Limits {
+    queued_requests: u64,
+    realtime_per_second: f64,
+    file_bytes: u64,
+    adapters: u64,
+}
+
+/// `POST /admin/v1/accounts`.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewAccount {
+    /// The account's name and id: 1–64 of `a–z 0–9 - _`, starting with a letter or a digit.
+    name: String,
+    /// The first key's name (`default`).
+    key_name: Option<String>,
+}
+
+/// An account, as the operator sees it.
+#[derive(ToSchema, Deserialize)]
+pub struct AdminAccount {
+    id: String,
+    object: String,
+    /// `active` or `disabled`.
+    status: String,
+    created_at: i64,
+    disabled_at: Option<i64>,
+    /// Its own limits (null: the deployment's default).
+    quotas: Quotas,
+    /// On creation: the first key, with its value.
+    key: Option<ApiKey>,
+    /// On disabling: the batches it cancelled.
+    cancelled_batches: Option<Vec<String>>,
+}
+
+/// An account's own limits: each a number (0: no limit) or null (the deployment's default).
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Batch requests accepted and not yet ended, across its batches.
+    #[schema(minimum = 0)]
+    queued_requests: Option<u64>,
+    /// Real-time requests a second (per API process).
+    #[schema(minimum = 0)]
+    realtime_per_second: Option<f64>,
+    /// Bytes of files held.
+    #[schema(minimum = 0)]
+    file_bytes: Option<u64>,
+    /// Adapters held.
+    #[schema(minimum = 0)]
+    adapters: Option<u64>,
+}
+
+/// `PATCH /admin/v1/accounts/{account_id}`.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccountChange {
+    /// The limits to change; those not named are left as they are.
+    quotas: Option<Quotas>,
+}
+
+/// A page of accounts, in name order.
+#[derive(ToSchema, Deserialize)]
+pub struct AdminAccountList {
+    object: String,
+    data: Vec<AdminAccount>,
+    first_id: Option<String>,
+    last_id: Option<String>,
+    has_more: bool,
+}
+
+/// `POST /admin/v1/accounts/{account_id}/keys`.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewKey {
+    /// 1–128 characters, no control characters (`default`).
+    name: Option<String>,
+}
+
+/// An API key's record.
+#[derive(ToSchema, Deserialize)]
+pub struct ApiKey {
+    /// `key_…`.
+    id: String,
+    object: String,
+    account_id: String,
+    name: String,
+    /// The key's first and last characters.
+    redacted_value: String,
+    /// The key itself, shown once: when it is made.
+    value: Option<String>,
+    created_at: i64,
+    /// When it last opened a request, to the minute.
+    last_used_at: Option<i64>,
+    revoked_at: Option<i64>,
+}
+
+/// An account's keys, oldest first.
+#[derive(ToSchema, Deserialize)]
+pub struct ApiKeyList {
+    object: String,
+    data: Vec<ApiKey>,
 }
 
 /// `{"status":"ok"}`.
@@ -661,6 +770,7 @@ pub struct Ready {
         (name = OPENAI, description = "OpenAI-compatible routes, files and batches"),
         (name = ADAPTERS, description = "LoRA adapters"),
         (name = SERVICE, description = "Account and health"),
+        (name = ADMIN, description = "Accounts and API keys, for the operator (served only with LORRY_ADMIN_TOKEN set)"),
     )
 )]
 pub struct Base;
@@ -677,6 +787,15 @@ pub fn finish(mut doc: OpenApi) -> OpenApi {
         "bearer",
         SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
     );
+    components.add_security_scheme(
+        "admin",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some("LORRY_ADMIN_TOKEN"))
+                .build(),
+        ),
+    );
     let statuses: BTreeSet<u16> = ErrorCode::ALL
         .iter()
         .map(|&c| crate::error::status(c).as_u16())
@@ -690,8 +809,9 @@ pub fn finish(mut doc: OpenApi) -> OpenApi {
         };
         for operation in operations(item) {
             if !open {
+                let scheme = if path.starts_with("/admin/") { "admin" } else { "bearer" };
                 operation.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
-                    "bearer",
+                    scheme,
                     Vec::<String>::new(),
                 )]);
             }

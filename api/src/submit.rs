@@ -7,7 +7,8 @@ use std::time::Duration;
 use axum::http::HeaderMap;
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{Batch, Chunk, OpenAiBatch, RequestStatus, Shape, Tally};
-use lorry_batcher::store::{Created, NewBatch, NewRequest, OutboxMessage};
+use lorry_batcher::quota::Refusal;
+use lorry_batcher::store::{Account, Created, NewBatch, NewRequest, OutboxMessage};
 use lorry_batcher::webhooks::{check_url, UrlProblem};
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
@@ -288,7 +289,7 @@ pub fn webhook_url(fields: &mut Fields<'_>) -> Result<Option<String>, ApiError> 
 
 /// Write the batch and the messages that will carry its requests to workers.
 /// Returns the batch and whether it was created by this call (false: an idempotent replay).
-pub async fn create(state: &AppState, new: NewBatch) -> Result<(Batch, bool), ApiError> {
+pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Result<(Batch, bool), ApiError> {
     let queue = state.config.topology.batch_queue(&new.model);
     let total = new.requests.len() as i32;
     let chunk = state.config.chunk_size.max(1) as i32;
@@ -307,7 +308,8 @@ pub async fn create(state: &AppState, new: NewBatch) -> Result<(Batch, bool), Ap
             payload: serde_json::to_value(&message).map_err(lorry_batcher::BatcherError::from)?,
         });
     }
-    match state.store.create_batch(new, outbox).await? {
+    let limit = crate::quota::limits(state, account).queued_requests;
+    match state.store.create_batch_within(new, outbox, limit).await? {
         Created::New(batch) => Ok((batch, true)),
         Created::Existing {
             batch,
@@ -318,6 +320,16 @@ pub async fn create(state: &AppState, new: NewBatch) -> Result<(Batch, bool), Ap
             "this Idempotency-Key was used for a different request",
         )
         .with_param("Idempotency-Key")),
+        Created::AccountDisabled => Err(crate::quota::refused(
+            Refusal::AccountDisabled,
+            ErrorCode::QuotaQueuedRequests,
+            "",
+        )),
+        Created::OverQuota(over) => Err(crate::quota::refused(
+            Refusal::OverQuota(over),
+            ErrorCode::QuotaQueuedRequests,
+            "batch requests not yet ended",
+        )),
     }
 }
 

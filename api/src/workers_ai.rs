@@ -15,9 +15,9 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, StreamExt};
-use lorry_batcher::ids::AccountId;
 use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
+use lorry_batcher::store::Account;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, Usage, ValidRequest};
@@ -69,7 +69,7 @@ pub async fn run(
     match read_run(spec, queued_in_query, &body.value)? {
         Run::Poll(request_id) => poll(&state, &account, &request_id).await,
         Run::Queue(submission) => queue(&state, &account, submission, &headers, &body.raw).await,
-        Run::RealTime(valid) => realtime(&state, &account.0.id, model, valid).await,
+        Run::RealTime(valid) => realtime(&state, &account.0, model, valid).await,
     }
 }
 
@@ -132,7 +132,7 @@ async fn queue(
         format!("requests[{i}]")
     })
     .await?;
-    let (batch, _) = submit::create(state, new).await?;
+    let (batch, _) = submit::create(state, &account.0, new).await?;
     Ok(envelope(json!({"status": "queued", "request_id": batch.id, "model": batch.model})).into_response())
 }
 
@@ -243,7 +243,7 @@ fn response_line(r: &lorry_batcher::model::FinishedRequest) -> Value {
 
 async fn realtime(
     state: &AppState,
-    account: &AccountId,
+    account: &Account,
     model: &str,
     valid: ValidRequest,
 ) -> Result<Response, CloudflareError> {

@@ -53,6 +53,13 @@ async fn state(pool: PgPool) -> AppState {
                 min_bytes_per_sec: 1024,
             },
             max_uploads: 2,
+            admin_token_digest: None,
+            quotas: lorry_batcher::quota::Limits {
+                queued_requests: 0,
+                realtime_per_second: 0.0,
+                file_bytes: 0,
+                adapters: 0,
+            },
         }),
     )
 }
@@ -318,6 +325,107 @@ async fn requests_without_a_valid_token_are_unauthorised(pool: PgPool) {
     let (status, _) = call(&state, "GET", "/v1/account", None, vec![]).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(persisted(&pool).await, (0, 0, 0));
+    // Without LORRY_ADMIN_TOKEN there is no admin surface at all.
+    for token in [None, Some(TOKEN)] {
+        let (status, error) = call(&state, "GET", "/admin/v1/accounts", token, vec![]).await;
+        assert_eq!(
+            (status, error["error"]["code"].as_str()),
+            (StatusCode::NOT_FOUND, Some("route_not_found"))
+        );
+    }
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_revoked_key_or_a_disabled_account_is_refused_from_the_commit_on(pool: PgPool) {
+    use lorry_batcher::ids::AccountId;
+    let state = state(pool.clone()).await;
+    let acme = AccountId::parse_name("acme").unwrap();
+    let (account, first) = state.store.create_account(&acme, "default").await.unwrap().unwrap();
+    assert_eq!(account.status(), "active");
+    assert!(
+        state.store.create_account(&acme, "again").await.unwrap().is_none(),
+        "names are unique"
+    );
+    let second = state.store.create_key(&acme, "second").await.unwrap().unwrap();
+    for key in [&first.value, &second.value] {
+        let (status, body) = call(&state, "GET", "/v1/account", Some(key), vec![]).await;
+        assert_eq!((status, body["id"].as_str()), (StatusCode::OK, Some("acme")));
+    }
+    // Use is noted once a minute at most.
+    let used: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT last_used_at FROM api_keys WHERE id = $1")
+            .bind(first.record.id.as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(used.is_some());
+    call(&state, "GET", "/v1/account", Some(&first.value), vec![]).await;
+    let again: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT last_used_at FROM api_keys WHERE id = $1")
+            .bind(first.record.id.as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(used, again);
+
+    state.store.revoke_key(&acme, &second.record.id).await.unwrap().unwrap();
+    let (status, _) = call(&state, "GET", "/v1/account", Some(&second.value), vec![]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let other = AccountId("other".into());
+    assert!(
+        state
+            .store
+            .revoke_key(&other, &first.record.id)
+            .await
+            .unwrap()
+            .is_none(),
+        "another account's key cannot be revoked through it"
+    );
+
+    // A batch queued before the account is disabled is cancelled with it.
+    let body = serde_json::to_vec(&batch(json!([{"body": {"prompt": "x"}}, {"body": {"prompt": "y"}}]))).unwrap();
+    let (status, queued) = call(&state, "POST", "/v1/batches", Some(&first.value), body.clone()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{queued}");
+    let (status, theirs) = call(&state, "POST", "/v1/batches", Some(TOKEN), body).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let disabled = state.store.disable_account(&acme).await.unwrap().unwrap();
+    assert_eq!(disabled.account.status(), "disabled");
+    assert_eq!(disabled.cancelled_batches.len(), 1);
+    assert_eq!(disabled.cancelled_batches[0].as_str(), queued["id"].as_str().unwrap());
+    let (status, _) = call(&state, "GET", "/v1/account", Some(&first.value), vec![]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT b.status, r.status FROM batches b JOIN requests r ON r.batch_id = b.id WHERE b.id = $1")
+            .bind(queued["id"].as_str().unwrap())
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(statuses.len(), 2);
+    assert!(
+        statuses.iter().all(|(b, r)| b == "cancelling" && r == "canceled"),
+        "{statuses:?}"
+    );
+    let (_, still) = call(
+        &state,
+        "GET",
+        &format!("/v1/batches/{}", theirs["id"].as_str().unwrap()),
+        Some(TOKEN),
+        vec![],
+    )
+    .await;
+    assert_eq!(still["status"], "in_progress", "another account's batch runs on");
+    let again = state.store.disable_account(&acme).await.unwrap().unwrap();
+    assert_eq!(
+        again.account.disabled_at, disabled.account.disabled_at,
+        "disabling twice keeps the first time"
+    );
+    assert!(again.cancelled_batches.is_empty());
+
+    state.store.enable_account(&acme).await.unwrap().unwrap();
+    let (status, _) = call(&state, "GET", "/v1/account", Some(&first.value), vec![]).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = call(&state, "GET", "/v1/account", Some(&second.value), vec![]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "a revoked key stays revoked");
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]

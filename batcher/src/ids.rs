@@ -60,10 +60,31 @@ prefixed_id!(
     "file-"
 );
 
-/// An account id; accounts are created by operators, so any short token is allowed.
+prefixed_id!(
+    /// An API key's record (not the key itself): `key_<uuid v7>`.
+    KeyId,
+    "key_"
+);
+
+/// An account id: the name an operator gave it (`lorry accounts create NAME`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct AccountId(pub String);
+
+impl AccountId {
+    /// The longest account name.
+    pub const MAX_LEN: usize = 64;
+
+    /// A new account's name, if it has the allowed shape: 1 to 64 of
+    /// `a-z`, `0-9`, `-` and `_`, starting with a letter or a digit (it is a
+    /// path segment of the Workers AI routes and of S3 keys).
+    pub fn parse_name(raw: &str) -> Option<Self> {
+        let first = raw.bytes().next()?;
+        let allowed = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_';
+        (raw.len() <= Self::MAX_LEN && first.is_ascii_alphanumeric() && raw.bytes().all(allowed))
+            .then(|| AccountId(raw.to_string()))
+    }
+}
 
 impl fmt::Display for AccountId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -82,5 +103,26 @@ mod tests {
         assert!(BatchId::parse("batch_123").is_none());
         assert!(BatchId::parse(&id.as_str().replace("batch_", "msg_")).is_none());
         assert!(BatchId::generate() > id, "ids are time-ordered");
+    }
+
+    #[test]
+    fn account_names_are_path_segments() {
+        for good in ["default", "acme", "a", "team-7_b", &"x".repeat(64)] {
+            assert_eq!(AccountId::parse_name(good).map(|a| a.0), Some(good.to_string()));
+        }
+        for bad in [
+            "",
+            "-lead",
+            "_lead",
+            "Upper",
+            "a/b",
+            "a.b",
+            "a b",
+            "é",
+            &"x".repeat(65),
+            "a\0",
+        ] {
+            assert!(AccountId::parse_name(bad).is_none(), "{bad:?} accepted");
+        }
     }
 }

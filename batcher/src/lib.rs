@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod adapters;
+pub mod admin;
 pub mod broker;
 pub mod error;
 pub mod finaliser;
@@ -21,6 +22,7 @@ pub mod ids;
 pub mod model;
 pub mod objects;
 pub mod openai;
+pub mod quota;
 pub mod realtime;
 pub mod relay;
 pub mod store;

@@ -160,6 +160,39 @@ impl ObjectStore {
         Ok(())
     }
 
+    /// Delete every object whose key starts with `prefix`; returns how many.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<usize> {
+        use futures::{StreamExt as _, TryStreamExt as _};
+        let mut deleted = 0;
+        let mut token = None;
+        loop {
+            let page = self
+                .client
+                .list_objects_v2()
+                .bucket(&self.bucket)
+                .prefix(prefix)
+                .set_continuation_token(token.take())
+                .send()
+                .await
+                .map_err(s3_error)?;
+            let keys: Vec<String> = page
+                .contents()
+                .iter()
+                .filter_map(|o| o.key().map(str::to_string))
+                .collect();
+            deleted += keys.len();
+            futures::stream::iter(keys)
+                .map(|key| async move { self.delete(&key).await })
+                .buffer_unordered(8)
+                .try_collect::<Vec<()>>()
+                .await?;
+            match page.next_continuation_token() {
+                Some(next) if page.is_truncated() == Some(true) => token = Some(next.to_string()),
+                _ => return Ok(deleted),
+            }
+        }
+    }
+
     /// A presigned GET URL valid for `ttl`.
     pub async fn presign_get(&self, key: &str, ttl: Duration) -> Result<String> {
         let config = PresigningConfig::expires_in(ttl).map_err(s3_error)?;
@@ -178,6 +211,11 @@ impl ObjectStore {
 /// Where a batch's files live: under its account.
 pub fn batch_key(account: &AccountId, batch: &BatchId, file: &str) -> String {
     format!("accounts/{account}/batches/{batch}/{file}")
+}
+
+/// Where everything of an account lives.
+pub fn account_prefix(account: &AccountId) -> String {
+    format!("accounts/{account}/")
 }
 
 /// Where an adapter's files live: under its account.

@@ -160,6 +160,14 @@ error_codes! {
     AccountNotFound = "account_not_found",
     /// No such route.
     RouteNotFound = "route_not_found",
+    /// An account name outside the allowed characters or length (admin routes).
+    InvalidAccountName = "invalid_account_name",
+    /// An account of that name exists (admin routes).
+    AccountExists = "account_exists",
+    /// The account's batches have not all ended, so it cannot be deleted yet (admin routes).
+    AccountBusy = "account_busy",
+    /// The account has no API key of that id (admin routes).
+    KeyNotFound = "key_not_found",
     /// The route does not take this method.
     MethodNotAllowed = "method_not_allowed",
     /// A path and query string over the longest the API reads.
@@ -168,6 +176,14 @@ error_codes! {
     // Serving.
     /// The real-time lane of this model is full.
     RealtimeLaneSaturated = "realtime_lane_saturated",
+    /// The account's batch requests not yet ended would pass its limit.
+    QuotaQueuedRequests = "quota_queued_requests",
+    /// The account's real-time requests a second are over its limit.
+    QuotaRealtimeRate = "quota_realtime_rate",
+    /// The account's stored files would pass its limit in bytes.
+    QuotaFileBytes = "quota_file_bytes",
+    /// The account holds the most adapters it may.
+    QuotaAdapters = "quota_adapters",
     /// No worker answered a real-time request in time.
     RealtimeTimeout = "realtime_timeout",
     /// A backing service (Postgres, RabbitMQ, S3) is unavailable.

@@ -96,36 +96,6 @@ fn error_of(body: &Value) -> (String, String) {
     )
 }
 
-/// Every object key in the deployment's bucket.
-async fn bucket_keys(app: &TestApp) -> Vec<String> {
-    let settings = &app.settings;
-    let config = aws_sdk_s3::Config::builder()
-        .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
-        .endpoint_url(settings.services.s3_endpoint.clone().unwrap())
-        .region(aws_sdk_s3::config::Region::new(settings.services.s3_region.clone()))
-        .credentials_provider(aws_sdk_s3::config::Credentials::new(
-            settings.services.s3_access_key.clone(),
-            settings.services.s3_secret_key.expose().to_string(),
-            None,
-            None,
-            "test",
-        ))
-        .force_path_style(true)
-        .build();
-    let client = aws_sdk_s3::Client::from_conf(config);
-    let listed = client
-        .list_objects_v2()
-        .bucket(&settings.services.s3_bucket)
-        .send()
-        .await
-        .unwrap();
-    listed
-        .contents()
-        .iter()
-        .filter_map(|o| o.key().map(str::to_string))
-        .collect()
-}
-
 /// The engine's own answer for `body` with the reference adapter `dir` (or none).
 fn expected(model: &TextModel, body: &Value, dir: Option<&str>) -> String {
     let mut body = body.clone();
@@ -307,7 +277,7 @@ async fn uploaded_adapters_serve_mixed_batches_with_the_engines_answers() {
         .await
         .unwrap();
     assert_eq!(deleted.status(), 200);
-    let keys = bucket_keys(&app).await;
+    let keys = app.bucket_keys().await;
     let alpha = a["id"].as_str().unwrap();
     assert!(!keys.iter().any(|k| k.contains(alpha)), "{keys:?}");
     assert_eq!(keys.iter().filter(|k| k.contains(&beta)).count(), 2, "{keys:?}");
@@ -512,7 +482,7 @@ async fn every_bad_upload_is_refused_by_code_and_leaves_nothing() {
         assert_eq!(error_of(&body), (code.to_string(), param.to_string()), "{what}: {body}");
     }
     assert_eq!(app.get_json("/v1/adapters").await["data"], json!([]));
-    assert!(bucket_keys(&app).await.is_empty(), "a refused upload left files");
+    assert!(app.bucket_keys().await.is_empty(), "a refused upload left files");
 
     // A name is taken once per account.
     let (status, _) = upload(
@@ -578,7 +548,7 @@ async fn every_bad_upload_is_refused_by_code_and_leaves_nothing() {
         .clone();
     assert_eq!(ft_now["status"], "pending", "{listed}");
     // The finetune holds its one good file; the refused ones left nothing.
-    let keys = bucket_keys(&app).await;
+    let keys = app.bucket_keys().await;
     assert_eq!(keys.iter().filter(|k| k.contains(&ft)).count(), 1, "{keys:?}");
     let (status, body) = upload(
         &app,

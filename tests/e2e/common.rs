@@ -205,6 +205,50 @@ impl TestApp {
         text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
     }
 
+    /// Every object key in the deployment's bucket.
+    pub async fn bucket_keys(&self) -> Vec<String> {
+        let services = &self.settings.services;
+        let config = aws_sdk_s3::Config::builder()
+            .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
+            .endpoint_url(services.s3_endpoint.clone().unwrap())
+            .region(aws_sdk_s3::config::Region::new(services.s3_region.clone()))
+            .credentials_provider(aws_sdk_s3::config::Credentials::new(
+                services.s3_access_key.clone(),
+                services.s3_secret_key.expose().to_string(),
+                None,
+                None,
+                "test",
+            ))
+            .force_path_style(true)
+            .build();
+        let client = aws_sdk_s3::Client::from_conf(config);
+        let listed = client
+            .list_objects_v2()
+            .bucket(&services.s3_bucket)
+            .send()
+            .await
+            .unwrap();
+        listed
+            .contents()
+            .iter()
+            .filter_map(|o| o.key().map(str::to_string))
+            .collect()
+    }
+
+    /// Run the `lorry` binary against this deployment: its exit status, stdout and stderr.
+    pub fn lorry(&self, args: &[&str]) -> (bool, String, String) {
+        let output = Command::new(env!("CARGO_BIN_EXE_lorry"))
+            .args(args)
+            .envs(self.child_env())
+            .output()
+            .expect("running lorry");
+        (
+            output.status.success(),
+            String::from_utf8(output.stdout).unwrap(),
+            String::from_utf8(output.stderr).unwrap(),
+        )
+    }
+
     /// Environment for a `lorry` child process of this deployment.
     pub fn child_env(&self) -> Vec<(String, String)> {
         let s = &self.settings;

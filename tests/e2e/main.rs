@@ -4,6 +4,7 @@
 
 mod common;
 
+mod accounts;
 mod adapters;
 mod batches;
 mod durability;

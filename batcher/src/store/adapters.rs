@@ -8,8 +8,10 @@ use serde_json::{json, Value};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
+use super::accounts::lock_active;
 use super::{Result, Store};
 use crate::ids::{AccountId, AdapterId};
+use crate::quota::{within, Refusal};
 
 /// One adapter as stored.
 #[derive(Debug, Clone, PartialEq)]
@@ -142,13 +144,28 @@ pub struct AdapterSummary {
 
 impl Store {
     /// Write a new adapter record; `None` when the account already has one of that name.
-    /// With `files` (config, weights, summary) it is ready at once.
+    /// With `files` (config, weights, summary) it is ready at once. Refused
+    /// when the account would hold more than `limit` adapters (0: no limit),
+    /// or was disabled meanwhile.
     pub async fn insert_adapter(
         &self,
         new: &NewAdapter,
         files: Option<(AdapterAsset, AdapterAsset, AdapterSummary)>,
-    ) -> Result<Option<AdapterRecord>> {
+        limit: u64,
+    ) -> Result<std::result::Result<Option<AdapterRecord>, Refusal>> {
         let mut tx = self.pool.begin().await?;
+        if lock_active(&mut tx, &new.account_id, limit > 0).await?.is_none() {
+            return Ok(Err(Refusal::AccountDisabled));
+        }
+        if limit > 0 {
+            let held: i64 = sqlx::query_scalar("SELECT count(*) FROM adapters WHERE account_id = $1")
+                .bind(&new.account_id.0)
+                .fetch_one(&mut *tx)
+                .await?;
+            if let Err(over) = within(held as u64, 1, limit) {
+                return Ok(Err(Refusal::OverQuota(over)));
+            }
+        }
         let row = sqlx::query(
             "INSERT INTO adapters (id, account_id, name, model, description, status)
              VALUES ($1, $2, $3, $4, $5, 'pending')
@@ -163,7 +180,7 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
-            return Ok(None);
+            return Ok(Ok(None));
         };
         let mut record = AdapterRecord::from_row(&row);
         if let Some((config, weights, summary)) = files {
@@ -172,7 +189,7 @@ impl Store {
             }
         }
         tx.commit().await?;
-        Ok(Some(record))
+        Ok(Ok(Some(record)))
     }
 
     /// The account's adapter named by `reference`: an adapter id or a name.

@@ -8,6 +8,7 @@ use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::{FromRow, Postgres, Row, Transaction};
 
+use super::accounts::lock_active;
 use super::outbox::{insert_outbox, OutboxMessage};
 use super::{Result, Store};
 use crate::ids::{AccountId, BatchId};
@@ -67,6 +68,10 @@ pub enum Created {
         /// Whether the earlier request had the same body.
         same_request: bool,
     },
+    /// The account was disabled (or deleted) after its key was checked: nothing written.
+    AccountDisabled,
+    /// The account's batch requests not yet ended, with these, would pass its limit: nothing written.
+    OverQuota(crate::quota::OverQuota),
 }
 
 /// One page of a batch listing.
@@ -110,7 +115,7 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
     })
 }
 
-fn corrupt(what: &str, value: &str) -> BatcherError {
+pub(super) fn corrupt(what: &str, value: &str) -> BatcherError {
     BatcherError::Database(sqlx::Error::Decode(format!("unexpected {what} {value:?}").into()))
 }
 
@@ -132,7 +137,39 @@ pub(super) fn finished_from_row(row: &PgRow) -> Result<FinishedRequest> {
 impl Store {
     /// Write a batch, its requests and their outbox messages in one transaction.
     pub async fn create_batch(&self, new: NewBatch, outbox: Vec<OutboxMessage>) -> Result<Created> {
+        self.create_batch_within(new, outbox, 0).await
+    }
+
+    /// [`Store::create_batch`], if the account's batch requests not yet
+    /// ended stay within `queued_limit` with these (0: no limit).
+    pub async fn create_batch_within(
+        &self,
+        new: NewBatch,
+        outbox: Vec<OutboxMessage>,
+        queued_limit: u64,
+    ) -> Result<Created> {
         let mut tx = self.pool.begin().await?;
+        // Held to the commit, so that disabling the account waits for this
+        // batch and then cancels it, or comes first and refuses it here; and
+        // so that two batches of one account are counted one after the other.
+        if lock_active(&mut tx, &new.account_id, queued_limit > 0).await?.is_none() {
+            tx.rollback().await?;
+            return Ok(Created::AccountDisabled);
+        }
+        if queued_limit > 0 {
+            let queued: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM batches b JOIN requests r ON r.batch_id = b.id
+                 WHERE b.account_id = $1 AND b.status IN ('validating', 'in_progress', 'cancelling', 'finalizing')
+                   AND r.status IN ('pending', 'running')",
+            )
+            .bind(&new.account_id.0)
+            .fetch_one(&mut *tx)
+            .await?;
+            if let Err(over) = crate::quota::within(queued as u64, new.requests.len() as u64, queued_limit) {
+                tx.rollback().await?;
+                return Ok(Created::OverQuota(over));
+            }
+        }
         let window_secs = new.window.as_secs_f64();
         let inserted = sqlx::query(&format!(
             "INSERT INTO batches (id, account_id, model, shape, status, total, completion_window, metadata,

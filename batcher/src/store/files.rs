@@ -7,8 +7,10 @@ use serde_json::{json, Value};
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
 
+use super::accounts::lock_active;
 use super::{Result, Store};
 use crate::ids::{AccountId, FileId};
+use crate::quota::{within, Refusal};
 
 /// One file as stored: what was recorded, and when.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,15 +92,29 @@ pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFi
 }
 
 impl Store {
-    /// Record a file whose bytes are already in S3.
-    pub async fn insert_file(&self, file: &NewFile) -> Result<FileRecord> {
+    /// Record a file whose bytes are already in S3, if the account's files
+    /// stay within `limit` bytes with it (0: no limit) and it is not disabled.
+    pub async fn insert_file(&self, file: &NewFile, limit: u64) -> Result<std::result::Result<FileRecord, Refusal>> {
         let mut tx = self.pool.begin().await?;
+        if lock_active(&mut tx, &file.account_id, limit > 0).await?.is_none() {
+            return Ok(Err(Refusal::AccountDisabled));
+        }
+        if limit > 0 {
+            let stored: i64 =
+                sqlx::query_scalar("SELECT coalesce(sum(bytes), 0)::bigint FROM files WHERE account_id = $1")
+                    .bind(&file.account_id.0)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            if let Err(over) = within(stored as u64, file.bytes.max(0) as u64, limit) {
+                return Ok(Err(Refusal::OverQuota(over)));
+            }
+        }
         insert_file(&mut tx, file).await?;
         tx.commit().await?;
-        Ok(self
+        Ok(Ok(self
             .file(&file.account_id, &file.id)
             .await?
-            .expect("a file just written is there"))
+            .expect("a file just written is there")))
     }
 
     /// The account's file, if it has one by that id.

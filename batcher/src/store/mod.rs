@@ -2,6 +2,7 @@
 //! and webhook deliveries. Every query is written by hand and checked at run
 //! time, so the project builds without a database.
 
+mod accounts;
 mod adapters;
 mod batches;
 mod files;
@@ -13,8 +14,9 @@ use std::time::Duration;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool, Row};
+use sqlx::{ConnectOptions, PgPool};
 
+pub use accounts::{AccountRecord, Disabled, KeyRecord, NewKey, Removal};
 pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
 pub use files::{FileRecord, NewFile};
@@ -39,6 +41,8 @@ pub struct Account {
     pub id: AccountId,
     /// The `whsec_…` secret that signs its webhooks.
     pub webhook_secret: String,
+    /// Its own limits, over the deployment's defaults.
+    pub quotas: crate::quota::Quotas,
 }
 
 /// The stored form of an API token.
@@ -104,32 +108,6 @@ impl Store {
     pub async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
-    }
-
-    /// Make sure an account exists whose API token is `token` (the bootstrap account).
-    pub async fn ensure_account(&self, id: &str, token: &str) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO accounts (id, token_hash, webhook_secret) VALUES ($1, $2, $3)
-             ON CONFLICT (id) DO UPDATE SET token_hash = EXCLUDED.token_hash",
-        )
-        .bind(id)
-        .bind(hash_token(token))
-        .bind(new_webhook_secret())
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    /// The account holding this API token, if any.
-    pub async fn account_by_token(&self, token: &str) -> Result<Option<Account>> {
-        let row = sqlx::query("SELECT id, webhook_secret FROM accounts WHERE token_hash = $1")
-            .bind(hash_token(token))
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(row.map(|r| Account {
-            id: AccountId(r.get("id")),
-            webhook_secret: r.get("webhook_secret"),
-        }))
     }
 
     /// Replace an account's webhook secret; deliveries not yet sent are signed with the new one.
