@@ -233,6 +233,13 @@ pub struct WorkerSettings {
     /// Milliseconds between the relay's polls when no notification wakes it.
     #[arg(long, env = "LORRY_RELAY_POLL_MS", default_value_t = 500)]
     pub relay_poll_ms: u64,
+    /// Ready chunk messages the relay keeps in each model's batch queue; the
+    /// rest wait in Postgres and go out taking turns by account.
+    #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 8)]
+    pub dispatch_depth: u32,
+    /// Milliseconds between the relay's top-ups of batch queues while chunks are held.
+    #[arg(long, env = "LORRY_DISPATCH_POLL_MS", default_value_t = 20)]
+    pub dispatch_poll_ms: u64,
     /// Milliseconds the echo model spends on each request (tests and benchmarks).
     #[arg(long, env = "LORRY_ECHO_DELAY_MS", default_value_t = 0)]
     pub echo_delay_ms: u64,
@@ -453,6 +460,8 @@ impl Settings {
             models,
             batch_size: self.worker.relay_batch,
             poll: Duration::from_millis(self.worker.relay_poll_ms),
+            dispatch_depth: self.worker.dispatch_depth.max(1),
+            dispatch_poll: Duration::from_millis(self.worker.dispatch_poll_ms.max(1)),
         }
     }
 

@@ -306,6 +306,8 @@ pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Resul
             exchange: String::new(),
             routing_key: queue.clone(),
             payload: serde_json::to_value(&message).map_err(lorry_batcher::BatcherError::from)?,
+            // Held for the relay's fair dispatch, which takes turns by account.
+            account_id: Some(new.account_id.clone()),
         });
     }
     let limit = crate::quota::limits(state, account).queued_requests;

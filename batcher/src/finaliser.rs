@@ -72,6 +72,7 @@ impl Finaliser {
             exchange: self.topology.events_exchange(),
             routing_key: event_type.to_string(),
             payload: cloud_event(event_type, id, &data),
+            account_id: None,
         };
         let webhook = json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data});
         (event, (event_type.to_string(), webhook))

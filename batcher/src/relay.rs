@@ -5,6 +5,14 @@
 //! and the mark publishes a message twice, which consumers tolerate (results
 //! commit idempotently). Relays on several processes share the work through
 //! `FOR UPDATE SKIP LOCKED`. They wake on `NOTIFY`, and poll as a fallback.
+//!
+//! The batch lane's chunks are held in the outbox under their account and
+//! published by fair dispatch: while a model's queue holds fewer ready
+//! messages than `dispatch_depth`, the relay tops it up, taking turns by
+//! account (`Store::dispatch_fair`). The queue stays shallow, so a batch
+//! submitted behind another account's large one waits for a few chunks, not
+//! for all of it; what is held is in Postgres, so it survives any process's
+//! crash, and any number of workers consume the one queue as before.
 
 use std::time::Duration;
 
@@ -28,6 +36,10 @@ pub struct RelayConfig {
     pub batch_size: i64,
     /// Longest sleep when nothing wakes the relay.
     pub poll: Duration,
+    /// Ready chunk messages the fair dispatch keeps in each batch queue.
+    pub dispatch_depth: u32,
+    /// How often the relay tops up batch queues while chunks are held.
+    pub dispatch_poll: Duration,
 }
 
 /// Publish everything unsent; returns how many messages went out.
@@ -63,10 +75,41 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
     listener.listen(OUTBOX_CHANNEL).await?;
     loop {
         drain(store, &publisher, config.batch_size).await?;
+        let holding = dispatch(store, &publisher, config.dispatch_depth).await?;
+        let sleep = if holding { config.dispatch_poll } else { config.poll };
         tokio::select! {
             _ = stop.cancelled() => return Ok(()),
             notified = listener.recv() => { notified?; }
-            _ = tokio::time::sleep(config.poll) => {}
+            _ = tokio::time::sleep(sleep) => {}
         }
     }
+}
+
+/// Top up every batch queue whose chunks are held to `depth` ready messages,
+/// taking turns by account; returns whether chunks are still held.
+pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<bool, BatcherError> {
+    let lanes = store.held_lanes().await?;
+    for lane in &lanes {
+        let ready = publisher
+            .channel()
+            .queue_declare(
+                lane,
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await?
+            .message_count();
+        let room = depth.saturating_sub(ready) as usize;
+        store
+            .dispatch_fair(
+                lane,
+                room,
+                |messages| async move { publisher.publish_all(&messages).await },
+            )
+            .await?;
+    }
+    Ok(!lanes.is_empty())
 }

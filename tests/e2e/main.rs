@@ -8,6 +8,7 @@ mod accounts;
 mod adapters;
 mod batches;
 mod durability;
+mod fairness;
 mod hardening;
 mod models;
 mod offline;

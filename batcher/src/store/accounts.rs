@@ -414,6 +414,8 @@ impl Store {
             "DELETE FROM batches WHERE account_id = $1",
             "DELETE FROM files WHERE account_id = $1",
             "DELETE FROM adapters WHERE account_id = $1",
+            "DELETE FROM outbox WHERE account_id = $1",
+            "DELETE FROM dispatch_turns WHERE account_id = $1",
             "DELETE FROM accounts WHERE id = $1",
         ] {
             sqlx::query(statement).bind(&id.0).execute(&mut *tx).await?;

@@ -22,6 +22,9 @@ pub struct OutboxMessage {
     pub routing_key: String,
     /// The JSON body.
     pub payload: Value,
+    /// For the batch lane's chunks: the account it is held under until the
+    /// relay's fair dispatch publishes it (`None`: published at once, in order).
+    pub account_id: Option<AccountId>,
 }
 
 pub(super) async fn insert_outbox(tx: &mut Transaction<'_, Postgres>, messages: &[OutboxMessage]) -> Result<()> {
@@ -31,12 +34,18 @@ pub(super) async fn insert_outbox(tx: &mut Transaction<'_, Postgres>, messages: 
     let exchanges: Vec<&str> = messages.iter().map(|m| m.exchange.as_str()).collect();
     let keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
     let payloads: Vec<Value> = messages.iter().map(|m| m.payload.clone()).collect();
+    let accounts: Vec<Option<&str>> = messages
+        .iter()
+        .map(|m| m.account_id.as_ref().map(|a| a.0.as_str()))
+        .collect();
     sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[])",
+        "INSERT INTO outbox (exchange, routing_key, payload, account_id)
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[])",
     )
     .bind(&exchanges)
     .bind(&keys)
     .bind(&payloads)
+    .bind(&accounts)
     .execute(&mut **tx)
     .await?;
     sqlx::query("SELECT pg_notify($1, '')")
@@ -97,7 +106,7 @@ impl Store {
     {
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(
-            "SELECT id, exchange, routing_key, payload FROM outbox WHERE sent_at IS NULL
+            "SELECT id, exchange, routing_key, payload FROM outbox WHERE sent_at IS NULL AND account_id IS NULL
              ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(limit)
@@ -113,6 +122,7 @@ impl Store {
                 exchange: r.get("exchange"),
                 routing_key: r.get("routing_key"),
                 payload: r.get("payload"),
+                account_id: None,
             })
             .collect();
         publish(messages).await?;
@@ -120,6 +130,100 @@ impl Store {
             .bind(&ids)
             .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
+        Ok(ids.len())
+    }
+
+    /// The lanes (routing keys) holding chunks for fair dispatch.
+    pub async fn held_lanes(&self) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(
+            "SELECT DISTINCT routing_key FROM outbox WHERE sent_at IS NULL AND account_id IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Publish up to `room` of the chunks held for `lane`, taking turns by
+    /// account: the account whose last turn is oldest (or that never had
+    /// one) goes first, one chunk each in that order, round after round,
+    /// each account's chunks oldest first. Marks them sent after `publish`
+    /// confirms them, and records each account's turn. One relay dispatches
+    /// a lane at a time (others find it locked and skip it); returns how
+    /// many went out.
+    pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: usize, publish: F) -> Result<usize>
+    where
+        F: FnOnce(Vec<OutboxMessage>) -> Fut,
+        Fut: std::future::Future<Output = Result<()>>,
+    {
+        if room == 0 {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('lorry-dispatch:' || $1))")
+            .bind(lane)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !locked {
+            return Ok(0);
+        }
+        let rows = sqlx::query(
+            "SELECT o.id, o.exchange, o.payload, o.account_id, t.turn
+             FROM (SELECT DISTINCT account_id FROM outbox
+                   WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL) a
+             LEFT JOIN dispatch_turns t ON t.routing_key = $1 AND t.account_id = a.account_id
+             CROSS JOIN LATERAL (
+                 SELECT id, exchange, payload, account_id FROM outbox
+                 WHERE sent_at IS NULL AND routing_key = $1 AND account_id = a.account_id
+                 ORDER BY id LIMIT $2
+             ) o",
+        )
+        .bind(lane)
+        .bind(room as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+        let held: Vec<Held> = rows
+            .iter()
+            .map(|r| Held {
+                id: r.get("id"),
+                account: r.get("account_id"),
+                turn: r.get("turn"),
+                message: OutboxMessage {
+                    exchange: r.get("exchange"),
+                    routing_key: lane.to_string(),
+                    payload: r.get("payload"),
+                    account_id: None,
+                },
+            })
+            .collect();
+        let chosen = take_turns(held, room);
+        if chosen.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<i64> = chosen.iter().map(|h| h.id).collect();
+        // Each account's new turn, in the order of its last chunk here.
+        let mut order: Vec<&str> = Vec::new();
+        for held in chosen.iter().rev() {
+            if !order.contains(&held.account.as_str()) {
+                order.push(&held.account);
+            }
+        }
+        order.reverse();
+        let order: Vec<String> = order.into_iter().map(str::to_string).collect();
+        publish(chosen.into_iter().map(|h| h.message).collect()).await?;
+        sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        for account in &order {
+            sqlx::query(
+                "INSERT INTO dispatch_turns (routing_key, account_id, turn) VALUES ($1, $2, nextval('dispatch_turn'))
+                 ON CONFLICT (routing_key, account_id) DO UPDATE SET turn = EXCLUDED.turn",
+            )
+            .bind(lane)
+            .bind(account)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(ids.len())
     }
@@ -202,5 +306,86 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(())
+    }
+}
+
+/// A chunk held for fair dispatch.
+#[derive(Debug, Clone)]
+struct Held {
+    id: i64,
+    account: String,
+    /// The account's last turn on the lane (`None`: never).
+    turn: Option<i64>,
+    message: OutboxMessage,
+}
+
+/// Up to `room` of `held`, one an account a round: accounts in the order of
+/// their last turn (never first), each one's chunks oldest first.
+fn take_turns(mut held: Vec<Held>, room: usize) -> Vec<Held> {
+    held.sort_by(|a, b| {
+        (a.turn.is_some(), a.turn, &a.account, a.id).cmp(&(b.turn.is_some(), b.turn, &b.account, b.id))
+    });
+    let mut queues: Vec<std::collections::VecDeque<Held>> = Vec::new();
+    for h in held {
+        match queues.last_mut() {
+            Some(queue) if queue.back().is_some_and(|last| last.account == h.account) => queue.push_back(h),
+            _ => queues.push(std::collections::VecDeque::from([h])),
+        }
+    }
+    let mut chosen = Vec::with_capacity(room);
+    while chosen.len() < room && queues.iter().any(|q| !q.is_empty()) {
+        for queue in queues.iter_mut() {
+            if chosen.len() == room {
+                break;
+            }
+            if let Some(h) = queue.pop_front() {
+                chosen.push(h);
+            }
+        }
+    }
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(id: i64, account: &str, turn: Option<i64>) -> Held {
+        Held {
+            id,
+            account: account.into(),
+            turn,
+            message: OutboxMessage {
+                exchange: String::new(),
+                routing_key: "lane".into(),
+                payload: Value::Null,
+                account_id: None,
+            },
+        }
+    }
+
+    fn ids(chosen: &[Held]) -> Vec<(String, i64)> {
+        chosen.iter().map(|h| (h.account.clone(), h.id)).collect()
+    }
+
+    #[test]
+    fn accounts_take_turns_oldest_turn_first_each_ones_chunks_in_order() {
+        // `a` has had a turn; `b` never: `b` goes first, then they alternate.
+        let rows = vec![
+            held(3, "a", Some(7)),
+            held(1, "a", Some(7)),
+            held(2, "a", Some(7)),
+            held(9, "b", None),
+            held(10, "b", None),
+        ];
+        let chosen = take_turns(rows.clone(), 4);
+        let expect = |v: &[(&str, i64)]| v.iter().map(|(a, i)| (a.to_string(), *i)).collect::<Vec<_>>();
+        assert_eq!(ids(&chosen), expect(&[("b", 9), ("a", 1), ("b", 10), ("a", 2)]));
+        // Room for more than is held: everything, still interleaved.
+        assert_eq!(ids(&take_turns(rows.clone(), 10)).len(), 5);
+        // One slot: the account whose turn is oldest.
+        let older = vec![held(1, "a", Some(7)), held(5, "c", Some(3))];
+        assert_eq!(ids(&take_turns(older, 1)), expect(&[("c", 5)]));
+        assert!(take_turns(Vec::new(), 3).is_empty());
     }
 }
