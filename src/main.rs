@@ -52,7 +52,7 @@ enum Command {
     /// `cargo build --release -p lorry-bench`) with the same arguments.
     #[command(disable_help_flag = true)]
     Bench {
-        /// `pipeline`, `engine`, `lora`, `isolation`, `speculative` or `prefix`, and their flags.
+        /// `pipeline`, `engine`, `lora`, `isolation`, `speculative`, `prefix` or `fairness`, and their flags.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
         args: Vec<std::ffi::OsString>,
     },

@@ -172,8 +172,7 @@ pub async fn delete_account(
             ErrorCode::AccountBusy,
             format!("the account is disabled and its batches cancelled; {open} of them have not ended yet, try again"),
         )
-        .with_param("account_id")
-        .retry_after(5)),
+        .with_param("account_id")),
     }
 }
 

@@ -100,7 +100,13 @@ pub struct ApiError {
 impl ApiError {
     /// An error with a code.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        let retry_after = matches!(code, ErrorCode::RealtimeLaneSaturated | ErrorCode::ServiceUnavailable).then_some(1);
+        // Every answer that asks to be retried says when.
+        let retry_after = match code {
+            ErrorCode::RealtimeLaneSaturated | ErrorCode::ServiceUnavailable | ErrorCode::QuotaRealtimeRate => Some(1),
+            ErrorCode::AccountBusy => Some(5),
+            ErrorCode::QuotaQueuedRequests | ErrorCode::QuotaFileBytes | ErrorCode::QuotaAdapters => Some(60),
+            _ => None,
+        };
         ApiError {
             code,
             message: message.into(),
@@ -329,6 +335,7 @@ mod tests {
                 "invalid_file_purpose",
                 "model_mismatch",
                 "endpoint_mismatch",
+                "invalid_account_name",
             ],
         ),
         (401, &["invalid_token"]),
@@ -341,6 +348,7 @@ mod tests {
                 "file_not_found",
                 "account_not_found",
                 "route_not_found",
+                "key_not_found",
             ],
         ),
         (
@@ -350,13 +358,24 @@ mod tests {
                 "adapter_not_ready",
                 "batch_not_cancellable",
                 "idempotency_key_reused",
+                "account_exists",
+                "account_busy",
             ],
         ),
         (405, &["method_not_allowed"]),
         (408, &["body_timeout"]),
         (414, &["uri_too_long"]),
         (413, &["body_too_large", "adapter_too_large", "file_too_large"]),
-        (429, &["realtime_lane_saturated"]),
+        (
+            429,
+            &[
+                "realtime_lane_saturated",
+                "quota_queued_requests",
+                "quota_realtime_rate",
+                "quota_file_bytes",
+                "quota_adapters",
+            ],
+        ),
         (500, &["internal_error"]),
         (
             502,
@@ -396,7 +415,8 @@ mod tests {
                 assert_eq!(envelope["error"], body["error"]);
                 assert_eq!(envelope["success"], false);
                 assert_eq!(envelope["errors"][0]["code"], u32::from(want) * 10);
-                let retry = matches!(text, "realtime_lane_saturated" | "service_unavailable");
+                let retry = matches!(text, "realtime_lane_saturated" | "service_unavailable" | "account_busy")
+                    || text.starts_with("quota_");
                 assert_eq!(error.retry_after.is_some(), retry, "{text}");
                 pinned += 1;
             }

@@ -76,8 +76,7 @@ pub fn refused(refusal: Refusal, code: ErrorCode, what: &str) -> ApiError {
         Refusal::OverQuota(OverQuota { used, limit }) => ApiError::new(
             code,
             format!("the account holds {used} {what} of its limit of {limit}; this would pass it"),
-        )
-        .retry_after(60),
+        ),
     }
 }
 

@@ -3,5 +3,6 @@
 //! `lorry bench …` forwards to the `lorry-bench` binary built from this crate.
 
 pub mod bench;
+pub mod fairness;
 pub mod isolation;
 pub mod speedups;

@@ -2,6 +2,7 @@
 
 use clap::Parser;
 use lorry_bench::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
+use lorry_bench::fairness::{self, FairnessArgs};
 use lorry_bench::isolation::{self, IsolationArgs};
 use lorry_bench::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
 
@@ -20,6 +21,8 @@ enum Bench {
     Speculative(SpeculativeBenchArgs),
     /// Pre-fill and batch time with the prefix cache against without.
     Prefix(PrefixBenchArgs),
+    /// Another account's small batch alone, then behind a large batch, against a running stack.
+    Fairness(FairnessArgs),
 }
 
 #[tokio::main]
@@ -32,5 +35,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Isolation(args) => isolation::isolation(&args).await,
         Bench::Speculative(args) => speedups::speculative(&args).await,
         Bench::Prefix(args) => speedups::prefix(&args).await,
+        Bench::Fairness(args) => fairness::fairness(&args).await,
     }
 }
