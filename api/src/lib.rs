@@ -140,6 +140,7 @@ pub fn router(state: AppState) -> Router {
         .routes(routes!(health::readyz))
         .routes(routes!(account::show))
         .routes(routes!(account::rotate))
+        .routes(routes!(account::usage))
         .routes(routes!(adapters::create).layer(uploads))
         .routes(routes!(adapters::list))
         .routes(routes!(adapters::show, adapters::delete))

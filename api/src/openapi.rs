@@ -732,6 +732,33 @@ pub struct ApiKeyList {
     data: Vec<ApiKey>,
 }
 
+/// One group's usage: the lane and the groups asked for.
+#[derive(ToSchema, Deserialize)]
+pub struct UsageRow {
+    /// `batch` or `realtime`.
+    lane: String,
+    model: Option<String>,
+    /// The adapter's id, `""` for none.
+    adapter: Option<String>,
+    /// `YYYY-MM-DD`, UTC.
+    day: Option<String>,
+    /// `""` on the real-time lane.
+    batch_id: Option<String>,
+    /// Requests that succeeded.
+    requests: i64,
+    input_tokens: i64,
+    output_tokens: i64,
+}
+
+/// `GET /v1/usage`.
+#[derive(ToSchema, Deserialize)]
+pub struct UsageReport {
+    object: String,
+    start: String,
+    end: String,
+    data: Vec<UsageRow>,
+}
+
 /// `{"status":"ok"}`.
 #[derive(ToSchema, Deserialize)]
 pub struct Health {

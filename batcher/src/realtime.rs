@@ -122,9 +122,10 @@ pub async fn forward(
     mut events: EventStream,
     reply: &ReplyTo<'_>,
     cancel: &CancellationToken,
-) -> Result<(), BatcherError> {
+) -> Result<Option<lorry_engine::Usage>, BatcherError> {
     let mut pending = std::collections::VecDeque::new();
     let mut first = true;
+    let mut served = None;
     loop {
         let event = tokio::select! {
             _ = cancel.cancelled() => return cancelled(reply),
@@ -133,7 +134,10 @@ pub async fn forward(
         let Some(event) = event else { break };
         let message = match event {
             Event::Token(text) => Reply::Token { text },
-            Event::Finished(output) => Reply::Done { output },
+            Event::Finished(output) => {
+                served = Some(output.usage);
+                Reply::Done { output }
+            }
             Event::Failed(e) => Reply::engine_error(&e),
         };
         // Tokens go out back to back; their confirms are checked with the
@@ -155,21 +159,22 @@ pub async fn forward(
             for confirm in pending {
                 confirm.wait().await?;
             }
-            return Ok(());
+            return Ok(served);
         }
     }
     reply
         .send(&Reply::error(ErrorCode::EngineStopped, "the engine stopped"))
         .await
+        .map(|()| None)
 }
 
-/// What [`forward`] returns once its client has hung up: nothing more to send.
-fn cancelled(reply: &ReplyTo<'_>) -> Result<(), BatcherError> {
+/// What [`forward`] returns once its client has hung up: nothing more to send, nothing served.
+fn cancelled(reply: &ReplyTo<'_>) -> Result<Option<lorry_engine::Usage>, BatcherError> {
     tracing::debug!(
         correlation = reply.correlation,
         "real-time request cancelled by its client"
     );
-    Ok(())
+    Ok(None)
 }
 
 /// How many cancelled requests a worker remembers, for cancellations that

@@ -433,6 +433,7 @@ impl Worker {
         tracing::trace!(%correlation, "real-time request taken");
         let inner = &self.inner;
         let cancel = inner.cancels.start(correlation.as_str());
+        let adapter = request.request.lora.clone();
         let started = match inner.backends.get(&request.model) {
             Some(backend) => Ok((request.request, backend)),
             None => Err(EngineError::Model(format!(
@@ -457,14 +458,33 @@ impl Worker {
                 };
                 match submitted {
                     Ok(events) => realtime::forward(events, &reply, &cancel).await,
-                    Err(e) => reply.send(&Reply::engine_error(&e)).await,
+                    Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| None),
                 }
             }
-            Err(e) => reply.send(&Reply::engine_error(&e)).await,
+            Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| None),
         };
         inner.cancels.finish(correlation.as_str());
-        if let Err(e) = sent {
-            tracing::debug!(error = %e, "could not answer a real-time request");
+        match sent {
+            // A request served is counted for its account once its answer is out.
+            Ok(Some(usage)) => {
+                if let Some(account) = &request.account_id {
+                    let recorded = inner
+                        .store
+                        .record_realtime_usage(
+                            account,
+                            &request.model,
+                            adapter.as_deref(),
+                            usage.prompt_tokens,
+                            usage.completion_tokens,
+                        )
+                        .await;
+                    if let Err(e) = recorded {
+                        tracing::warn!(error = %e, "could not record a real-time request's usage");
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "could not answer a real-time request"),
         }
         Settle::Ack
     }

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use lorry::Role;
+use lorry_batcher::ids::AccountId;
 use serde_json::{json, Value};
 
 use crate::common::{spawn_app_with, TestApp, TOKEN};
@@ -541,5 +542,113 @@ async fn each_quota_is_refused_with_its_code_and_retry_after_and_nothing_half_wr
         .await
         .unwrap();
     assert_eq!(adapters, 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn usage_counts_both_lanes_as_their_results_do_and_only_the_callers() {
+    let app = spawn_app_with(Role::Serve, |_| {}).await;
+    let other = AccountId::parse_name("other").unwrap();
+    let (_, other_key) = app.store.create_account(&other, "default").await.unwrap().unwrap();
+
+    let batch = app.submit_echo(7, json!({})).await;
+    let batch_id = batch["id"].as_str().unwrap().to_string();
+    let done = app.wait_until_ended(&batch_id, Duration::from_secs(60)).await;
+    assert_eq!(done["status"], "completed");
+    let mut realtime = (0, 0, 0);
+    for i in 0..3 {
+        let answer: Value = app
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "@lorry/echo", "messages": [{"role": "user", "content": format!("one two {i}")}]}),
+            )
+            .await
+            .json()
+            .await
+            .unwrap();
+        realtime.0 += 1;
+        realtime.1 += answer["usage"]["prompt_tokens"].as_i64().unwrap();
+        realtime.2 += answer["usage"]["completion_tokens"].as_i64().unwrap();
+    }
+    // The worker counts a real-time request once its answer is out.
+    let usage = |query: &'static str, token: String| {
+        let app = &app;
+        async move {
+            let response = app
+                .http
+                .get(app.url(&format!("/v1/usage{query}")))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<Value>().await.unwrap())
+        }
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let totals = loop {
+        let (status, body) = usage("?group_by=model", TOKEN.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let rt = body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["lane"] == "realtime")
+            .cloned();
+        if rt.as_ref().is_some_and(|r| r["requests"] == 3) {
+            break body;
+        }
+        assert!(std::time::Instant::now() < deadline, "{body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let rows = totals["data"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{totals}");
+    let batch_row = rows.iter().find(|r| r["lane"] == "batch").unwrap();
+    assert_eq!(batch_row["model"], "@lorry/echo");
+    assert_eq!(batch_row["requests"], 7);
+    assert_eq!(
+        batch_row["input_tokens"], done["usage"]["prompt_tokens"],
+        "the batch object's usage"
+    );
+    assert_eq!(batch_row["output_tokens"], done["usage"]["completion_tokens"]);
+    let rt_row = rows.iter().find(|r| r["lane"] == "realtime").unwrap();
+    assert_eq!(
+        (
+            rt_row["requests"].as_i64(),
+            rt_row["input_tokens"].as_i64(),
+            rt_row["output_tokens"].as_i64()
+        ),
+        (Some(realtime.0), Some(realtime.1), Some(realtime.2))
+    );
+
+    // By batch and day: the batch's own row, today's date.
+    let (_, by) = usage("?group_by=batch,day,adapter", TOKEN.to_string()).await;
+    let row = by["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["lane"] == "batch")
+        .unwrap()
+        .clone();
+    assert_eq!(row["batch_id"], batch_id.as_str());
+    assert_eq!(row["adapter"], "");
+    assert_eq!(row["day"], chrono::Utc::now().date_naive().to_string());
+    assert!(row.get("model").is_none(), "only the groups asked for: {row}");
+    // Another account sees none of it; a span without the day sees nothing.
+    let (_, theirs) = usage("", other_key.value.clone()).await;
+    assert_eq!(theirs["data"], json!([]), "{theirs}");
+    let (_, before) = usage("?start=2020-01-01&end=2020-02-01", TOKEN.to_string()).await;
+    assert_eq!(before["data"], json!([]));
+    for (query, param) in [
+        ("?group_by=account", "group_by"),
+        ("?start=yesterday", "start"),
+        ("?end=2020-13-01", "end"),
+        ("?start=2020-02-01&end=2020-01-01", "start"),
+        ("?start=2020-01-01&end=2022-01-01", "start"),
+        ("?limit=5", "limit"),
+    ] {
+        let (status, body) = usage(query, TOKEN.to_string()).await;
+        assert_eq!((status, code(&body).1), (400, param), "{query}: {body}");
+    }
     app.stop().await;
 }
