@@ -233,6 +233,10 @@ pub struct WorkerSettings {
     /// Milliseconds between the relay's polls when no notification wakes it.
     #[arg(long, env = "LORRY_RELAY_POLL_MS", default_value_t = 500)]
     pub relay_poll_ms: u64,
+    /// Days after which ended batches (their rows and S3 objects) and uploaded
+    /// files are deleted; 0 keeps them.
+    #[arg(long, env = "LORRY_RETENTION_DAYS", default_value_t = 0)]
+    pub retention_days: u64,
     /// Ready chunk messages the relay keeps in each model's batch queue; the
     /// rest wait in Postgres and go out taking turns by account.
     #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 8)]
@@ -526,6 +530,8 @@ impl Settings {
         FinaliserConfig {
             stale_after: Duration::from_secs(self.worker.finalize_stale_secs),
             progress_every: Duration::from_millis(self.worker.progress_interval_ms),
+            retention: (self.worker.retention_days > 0)
+                .then(|| Duration::from_secs(self.worker.retention_days.saturating_mul(24 * 3600))),
         }
     }
 

@@ -9,6 +9,7 @@ use axum::Json;
 use lorry_batcher::ids::BatchId;
 use lorry_batcher::model::{Batch, OpenAiBatch, Shape, Tally};
 use lorry_batcher::openai::Endpoint;
+use lorry_batcher::store::BatchDeletion;
 use lorry_protocol::input::Fields;
 use lorry_protocol::{Catalog, ErrorCode};
 use serde_json::{json, Value};
@@ -142,6 +143,20 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
     let completion_window: Option<String> = f.optional("completion_window", "a string")?;
     let metadata = f.raw("metadata").cloned();
     let webhook_url = submit::webhook_url(&mut f)?;
+    let output_expires_after = match f.raw("output_expires_after") {
+        None => None,
+        Some(raw) => {
+            let mut e = Fields::new(raw, "output_expires_after")?;
+            let anchor: Option<String> = e.optional("anchor", "a string")?;
+            let seconds: Option<u64> = e.optional("seconds", "a whole number")?;
+            e.deny_unknown()?;
+            files::expires_after(
+                anchor.as_deref(),
+                seconds.map(|s| s.to_string()).as_deref(),
+                "output_expires_after",
+            )?
+        }
+    };
     f.deny_unknown()?;
     let (items, first) = files::batch_items(state, &account.0.id, &file_id, endpoint).await?;
     let options = Options {
@@ -154,6 +169,7 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
             model: first.requested.clone(),
             output_file_id: None,
             error_file_id: None,
+            output_expires_after,
         }),
     };
     let spec = submit::model(&state.catalog, &first.model, "model")?;
@@ -265,6 +281,37 @@ pub async fn cancel(
     }
     let tally = state.store.tally(&batch.id).await?;
     Ok(Json(batch_json(&state, &batch, &tally).await?))
+}
+
+/// `DELETE /v1/batches/{id}`: an ended batch's requests, results, output
+/// and error files (records and S3 objects) are deleted.
+#[utoipa::path(delete, path = "/v1/batches/{id}", tag = crate::openapi::NATIVE,
+    params(("id" = String, Path, description = "A batch id")),
+    responses((status = 200, description = "The batch is gone", body = crate::openapi::Deleted)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    account: Authenticated,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let not_found = || ApiError::not_found(ErrorCode::BatchNotFound, "id", "batch");
+    let id = BatchId::parse(&id).ok_or_else(not_found)?;
+    match state.store.delete_batch(&account.0.id, &id).await? {
+        BatchDeletion::NotFound => Err(not_found()),
+        BatchDeletion::NotEnded => Err(ApiError::new(
+            ErrorCode::BatchNotEnded,
+            "the batch has not ended; cancel it and delete it once it is cancelled",
+        )
+        .with_param("id")),
+        BatchDeletion::Deleted { keys } => {
+            // The rows are gone; objects left by a failure here are unreachable.
+            if let Err(e) =
+                lorry_batcher::finaliser::remove_batch_objects(&state.objects, &account.0.id, &id, &keys).await
+            {
+                tracing::warn!(batch = %id, error = %e, "a deleted batch's objects could not all be removed");
+            }
+            Ok(Json(json!({"id": id, "object": "batch", "deleted": true})))
+        }
+    }
 }
 
 /// `GET /v1/batches/{id}/results`: one JSON line per finished request, in index order.

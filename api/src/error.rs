@@ -70,8 +70,8 @@ pub fn status(code: ErrorCode) -> StatusCode {
         UriTooLong => StatusCode::URI_TOO_LONG,
         ModelNotFound | AdapterNotFound | BatchNotFound | FileNotFound | AccountNotFound | RouteNotFound
         | KeyNotFound => StatusCode::NOT_FOUND,
-        AdapterNameTaken | AdapterNotReady | BatchNotCancellable | IdempotencyKeyReused | AccountExists
-        | AccountBusy => StatusCode::CONFLICT,
+        AdapterNameTaken | AdapterNotReady | BatchNotCancellable | BatchNotEnded | IdempotencyKeyReused
+        | AccountExists | AccountBusy => StatusCode::CONFLICT,
         BodyTooLarge | AdapterTooLarge | FileTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         BodyTimeout => StatusCode::REQUEST_TIMEOUT,
         RealtimeLaneSaturated | QuotaQueuedRequests | QuotaRealtimeRate | QuotaFileBytes | QuotaAdapters => {
@@ -357,6 +357,7 @@ mod tests {
                 "adapter_name_taken",
                 "adapter_not_ready",
                 "batch_not_cancellable",
+                "batch_not_ended",
                 "idempotency_key_reused",
                 "account_exists",
                 "account_busy",

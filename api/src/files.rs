@@ -254,7 +254,13 @@ pub async fn create(
     Form(mut multipart): Form,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let _permit = state.upload_permit()?;
-    let (purpose, file) = upload_parts(&mut multipart).await?;
+    let Upload {
+        purpose,
+        file,
+        anchor,
+        seconds,
+    } = upload_parts(&mut multipart).await?;
+    let expires = expires_after(anchor.as_deref(), seconds.as_deref(), "expires_after")?;
     match purpose.as_deref() {
         Some("batch") => {}
         None => {
@@ -295,6 +301,7 @@ pub async fn create(
         bytes: size,
         lines: lines as i32,
         object_key: key.clone(),
+        expires_at: expires.map(|secs| chrono::Utc::now() + chrono::Duration::seconds(secs as i64)),
     };
     let limit = crate::quota::limits(&state, &account).file_bytes;
     let refusal = match state.store.insert_file(&new, limit).await {
@@ -307,38 +314,103 @@ pub async fn create(
     Err(refusal)
 }
 
-/// The `purpose` and `file` parts of an upload, each at most once, nothing else.
-async fn upload_parts(multipart: &mut Multipart) -> Result<(Option<String>, Option<(String, Bytes)>), ApiError> {
-    let mut purpose: Option<String> = None;
-    let mut file: Option<(String, Bytes)> = None;
+/// The parts of an upload: `purpose`, `file` and OpenAI's optional
+/// `expires_after[anchor]` / `expires_after[seconds]`, each at most once, nothing else.
+#[derive(Default)]
+struct Upload {
+    purpose: Option<String>,
+    file: Option<(String, Bytes)>,
+    anchor: Option<String>,
+    seconds: Option<String>,
+}
+
+async fn upload_parts(multipart: &mut Multipart) -> Result<Upload, ApiError> {
+    let mut upload = Upload::default();
     while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
         let name = field.name().unwrap_or_default().to_string();
-        match name.as_str() {
-            "purpose" if purpose.is_none() => {
+        let text_slot = match name.as_str() {
+            "purpose" => Some(&mut upload.purpose),
+            "expires_after[anchor]" => Some(&mut upload.anchor),
+            "expires_after[seconds]" => Some(&mut upload.seconds),
+            _ => None,
+        };
+        let duplicate = || {
+            ApiError::invalid(
+                ErrorCode::DuplicateField,
+                name.clone(),
+                format!("{name} is given more than once"),
+            )
+        };
+        match (name.as_str(), text_slot) {
+            (_, Some(slot)) => {
+                if slot.is_some() {
+                    return Err(duplicate());
+                }
                 let bytes = field.bytes().await.map_err(multipart_error)?;
-                purpose = Some(String::from_utf8_lossy(&bytes).into_owned());
+                *slot = Some(String::from_utf8_lossy(&bytes).into_owned());
             }
-            "file" if file.is_none() => {
+            ("file", None) if upload.file.is_none() => {
                 let filename = field.file_name().unwrap_or("upload.jsonl").to_string();
-                file = Some((filename, field.bytes().await.map_err(multipart_error)?));
+                upload.file = Some((filename, field.bytes().await.map_err(multipart_error)?));
             }
-            "purpose" | "file" => {
-                return Err(ApiError::invalid(
-                    ErrorCode::DuplicateField,
-                    name.clone(),
-                    format!("{name} is given more than once"),
-                ))
-            }
+            ("file", None) => return Err(duplicate()),
             _ => {
                 return Err(ApiError::invalid(
                     ErrorCode::UnknownField,
                     name.clone(),
-                    format!("unknown field {name:?}; the fields are purpose and file"),
+                    format!("unknown field {name:?}; the fields are purpose, file and expires_after"),
                 ))
             }
         }
     }
-    Ok((purpose, file))
+    Ok(upload)
+}
+
+/// The shortest and longest `expires_after.seconds` OpenAI takes (an hour, 30 days).
+pub const EXPIRES_AFTER: std::ops::RangeInclusive<u64> = 3600..=2_592_000;
+
+/// OpenAI's `expires_after`: the anchor (`created_at`, the only one) and the
+/// seconds after it, both given or neither; `param` names the object.
+pub fn expires_after(anchor: Option<&str>, seconds: Option<&str>, param: &str) -> Result<Option<u64>, ApiError> {
+    match (anchor, seconds) {
+        (None, None) => Ok(None),
+        (Some(anchor), Some(seconds)) => {
+            if anchor != "created_at" {
+                return Err(ApiError::invalid(
+                    ErrorCode::InvalidValue,
+                    format!("{param}.anchor"),
+                    format!("{param}.anchor must be created_at"),
+                ));
+            }
+            seconds
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|s| EXPIRES_AFTER.contains(s))
+                .map(Some)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        ErrorCode::OutOfRange,
+                        format!("{param}.seconds"),
+                        format!(
+                            "{param}.seconds must be a whole number from {} to {}",
+                            EXPIRES_AFTER.start(),
+                            EXPIRES_AFTER.end()
+                        ),
+                    )
+                })
+        }
+        (None, Some(_)) => Err(ApiError::invalid(
+            ErrorCode::MissingField,
+            format!("{param}.anchor"),
+            format!("{param}.anchor is required with {param}.seconds"),
+        )),
+        (Some(_), None) => Err(ApiError::invalid(
+            ErrorCode::MissingField,
+            format!("{param}.seconds"),
+            format!("{param}.seconds is required with {param}.anchor"),
+        )),
+    }
 }
 
 /// `GET /v1/files?purpose&limit&after`: newest first.

@@ -155,7 +155,7 @@ pub fn router(state: AppState) -> Router {
         .routes(routes!(files::show, files::delete))
         .routes(routes!(files::content))
         .routes(routes!(batches::create, batches::list))
-        .routes(routes!(batches::show))
+        .routes(routes!(batches::show, batches::delete))
         .routes(routes!(batches::cancel))
         .routes(routes!(batches::results));
     let api = if state.config.admin_token_digest.is_some() {

@@ -10,15 +10,33 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::Topology;
-use crate::ids::{BatchId, FileId};
+use crate::ids::{AccountId, BatchId, FileId};
 use crate::model::{Batch, BatchStatus, OpenAiBatch, RequestStatus};
 use crate::objects::{batch_key, ObjectStore};
 use crate::openai::{output_line, Endpoint};
-use crate::store::{Ending, NewFile, OutboxMessage, Store};
+use crate::store::{BatchDeletion, Ending, NewFile, OutboxMessage, Store};
 use crate::BatcherError;
 
 /// How long a presigned `output_url` in a webhook stays valid.
 pub const WEBHOOK_URL_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// How often the sweeper deletes expired files and batches past retention.
+pub const PURGE_EVERY: Duration = Duration::from_secs(10);
+
+/// Remove an ended batch's objects once its rows are gone: its output and
+/// error files and everything under its prefix.
+pub async fn remove_batch_objects(
+    objects: &ObjectStore,
+    account: &AccountId,
+    id: &BatchId,
+    keys: &[String],
+) -> Result<(), BatcherError> {
+    for key in keys {
+        objects.delete(key).await?;
+    }
+    objects.delete_prefix(&batch_key(account, id, "")).await?;
+    Ok(())
+}
 
 /// How batches are ended and reported.
 #[derive(Clone, Debug)]
@@ -27,6 +45,8 @@ pub struct FinaliserConfig {
     pub stale_after: Duration,
     /// Report a running batch's progress at most this often.
     pub progress_every: Duration,
+    /// Purge batches ended, and uploaded files made, this long ago (`None`: keep them).
+    pub retention: Option<Duration>,
 }
 
 /// Ends batches and reports their progress; cheap to clone.
@@ -156,9 +176,42 @@ impl Finaliser {
         Ok(ended)
     }
 
+    /// Delete expired files, and batches and uploads past the retention
+    /// period, rows first, then their objects; returns how many of each.
+    pub async fn purge(&self) -> Result<(usize, usize), BatcherError> {
+        let mut files = 0;
+        loop {
+            let expired = self.store.delete_expired_files(self.config.retention, 100).await?;
+            for (_, key) in &expired {
+                self.objects.delete(key).await?;
+            }
+            files += expired.len();
+            if expired.len() < 100 {
+                break;
+            }
+        }
+        let mut batches = 0;
+        if let Some(age) = self.config.retention {
+            loop {
+                let due = self.store.batches_ended_before(age, 100).await?;
+                for (account, id) in &due {
+                    if let BatchDeletion::Deleted { keys } = self.store.delete_batch(account, id).await? {
+                        remove_batch_objects(&self.objects, account, id, &keys).await?;
+                        batches += 1;
+                    }
+                }
+                if due.len() < 100 {
+                    break;
+                }
+            }
+        }
+        Ok((files, batches))
+    }
+
     /// Sweep every `interval` until `stop`.
     pub async fn run(&self, interval: Duration, stop: CancellationToken) {
         let mut pruned_at = tokio::time::Instant::now();
+        let mut purged_at: Option<tokio::time::Instant> = None;
         loop {
             if let Err(e) = self.sweep().await {
                 tracing::warn!(error = %e, "sweep failed");
@@ -166,6 +219,14 @@ impl Finaliser {
             if pruned_at.elapsed() > Duration::from_secs(3600) {
                 let _ = self.store.prune_outbox(Duration::from_secs(24 * 3600)).await;
                 pruned_at = tokio::time::Instant::now();
+            }
+            if purged_at.is_none_or(|at| at.elapsed() > PURGE_EVERY.max(interval)) {
+                match self.purge().await {
+                    Ok((0, 0)) => {}
+                    Ok((files, batches)) => tracing::info!(files, batches, "purged what expired"),
+                    Err(e) => tracing::warn!(error = %e, "purge failed"),
+                }
+                purged_at = Some(tokio::time::Instant::now());
             }
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -259,6 +320,9 @@ fn openai_files(
             bytes: bytes as i64,
             lines,
             object_key: key.into(),
+            expires_at: fields
+                .output_expires_after
+                .map(|secs| Utc::now() + chrono::Duration::seconds(secs.min(i64::MAX as u64) as i64)),
         };
         let id = file.id.to_string();
         files.push(file);

@@ -218,6 +218,10 @@ pub struct OpenAiBatch {
     /// The error file, once the batch has ended with any failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_file_id: Option<String>,
+    /// OpenAI's `output_expires_after.seconds`: the output and error files
+    /// expire this long after they are made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_expires_after: Option<u64>,
 }
 
 /// A batch's lifecycle timestamps, read from a row by their column names.

@@ -110,6 +110,7 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
         FinaliserConfig {
             stale_after: Duration::from_secs(60),
             progress_every: Duration::from_secs(3600),
+            retention: None,
         },
     );
     let engine = Arc::new(Scripted::default());

@@ -120,6 +120,8 @@ error_codes! {
     BatchNotFound = "batch_not_found",
     /// The batch has already ended.
     BatchNotCancellable = "batch_not_cancellable",
+    /// The batch has not ended, so it cannot be deleted.
+    BatchNotEnded = "batch_not_ended",
     /// A batch without requests.
     EmptyBatch = "empty_batch",
     /// More requests than a batch may hold.

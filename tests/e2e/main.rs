@@ -15,6 +15,7 @@ mod offline;
 mod openai;
 mod openapi;
 mod realtime;
+mod retention;
 mod sdk;
 mod webhooks;
 mod workers_ai;

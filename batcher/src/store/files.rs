@@ -32,6 +32,7 @@ impl FileRecord {
                 bytes: row.get("bytes"),
                 lines: row.get("lines"),
                 object_key: row.get("object_key"),
+                expires_at: row.get("expires_at"),
             },
             created_at: row.get("created_at"),
         }
@@ -49,6 +50,7 @@ impl FileRecord {
             "purpose": file.purpose,
             "status": "processed",
             "status_details": null,
+            "expires_at": file.expires_at.map(|t| t.timestamp()),
         })
     }
 }
@@ -70,14 +72,16 @@ pub struct NewFile {
     pub lines: i32,
     /// Where the bytes are.
     pub object_key: String,
+    /// When it is deleted, if it expires.
+    pub expires_at: Option<DateTime<Utc>>,
 }
 
-const FILE_COLUMNS: &str = "id, account_id, purpose, filename, bytes, lines, object_key, created_at";
+const FILE_COLUMNS: &str = "id, account_id, purpose, filename, bytes, lines, object_key, created_at, expires_at";
 
 pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFile) -> Result<()> {
     sqlx::query(
-        "INSERT INTO files (id, account_id, purpose, filename, bytes, lines, object_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO files (id, account_id, purpose, filename, bytes, lines, object_key, expires_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
     .bind(file.id.as_str())
     .bind(&file.account_id.0)
@@ -86,6 +90,7 @@ pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFi
     .bind(file.bytes)
     .bind(file.lines)
     .bind(&file.object_key)
+    .bind(file.expires_at)
     .execute(&mut **tx)
     .await?;
     Ok(())

@@ -7,6 +7,7 @@ mod adapters;
 mod batches;
 mod files;
 mod outbox;
+mod retention;
 mod usage;
 mod work;
 
@@ -22,6 +23,7 @@ pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
 pub use files::{FileRecord, NewFile};
 pub use outbox::{DueDelivery, OutboxMessage, OUTBOX_CHANNEL};
+pub use retention::BatchDeletion;
 pub use usage::{UsageGroup, UsageRow};
 pub use work::{Claimed, ClaimedInput, Ending, Outcome};
 
