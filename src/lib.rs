@@ -41,10 +41,16 @@ pub use settings::{Secret, Settings};
 /// Logs to stderr, filtered by `LORRY_LOG` (`tracing` syntax; `info` by default).
 pub fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // `LORRY_LOG_FORMAT=json`: one JSON object a line, for log collectors.
+    if std::env::var("LORRY_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
+        builder.json().with_current_span(true).init();
+    } else {
+        builder.init();
+    }
 }
 
 /// Which parts of Lorry a process runs.

@@ -239,7 +239,7 @@ pub struct WorkerSettings {
     pub retention_days: u64,
     /// Ready chunk messages the relay keeps in each model's batch queue; the
     /// rest wait in Postgres and go out taking turns by account.
-    #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 8)]
+    #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 4)]
     pub dispatch_depth: u32,
     /// Milliseconds between the relay's top-ups of batch queues while chunks are held.
     #[arg(long, env = "LORRY_DISPATCH_POLL_MS", default_value_t = 20)]

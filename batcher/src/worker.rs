@@ -353,8 +353,8 @@ impl Worker {
     }
 
     async fn handle(&self, delivery: Delivery, kind: Kind) {
-        let settled = match kind {
-            Kind::RealTime(replies) => self.handle_realtime(&delivery, &replies).await,
+        let settled = match &kind {
+            Kind::RealTime(replies) => self.handle_realtime(&delivery, replies).await,
             Kind::Batch | Kind::DeadLetter => self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter)).await,
         };
         let result = match settled {
@@ -372,6 +372,13 @@ impl Worker {
         if let Err(e) = result {
             // The channel is gone; the broker will deliver the message again.
             tracing::debug!(error = %e, "could not settle a delivery");
+        }
+        if matches!(kind, Kind::Batch) {
+            // A chunk is done: wake the relays, whose fair dispatch keeps the
+            // batch queue only a few chunks deep and tops it up now.
+            if let Err(e) = self.inner.store.notify_outbox().await {
+                tracing::debug!(error = %e, "could not wake the outbox relays");
+            }
         }
     }
 

@@ -90,7 +90,7 @@ async fn run_small(http: &reqwest::Client, args: &FairnessArgs, tag: &str) -> an
         match b["status"].as_str() {
             Some("completed") => return Ok(started.elapsed()),
             Some("failed" | "expired" | "cancelled") => bail!("B's batch ended {}", b["status"]),
-            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 }
@@ -98,8 +98,13 @@ async fn run_small(http: &reqwest::Client, args: &FairnessArgs, tag: &str) -> an
 /// Run the benchmark and print its table.
 pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
     let http = reqwest::Client::new();
-    eprintln!("idle: B's {} requests alone", args.small);
-    let idle = run_small(&http, args, "idle").await?;
+    eprintln!("idle: B's {} requests alone, three times", args.small);
+    let mut alone = Vec::new();
+    for run in 0..3 {
+        alone.push(run_small(&http, args, &format!("idle {run}")).await?);
+    }
+    alone.sort();
+    let idle = alone[1];
     eprintln!(
         "idle: {:.1} s; submitting A's {} requests",
         idle.as_secs_f64(),
@@ -128,9 +133,15 @@ pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
         args.small, args.new_tokens, args.model
     );
     println!("|---|---:|---:|");
-    println!("| alone | {:.1} | - |", idle.as_secs_f64());
     println!(
-        "| behind A's {} requests | {:.1} | {} of {} |",
+        "| alone (median of {:.2}, {:.2}, {:.2}) | {:.2} | - |",
+        alone[0].as_secs_f64(),
+        alone[1].as_secs_f64(),
+        alone[2].as_secs_f64(),
+        idle.as_secs_f64()
+    );
+    println!(
+        "| behind A's {} requests | {:.2} | {} of {} |",
         args.large,
         shared.as_secs_f64(),
         a_after - a_before,

@@ -652,3 +652,28 @@ async fn usage_counts_both_lanes_as_their_results_do_and_only_the_callers() {
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn logs_are_one_json_object_a_line_with_lorry_log_format_json() {
+    let app = spawn_app_with(Role::Api, |_| {}).await;
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
+        .arg("migrate")
+        .envs(app.child_env())
+        .env("LORRY_LOG_FORMAT", "json")
+        .env("LORRY_LOG", "info")
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    let lines: Vec<Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?} is not JSON: {e}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["message"] == "database ready" && l["level"] == "INFO"),
+        "{stderr}"
+    );
+    app.stop().await;
+}

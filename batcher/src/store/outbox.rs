@@ -134,6 +134,15 @@ impl Store {
         Ok(ids.len())
     }
 
+    /// Wake the outbox relays (`NOTIFY`).
+    pub async fn notify_outbox(&self) -> Result<()> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(OUTBOX_CHANNEL)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// The lanes (routing keys) holding chunks for fair dispatch.
     pub async fn held_lanes(&self) -> Result<Vec<String>> {
         Ok(sqlx::query_scalar(
