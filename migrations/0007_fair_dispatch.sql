@@ -12,3 +12,6 @@ CREATE TABLE dispatch_turns (
     turn        BIGINT NOT NULL,
     PRIMARY KEY (routing_key, account_id)
 );
+
+-- An account's own batches go out highest priority first (then oldest first).
+ALTER TABLE batches ADD COLUMN priority SMALLINT NOT NULL DEFAULT 0;

@@ -108,6 +108,7 @@ pub(crate) fn inline<'a>(catalog: &'a Catalog, mut f: Fields<'_>) -> Result<Read
         metadata: f.raw("metadata").cloned(),
         webhook_url: submit::webhook_url(&mut f)?,
         openai: None,
+        priority: submit::priority(&mut f)?,
     };
     f.optional::<String>("endpoint", "a string")?;
     f.deny_unknown()?;
@@ -143,6 +144,7 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
     let completion_window: Option<String> = f.optional("completion_window", "a string")?;
     let metadata = f.raw("metadata").cloned();
     let webhook_url = submit::webhook_url(&mut f)?;
+    let priority = submit::priority(&mut f)?;
     let output_expires_after = match f.raw("output_expires_after") {
         None => None,
         Some(raw) => {
@@ -171,6 +173,7 @@ async fn from_file<'a>(state: &'a AppState, account: &Authenticated, mut f: Fiel
             error_file_id: None,
             output_expires_after,
         }),
+        priority,
     };
     let spec = submit::model(&state.catalog, &first.model, "model")?;
     Ok(Read {

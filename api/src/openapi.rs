@@ -224,6 +224,20 @@ pub struct NativeBatch {
     /// Up to 16 keys of up to 64 characters, string values of up to 512.
     metadata: Option<BTreeMap<String, String>>,
     webhook: Option<Webhook>,
+    /// Among the account's own batches, higher goes out first (-10 to 10; 0).
+    #[schema(minimum = -10, maximum = 10)]
+    priority: Option<i16>,
+}
+
+/// OpenAI's `expires_after`.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpiresAfter {
+    /// `created_at`.
+    anchor: String,
+    /// 3,600 to 2,592,000.
+    #[schema(minimum = 3600, maximum = 2592000)]
+    seconds: u64,
 }
 
 /// A batch from an uploaded batch file (OpenAI's shape).
@@ -236,6 +250,12 @@ pub struct FileBatch {
     endpoint: String,
     completion_window: String,
     metadata: Option<BTreeMap<String, String>>,
+    webhook: Option<Webhook>,
+    /// Among the account's own batches, higher goes out first (-10 to 10; 0).
+    #[schema(minimum = -10, maximum = 10)]
+    priority: Option<i16>,
+    /// The lifetime of its output and error files.
+    output_expires_after: Option<ExpiresAfter>,
 }
 
 /// `POST /v1/batches`: the native shape or one made from a file.
@@ -289,6 +309,8 @@ pub struct Batch {
     errors_url: Option<String>,
     #[schema(value_type = Option<Object>)]
     metadata: Option<Value>,
+    /// Among the account's own batches, higher goes out first.
+    priority: i16,
     /// Batches from a file: the route every line targets.
     #[schema(nullable = false)]
     endpoint: Option<String>,
@@ -518,6 +540,14 @@ pub struct FileUpload {
     /// JSONL: `{"custom_id","method":"POST","url","body"}` a line.
     #[schema(value_type = String, format = Binary)]
     file: Vec<u8>,
+    /// `created_at`, with `expires_after[seconds]`.
+    #[serde(rename = "expires_after[anchor]")]
+    #[schema(rename = "expires_after[anchor]")]
+    expires_after_anchor: Option<String>,
+    /// 3,600 to 2,592,000: the file is deleted that long after it is made.
+    #[serde(rename = "expires_after[seconds]")]
+    #[schema(rename = "expires_after[seconds]")]
+    expires_after_seconds: Option<u64>,
 }
 
 /// An uploaded file.
@@ -530,6 +560,8 @@ pub struct FileObject {
     filename: String,
     purpose: String,
     status: String,
+    /// When it is deleted (`expires_after`), or null.
+    expires_at: Option<i64>,
 }
 
 /// A page of files.

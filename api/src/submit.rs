@@ -56,6 +56,36 @@ pub struct Options {
     pub webhook_url: Option<String>,
     /// OpenAI's fields, for a batch made from a file.
     pub openai: Option<OpenAiBatch>,
+    /// Among the account's own batches, higher goes out first.
+    pub priority: i16,
+}
+
+/// The lowest and highest batch `priority`.
+pub const PRIORITY: std::ops::RangeInclusive<i16> = -10..=10;
+
+/// The optional `priority`: an integer from -10 to 10, 0 by default.
+pub fn priority(fields: &mut Fields<'_>) -> Result<i16, ApiError> {
+    let Some(raw) = fields.raw("priority") else {
+        return Ok(0);
+    };
+    let out_of_range = || {
+        ApiError::invalid(
+            ErrorCode::OutOfRange,
+            "priority",
+            format!(
+                "priority must be an integer from {} to {}",
+                PRIORITY.start(),
+                PRIORITY.end()
+            ),
+        )
+    };
+    let n = raw
+        .as_i64()
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidType, "priority", "priority must be an integer"))?;
+    i16::try_from(n)
+        .ok()
+        .filter(|p| PRIORITY.contains(p))
+        .ok_or_else(out_of_range)
 }
 
 /// Look a model up, or refuse with 404 naming `param`.
@@ -125,6 +155,7 @@ pub fn validate(
         request_hash: hex::encode(Sha256::digest(raw)),
         openai: options.openai,
         requests,
+        priority: options.priority,
     })
 }
 

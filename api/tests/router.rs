@@ -270,6 +270,20 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
             "completion_window",
         ),
         (
+            "priority out of range",
+            json_body(with(batch(one.clone()), "priority", json!(11))),
+            StatusCode::BAD_REQUEST,
+            "out_of_range",
+            "priority",
+        ),
+        (
+            "priority not an integer",
+            json_body(with(batch(one.clone()), "priority", json!("high"))),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "priority",
+        ),
+        (
             "bad metadata",
             json_body(with(batch(one.clone()), "metadata", json!({"n": 1}))),
             StatusCode::BAD_REQUEST,

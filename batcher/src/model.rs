@@ -201,6 +201,8 @@ pub struct Batch {
     pub errors_key: Option<String>,
     /// Lifecycle timestamps.
     pub times: BatchTimes,
+    /// Among the account's own batches, higher goes out first.
+    pub priority: i16,
 }
 
 /// OpenAI's fields of a batch made from a batch file, stored with it.
@@ -267,6 +269,7 @@ impl Batch {
             "output_url": output_url,
             "errors_url": errors_url,
             "metadata": self.metadata.clone().unwrap_or(Value::Null),
+            "priority": self.priority,
         });
         // OpenAI's fields for a batch made from a file.
         if let (Some(openai), Some(map)) = (&self.openai, value.as_object_mut()) {

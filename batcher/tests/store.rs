@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, Outcome, Store};
+use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, OutboxMessage, Outcome, Store};
 use lorry_engine::{Task, ValidRequest};
 use serde_json::json;
 use sqlx::PgPool;
@@ -14,11 +14,8 @@ fn prompt(i: usize) -> ValidRequest {
     ValidRequest::parse(Task::Echo, &json!({"prompt": format!("p{i}"), "max_tokens": 3})).unwrap()
 }
 
-async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, BatchId) {
-    let store = Store::from_pool(pool);
-    store.ensure_account("acct", "token").await.unwrap();
-    let id = BatchId::generate();
-    let new = NewBatch {
+fn new_batch(id: &BatchId, n: usize, window: Duration, priority: i16) -> NewBatch {
+    NewBatch {
         id: id.clone(),
         account_id: AccountId("acct".into()),
         model: "@lorry/echo".into(),
@@ -30,15 +27,85 @@ async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, B
         webhook_url: None,
         idempotency_key: None,
         request_hash: "h".into(),
+        priority,
         requests: (0..n)
             .map(|i| NewRequest {
                 custom_id: None,
                 request: prompt(i),
             })
             .collect(),
+    }
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turns(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    store.ensure_account("acct", "token").await.unwrap();
+    store.ensure_account("other", "other-token").await.unwrap();
+    let held = |batch: &BatchId, account: &str, start: i32| OutboxMessage {
+        exchange: String::new(),
+        routing_key: "lane".into(),
+        payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
+        account_id: Some(AccountId(account.into())),
     };
+    // acct: a batch of priority 0, then one of priority 5; other: one batch, last.
+    let (low, high, theirs) = (BatchId::generate(), BatchId::generate(), BatchId::generate());
+    for (id, priority) in [(&low, 0), (&high, 5)] {
+        let outbox = (0..2).map(|i| held(id, "acct", i)).collect();
+        store
+            .create_batch(new_batch(id, 2, Duration::from_secs(3600), priority), outbox)
+            .await
+            .unwrap();
+    }
+    let mut other = new_batch(&theirs, 2, Duration::from_secs(3600), 0);
+    other.account_id = AccountId("other".into());
+    let outbox = (0..2).map(|i| held(&theirs, "other", i)).collect();
+    store.create_batch(other, outbox).await.unwrap();
+
+    let published = std::sync::Mutex::new(Vec::new());
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let sent = store
+            .dispatch_fair("lane", 1, |messages| async {
+                published.lock().unwrap().extend(messages);
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(sent, 1);
+        let message = published.lock().unwrap().pop().unwrap();
+        order.push((
+            message.payload["account_id"].as_str().unwrap().to_string(),
+            message.payload["batch_id"].as_str().unwrap().to_string(),
+        ));
+    }
+    let expect = |account: &str, id: &BatchId| (account.to_string(), id.to_string());
+    // Neither account has had a turn: by name, acct first; its priority-5
+    // batch before its older one; then the two accounts alternate.
+    assert_eq!(
+        order,
+        vec![
+            expect("acct", &high),
+            expect("other", &theirs),
+            expect("acct", &high),
+            expect("other", &theirs),
+            expect("acct", &low),
+            expect("acct", &low),
+        ]
+    );
+    assert_eq!(
+        store.held_lanes().await.unwrap(),
+        Vec::<String>::new(),
+        "nothing left held"
+    );
+}
+
+async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, BatchId) {
+    let store = Store::from_pool(pool);
+    store.ensure_account("acct", "token").await.unwrap();
+    let id = BatchId::generate();
     assert!(matches!(
-        store.create_batch(new, vec![]).await.unwrap(),
+        store.create_batch(new_batch(&id, n, window, 0), vec![]).await.unwrap(),
         Created::New(_)
     ));
     (store, id)

@@ -160,6 +160,7 @@ async fn batch_of(pool: PgPool, prompts: &[&str]) -> Setup {
         webhook_url: None,
         idempotency_key: None,
         request_hash: "h".into(),
+        priority: 0,
         requests,
     };
     assert!(matches!(

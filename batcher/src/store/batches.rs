@@ -45,6 +45,8 @@ pub struct NewBatch {
     pub request_hash: String,
     /// The requests, in index order.
     pub requests: Vec<NewRequest>,
+    /// Among the account's own batches, higher goes out first (-10 to 10; 0 by default).
+    pub priority: i16,
 }
 
 /// One validated request of a new batch.
@@ -85,7 +87,7 @@ pub struct Page {
 
 const BATCH_COLUMNS: &str = "id, account_id, model, shape, status, end_reason, total, completion_window, metadata,
     webhook_url, output_key, errors_key, created_at, in_progress_at, expires_at, finalizing_at, completed_at,
-    failed_at, expired_at, cancelling_at, cancelled_at, openai";
+    failed_at, expired_at, cancelling_at, cancelled_at, openai, priority";
 
 pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
     let status: String = row.try_get("status")?;
@@ -112,6 +114,7 @@ pub(super) fn batch_from_row(row: &PgRow) -> Result<Batch> {
         output_key: row.try_get("output_key")?,
         errors_key: row.try_get("errors_key")?,
         times: BatchTimes::from_row(row)?,
+        priority: row.try_get("priority")?,
     })
 }
 
@@ -173,9 +176,9 @@ impl Store {
         let window_secs = new.window.as_secs_f64();
         let inserted = sqlx::query(&format!(
             "INSERT INTO batches (id, account_id, model, shape, status, total, completion_window, metadata,
-                 webhook_url, idempotency_key, request_hash, in_progress_at, expires_at, openai)
+                 webhook_url, idempotency_key, request_hash, in_progress_at, expires_at, openai, priority)
              VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7, $8, $9, $10, now(),
-                 now() + make_interval(secs => $11), $12)
+                 now() + make_interval(secs => $11), $12, $13)
              ON CONFLICT (account_id, idempotency_key) DO NOTHING
              RETURNING {BATCH_COLUMNS}"
         ))
@@ -191,6 +194,7 @@ impl Store {
         .bind(&new.request_hash)
         .bind(window_secs)
         .bind(new.openai.as_ref().map(sqlx::types::Json))
+        .bind(new.priority)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = inserted else {

@@ -155,7 +155,8 @@ impl Store {
     /// Publish up to `room` of the chunks held for `lane`, taking turns by
     /// account: the account whose last turn is oldest (or that never had
     /// one) goes first, one chunk each in that order, round after round,
-    /// each account's chunks oldest first. Marks them sent after `publish`
+    /// each account's chunks by its batches' priority, highest first, then
+    /// oldest first. Marks them sent after `publish`
     /// confirms them, and records each account's turn. One relay dispatches
     /// a lane at a time (others find it locked and skip it); returns how
     /// many went out.
@@ -176,34 +177,38 @@ impl Store {
             return Ok(0);
         }
         let rows = sqlx::query(
-            "SELECT o.id, o.exchange, o.payload, o.account_id, t.turn
+            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, t.turn
              FROM (SELECT DISTINCT account_id FROM outbox
                    WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL) a
              LEFT JOIN dispatch_turns t ON t.routing_key = $1 AND t.account_id = a.account_id
              CROSS JOIN LATERAL (
-                 SELECT id, exchange, payload, account_id FROM outbox
-                 WHERE sent_at IS NULL AND routing_key = $1 AND account_id = a.account_id
-                 ORDER BY id LIMIT $2
+                 SELECT o.id, o.exchange, o.payload, o.account_id, coalesce(b.priority, 0::smallint) AS priority FROM outbox o
+                 LEFT JOIN batches b ON b.id = o.payload->>'batch_id'
+                 WHERE o.sent_at IS NULL AND o.routing_key = $1 AND o.account_id = a.account_id
+                 ORDER BY 5 DESC, o.id LIMIT $2
              ) o",
         )
         .bind(lane)
         .bind(room as i64)
         .fetch_all(&mut *tx)
         .await?;
-        let held: Vec<Held> = rows
+        let held = rows
             .iter()
-            .map(|r| Held {
-                id: r.get("id"),
-                account: r.get("account_id"),
-                turn: r.get("turn"),
-                message: OutboxMessage {
-                    exchange: r.get("exchange"),
-                    routing_key: lane.to_string(),
-                    payload: r.get("payload"),
-                    account_id: None,
-                },
+            .map(|r| {
+                Ok(Held {
+                    id: r.try_get("id")?,
+                    account: r.try_get("account_id")?,
+                    priority: r.try_get("priority")?,
+                    turn: r.try_get("turn")?,
+                    message: OutboxMessage {
+                        exchange: r.try_get("exchange")?,
+                        routing_key: lane.to_string(),
+                        payload: r.try_get("payload")?,
+                        account_id: None,
+                    },
+                })
             })
-            .collect();
+            .collect::<std::result::Result<Vec<Held>, sqlx::Error>>()?;
         let chosen = take_turns(held, room);
         if chosen.is_empty() {
             return Ok(0);
@@ -323,16 +328,25 @@ impl Store {
 struct Held {
     id: i64,
     account: String,
+    /// Its batch's priority.
+    priority: i16,
     /// The account's last turn on the lane (`None`: never).
     turn: Option<i64>,
     message: OutboxMessage,
 }
 
 /// Up to `room` of `held`, one an account a round: accounts in the order of
-/// their last turn (never first), each one's chunks oldest first.
+/// their last turn (never first), each one's chunks highest priority first,
+/// then oldest first.
 fn take_turns(mut held: Vec<Held>, room: usize) -> Vec<Held> {
     held.sort_by(|a, b| {
-        (a.turn.is_some(), a.turn, &a.account, a.id).cmp(&(b.turn.is_some(), b.turn, &b.account, b.id))
+        (a.turn.is_some(), a.turn, &a.account, -a.priority, a.id).cmp(&(
+            b.turn.is_some(),
+            b.turn,
+            &b.account,
+            -b.priority,
+            b.id,
+        ))
     });
     let mut queues: Vec<std::collections::VecDeque<Held>> = Vec::new();
     for h in held {
@@ -363,6 +377,7 @@ mod tests {
         Held {
             id,
             account: account.into(),
+            priority: 0,
             turn,
             message: OutboxMessage {
                 exchange: String::new(),
@@ -396,5 +411,10 @@ mod tests {
         let older = vec![held(1, "a", Some(7)), held(5, "c", Some(3))];
         assert_eq!(ids(&take_turns(older, 1)), expect(&[("c", 5)]));
         assert!(take_turns(Vec::new(), 3).is_empty());
+        // Within an account, its higher-priority batch's chunks go first.
+        let mut urgent = held(20, "a", Some(7));
+        urgent.priority = 5;
+        let rows = vec![held(1, "a", Some(7)), urgent, held(2, "a", Some(7))];
+        assert_eq!(ids(&take_turns(rows, 3)), expect(&[("a", 20), ("a", 1), ("a", 2)]));
     }
 }

@@ -67,7 +67,7 @@ pub struct Outcome {
 
 const BATCH_RETURNING: &str = "RETURNING id, account_id, model, shape, status, end_reason, total, completion_window,
     metadata, webhook_url, output_key, errors_key, created_at, in_progress_at, expires_at, finalizing_at,
-    completed_at, failed_at, expired_at, cancelling_at, cancelled_at, openai";
+    completed_at, failed_at, expired_at, cancelling_at, cancelled_at, openai, priority";
 
 /// How a batch ends, and what announces it.
 #[derive(Debug, Clone)]
