@@ -54,12 +54,7 @@ async fn state(pool: PgPool) -> AppState {
             },
             max_uploads: 2,
             admin_token_digest: None,
-            quotas: lorry_batcher::quota::Limits {
-                queued_requests: 0,
-                realtime_per_second: 0.0,
-                file_bytes: 0,
-                adapters: 0,
-            },
+            quotas: lorry_batcher::quota::Limits::NONE,
         }),
     )
 }

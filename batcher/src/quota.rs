@@ -15,6 +15,16 @@ pub struct Limits {
     pub adapters: u64,
 }
 
+impl Limits {
+    /// No limit at all.
+    pub const NONE: Limits = Limits {
+        queued_requests: 0,
+        realtime_per_second: 0.0,
+        file_bytes: 0,
+        adapters: 0,
+    };
+}
+
 /// An account's own limits; `None` takes the deployment's default, 0 is no limit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Quotas {

@@ -15,14 +15,7 @@ use crate::common::{spawn_app_with, TestApp, TOKEN};
 const ADMIN: &str = "operator-secret";
 
 async fn status_as(app: &TestApp, token: &str, path: &str) -> u16 {
-    app.http
-        .get(app.url(path))
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+    app.get_json_as(token, path).await.0
 }
 
 async fn admin(app: &TestApp, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
@@ -264,21 +257,9 @@ async fn the_admin_routes_serve_the_operator_alone_and_delete_an_account_once_it
     }
 
     // Beta's work: a file in S3 and a queued batch (no worker runs yet).
-    let form = reqwest::multipart::Form::new().text("purpose", "batch").part(
-        "file",
-        reqwest::multipart::Part::bytes(
-            b"{\"custom_id\":\"a\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{\"model\":\"@lorry/echo\",\"prompt\":\"x\"}}\n".to_vec(),
-        )
-        .file_name("in.jsonl"),
-    );
-    let upload = app
-        .http
-        .post(app.url("/v1/files"))
-        .bearer_auth(&key)
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
+    let line = json!({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                      "body": {"model": "@lorry/echo", "prompt": "x"}});
+    let upload = app.upload_file(&key, &[], format!("{line}\n").into_bytes()).await;
     assert_eq!(upload.status(), 200, "{}", upload.text().await.unwrap());
     let queued = submit_as(&app, &key, 5).await;
     let queued_id = queued["id"].as_str().unwrap().to_string();
@@ -346,16 +327,7 @@ async fn the_admin_routes_serve_the_operator_alone_and_delete_an_account_once_it
     let (status, again) = admin(&app, Method::POST, "/admin/v1/accounts", Some(json!({"name": "beta"}))).await;
     assert_eq!(status, 201);
     let fresh = again["key"]["value"].as_str().unwrap();
-    let listing: Value = app
-        .http
-        .get(app.url("/v1/batches"))
-        .bearer_auth(fresh)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, listing) = app.get_json_as(fresh, "/v1/batches").await;
     assert_eq!(listing["data"], json!([]));
     app.stop().await;
 }
@@ -498,19 +470,10 @@ async fn each_quota_is_refused_with_its_code_and_retry_after_and_nothing_half_wr
                       "body": {"model": "@lorry/echo", "prompt": "y".repeat(100)}});
     let file = format!("{line}\n").into_bytes();
     assert!(file.len() > 150 && file.len() <= 300, "{}", file.len());
-    let upload = |bytes: Vec<u8>| {
-        let form = reqwest::multipart::Form::new()
-            .text("purpose", "batch")
-            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("in.jsonl"));
-        app.http
-            .post(app.url("/v1/files"))
-            .bearer_auth(TOKEN)
-            .multipart(form)
-            .send()
-    };
-    assert_eq!(upload(file.clone()).await.unwrap().status(), 200);
+    let upload = |bytes: Vec<u8>| app.upload_file(TOKEN, &[], bytes);
+    assert_eq!(upload(file.clone()).await.status(), 200);
     let objects = app.bucket_keys().await.len();
-    let response = upload(file.clone()).await.unwrap();
+    let response = upload(file.clone()).await;
     assert_eq!(refused(&response), (429, true));
     let error: Value = response.json().await.unwrap();
     assert_eq!(code(&error).0, "quota_file_bytes", "{error}");
@@ -573,17 +536,7 @@ async fn usage_counts_both_lanes_as_their_results_do_and_only_the_callers() {
     // The worker counts a real-time request once its answer is out.
     let usage = |query: &'static str, token: String| {
         let app = &app;
-        async move {
-            let response = app
-                .http
-                .get(app.url(&format!("/v1/usage{query}")))
-                .bearer_auth(token)
-                .send()
-                .await
-                .unwrap();
-            let status = response.status().as_u16();
-            (status, response.json::<Value>().await.unwrap())
-        }
+        async move { app.get_json_as(&token, &format!("/v1/usage{query}")).await }
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let totals = loop {

@@ -205,6 +205,29 @@ impl TestApp {
         text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
     }
 
+    /// `GET path` with another account's token: the status and the JSON answer (`null` if none).
+    pub async fn get_json_as(&self, token: &str, path: &str) -> (u16, Value) {
+        let response = self.http.get(self.url(path)).bearer_auth(token).send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `POST /v1/files` with `purpose=batch`, these extra form fields and `body` as the file.
+    pub async fn upload_file(&self, token: &str, fields: &[(&str, &str)], body: Vec<u8>) -> reqwest::Response {
+        let mut form = reqwest::multipart::Form::new().text("purpose", "batch");
+        for (name, value) in fields {
+            form = form.text(name.to_string(), value.to_string());
+        }
+        form = form.part("file", reqwest::multipart::Part::bytes(body).file_name("in.jsonl"));
+        self.http
+            .post(self.url("/v1/files"))
+            .bearer_auth(token)
+            .multipart(form)
+            .send()
+            .await
+            .unwrap()
+    }
+
     /// Every object key in the deployment's bucket.
     pub async fn bucket_keys(&self) -> Vec<String> {
         let services = &self.settings.services;

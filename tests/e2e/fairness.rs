@@ -42,16 +42,7 @@ async fn a_small_batch_behind_another_accounts_large_one_finishes_while_the_larg
 
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
-        let small: Value = app
-            .http
-            .get(app.url(&format!("/v1/batches/{small_id}")))
-            .bearer_auth(&key.value)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, small) = app.get_json_as(&key.value, &format!("/v1/batches/{small_id}")).await;
         if small["status"] == "completed" {
             break;
         }

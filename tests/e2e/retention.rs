@@ -10,20 +10,8 @@ use serde_json::{json, Value};
 
 use crate::common::{spawn_app_with, TestApp, TOKEN};
 
-async fn upload(app: &TestApp, fields: &[(&'static str, &'static str)], body: Vec<u8>) -> (u16, Value) {
-    let mut form = reqwest::multipart::Form::new().text("purpose", "batch");
-    for (name, value) in fields {
-        form = form.text(*name, *value);
-    }
-    form = form.part("file", reqwest::multipart::Part::bytes(body).file_name("in.jsonl"));
-    let response = app
-        .http
-        .post(app.url("/v1/files"))
-        .bearer_auth(TOKEN)
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
+async fn upload(app: &TestApp, fields: &[(&str, &str)], body: Vec<u8>) -> (u16, Value) {
+    let response = app.upload_file(TOKEN, fields, body).await;
     let status = response.status().as_u16();
     (status, response.json().await.unwrap())
 }
