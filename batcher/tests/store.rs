@@ -100,6 +100,32 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
     );
 }
 
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_cancelled_batchs_chunks_still_held_are_dropped(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    store.ensure_account("acct", "token").await.unwrap();
+    let id = BatchId::generate();
+    let outbox = (0..3)
+        .map(|i| OutboxMessage {
+            exchange: String::new(),
+            routing_key: "lane".into(),
+            payload: json!({"batch_id": id, "account_id": "acct", "model": "@lorry/echo", "start": i, "end": i + 1}),
+            account_id: Some(AccountId("acct".into())),
+        })
+        .collect();
+    store
+        .create_batch(new_batch(&id, 3, Duration::from_secs(3600), 0), outbox)
+        .await
+        .unwrap();
+    assert_eq!(store.held_lanes().await.unwrap(), vec!["lane".to_string()]);
+    store
+        .cancel_batch(&AccountId("acct".into()), &id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.held_lanes().await.unwrap().is_empty(), "nothing left to dispatch");
+}
+
 async fn store_with_batch(pool: PgPool, n: usize, window: Duration) -> (Store, BatchId) {
     let store = Store::from_pool(pool);
     store.ensure_account("acct", "token").await.unwrap();

@@ -342,6 +342,8 @@ impl Store {
     }
 }
 
+/// End a batch's requests that have not started with `status`, and drop its
+/// chunks not yet dispatched.
 pub(super) async fn end_unstarted(
     tx: &mut Transaction<'_, Postgres>,
     id: &BatchId,
@@ -356,6 +358,11 @@ pub(super) async fn end_unstarted(
     .bind(error)
     .execute(&mut **tx)
     .await?;
+    // Its chunks still held for fair dispatch have nothing left to serve.
+    sqlx::query("DELETE FROM outbox WHERE sent_at IS NULL AND account_id IS NOT NULL AND payload->>'batch_id' = $1")
+        .bind(id.as_str())
+        .execute(&mut **tx)
+        .await?;
     Ok(done.rows_affected())
 }
 
