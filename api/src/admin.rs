@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::Json;
 use lorry_batcher::admin::{self, Deletion};
 use lorry_batcher::ids::{AccountId, KeyId};
@@ -32,13 +32,7 @@ impl FromRequestParts<AppState> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let given = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty());
+        let given = crate::extract::bearer(parts);
         let expected = state.config.admin_token_digest;
         match (given, expected) {
             (Some(token), Some(expected)) if constant_time_eq(&digest(token), &expected) => Ok(Admin),

@@ -13,19 +13,23 @@ use crate::{ApiError, AppState};
 /// The account behind the request's bearer token.
 pub struct Authenticated(pub Account);
 
+/// The token of an `Authorization: Bearer <token>` header, if there is one.
+pub fn bearer(parts: &Parts) -> Option<&str> {
+    parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
 impl FromRequestParts<AppState> for Authenticated {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let unauthorized = |message: &str| ApiError::new(ErrorCode::InvalidToken, message);
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| unauthorized("an Authorization: Bearer <token> header is required"))?;
+        let token = bearer(parts).ok_or_else(|| unauthorized("an Authorization: Bearer <token> header is required"))?;
         let started = std::time::Instant::now();
         let account = state.store.account_by_token(token).await?;
         tracing::trace!(ms = started.elapsed().as_secs_f64() * 1e3, "token looked up");

@@ -10,7 +10,7 @@ use lorry::Role;
 use lorry_batcher::ids::AccountId;
 use serde_json::{json, Value};
 
-use crate::common::{spawn_app_with, TestApp, TOKEN};
+use crate::common::{eventually, spawn_app_with, TestApp, TOKEN};
 
 const ADMIN: &str = "operator-secret";
 
@@ -290,16 +290,15 @@ async fn the_admin_routes_serve_the_operator_alone_and_delete_an_account_once_it
         .wait_until_ended(ours["id"].as_str().unwrap(), Duration::from_secs(120))
         .await;
     assert_eq!(done["status"], "completed");
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let deleted = loop {
+    let deleted = eventually(Duration::from_secs(120), || async {
         let (status, body) = admin(&app, Method::DELETE, "/admin/v1/accounts/beta", None).await;
         if status == 200 {
-            break body;
+            return Ok(body);
         }
         assert_eq!(code(&body).0, "account_busy", "{body}");
-        assert!(std::time::Instant::now() < deadline, "beta's batch never ended");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        Err("beta's batch never ended".to_string())
+    })
+    .await;
     assert_eq!(deleted, json!({"id": "beta", "object": "account", "deleted": true}));
     worker.kill().unwrap();
     worker.wait().unwrap();
@@ -538,8 +537,7 @@ async fn usage_counts_both_lanes_as_their_results_do_and_only_the_callers() {
         let app = &app;
         async move { app.get_json_as(&token, &format!("/v1/usage{query}")).await }
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let totals = loop {
+    let totals = eventually(Duration::from_secs(30), || async {
         let (status, body) = usage("?group_by=model", TOKEN.to_string()).await;
         assert_eq!(status, 200, "{body}");
         let rt = body["data"]
@@ -549,11 +547,12 @@ async fn usage_counts_both_lanes_as_their_results_do_and_only_the_callers() {
             .find(|r| r["lane"] == "realtime")
             .cloned();
         if rt.as_ref().is_some_and(|r| r["requests"] == 3) {
-            break body;
+            Ok(body)
+        } else {
+            Err(format!("{body}"))
         }
-        assert!(std::time::Instant::now() < deadline, "{body}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     let rows = totals["data"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{totals}");
     let batch_row = rows.iter().find(|r| r["lane"] == "batch").unwrap();

@@ -72,6 +72,24 @@ pub fn listed_model(models: &Value, id: &str) -> Value {
         .unwrap_or_else(|| panic!("{id} missing from {models}"))
 }
 
+/// Try `attempt` until it gives `Ok`, every 50 ms; panic with its last
+/// `Err` once `limit` has passed. The tests' one way of waiting for a
+/// condition that comes true in the background.
+pub async fn eventually<T, F, Fut>(limit: Duration, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let started = Instant::now();
+    loop {
+        match attempt().await {
+            Ok(done) => return done,
+            Err(why) => assert!(started.elapsed() < limit, "{why}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A running Lorry.
 pub struct TestApp {
     pub address: String,
@@ -164,18 +182,15 @@ impl TestApp {
 
     /// Poll a batch until `done` holds for it, or panic after `limit`.
     pub async fn wait_for(&self, id: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
-        let started = Instant::now();
-        loop {
+        eventually(limit, || async {
             let batch = self.get_json(&format!("/v1/batches/{id}")).await;
             if done(&batch) {
-                return batch;
+                Ok(batch)
+            } else {
+                Err(format!("batch never reached the state awaited: {batch:#}"))
             }
-            assert!(
-                started.elapsed() < limit,
-                "batch never reached the state awaited: {batch:#}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     /// Submit a native batch (`202` expected) and wait until it has ended; the ended batch.
