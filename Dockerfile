@@ -12,10 +12,11 @@ COPY scripts/fetch-models /usr/local/bin/fetch-models
 RUN mkdir -p /models && (fetch-models /models || echo "serving the demo models instead")
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/lorry /usr/local/bin/lorry
 COPY --from=models /models /var/lib/lorry/models
 ENV LORRY_DATA_DIR=/var/lib/lorry
-EXPOSE 8080
+# 8080: the API; 9091: a worker's /healthz, /readyz and /metrics (LORRY_WORKER_LISTEN).
+EXPOSE 8080 9091
 ENTRYPOINT ["lorry"]

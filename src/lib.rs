@@ -6,6 +6,7 @@
 //! [`Application::run_until_stopped`] serves until SIGTERM, Ctrl-C or
 //! [`Application::stopper`] says stop, then drains.
 
+pub mod observe;
 pub mod offline;
 pub mod operator;
 pub mod settings;
@@ -36,6 +37,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::observe::Observed;
 pub use settings::{Secret, Settings};
 
 /// Logs to stderr, filtered by `LORRY_LOG` (`tracing` syntax; `info` by default).
@@ -78,6 +80,7 @@ impl Role {
 pub struct Application {
     listener: Option<(TcpListener, axum::Router, ServeLimits)>,
     port: Option<u16>,
+    worker_port: Option<u16>,
     tasks: JoinSet<()>,
     stop: CancellationToken,
     text_engines: Vec<TextEngine>,
@@ -119,26 +122,51 @@ impl Application {
         let mut tasks = JoinSet::new();
         tasks.spawn(relay::run(store.clone(), settings.relay(catalog.names()), stop.clone()));
         let mut text_engines = Vec::new();
-        if role.has_worker() {
+        let mut worker_port = None;
+        let observed = role.has_worker().then(|| Observed::new(store.clone()));
+        if let Some(observed) = &observed {
+            // Bound before the models load: meanwhile `/readyz` says so.
+            if let Some(address) = &settings.worker.worker_listen {
+                let listener = TcpListener::bind(address)
+                    .await
+                    .with_context(|| format!("binding the worker's listener on {address}"))?;
+                worker_port = Some(listener.local_addr()?.port());
+                tracing::info!("the worker's /healthz, /readyz and /metrics listen on {address}");
+                let limits = settings.serve_limits(open_files_limit());
+                let router = observed.clone().router();
+                let stopped = stop.clone();
+                tasks.spawn(async move {
+                    let served = serve(listener, router, limits, async move { stopped.cancelled().await }).await;
+                    if let Err(error) = served {
+                        tracing::error!(%error, "the worker's listener stopped");
+                    }
+                });
+            }
             let adapters = Adapters::new(
                 Arc::new(AdapterTiers::new(objects.clone(), settings.adapter_tiers())),
                 settings.adapter_residency(),
             );
             let backends;
             (backends, text_engines) = start_backends(&settings, &sources, &adapters).await?;
-            spawn_worker(
+            let worker = spawn_worker(
                 &settings, &store, &objects, &topology, &catalog, backends, &stop, &mut tasks,
             );
+            observed.started(worker, text_engines.clone(), adapters);
         }
         let mut app = Application {
             listener: None,
             port: None,
+            worker_port,
             tasks,
             stop,
             text_engines,
         };
         if role.has_api() {
-            let state = api_state(&settings, store, objects, topology, catalog);
+            let mut state = api_state(&settings, store, objects, topology, catalog);
+            if let Some(observed) = observed {
+                // One process, one `/metrics`: the worker's families follow the API's.
+                state = state.with_more_metrics(Arc::new(move |text| observed.render(text)));
+            }
             let listener = TcpListener::bind(&settings.api.listen)
                 .await
                 .with_context(|| format!("binding {}", settings.api.listen))?;
@@ -163,6 +191,11 @@ impl Application {
     /// The port the API listens on, if this process serves it.
     pub fn port(&self) -> Option<u16> {
         self.port
+    }
+
+    /// The port of the worker's own listener, if it has one (`LORRY_WORKER_LISTEN`).
+    pub fn worker_port(&self) -> Option<u16> {
+        self.worker_port
     }
 
     /// A token that stops the process when cancelled.
@@ -284,7 +317,7 @@ fn spawn_worker(
     backends: Vec<Arc<dyn Backend>>,
     stop: &CancellationToken,
     tasks: &mut JoinSet<()>,
-) {
+) -> Worker {
     let finaliser = Finaliser::new(store.clone(), objects.clone(), topology.clone(), settings.finaliser());
     let worker = Worker::new(
         store.clone(),
@@ -293,11 +326,12 @@ fn spawn_worker(
         backends,
         settings.worker_config(),
     );
-    let webhooks = WebhookSender::new(store.clone(), settings.webhook_config());
+    let webhooks = WebhookSender::new(store.clone(), settings.webhook_config()).counting_into(worker.metrics());
     let webhook_poll = Duration::from_millis(settings.webhooks.poll_ms);
     let sweep = Duration::from_millis(settings.worker.sweep_interval_ms);
     tasks.spawn({
         let stop = stop.clone();
+        let worker = worker.clone();
         async move { worker.run(stop).await }
     });
     tasks.spawn({
@@ -308,6 +342,7 @@ fn spawn_worker(
         let stop = stop.clone();
         async move { webhooks.run(webhook_poll, stop).await }
     });
+    worker
 }
 
 async fn shutdown_signal() {

@@ -256,6 +256,10 @@ pub struct WorkerSettings {
     /// or `deployment` (every account shares: only where all are trusted).
     #[arg(long, env = "LORRY_PREFIX_CACHE_SCOPE", default_value = "account", value_parser = ["account", "deployment"])]
     pub prefix_cache_scope: String,
+    /// Where a worker serves `/healthz`, `/readyz` and `/metrics` (for
+    /// example `0.0.0.0:9090`); unset, it serves none.
+    #[arg(long, env = "LORRY_WORKER_LISTEN")]
+    pub worker_listen: Option<String>,
 }
 
 /// Completion webhooks.

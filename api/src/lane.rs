@@ -12,6 +12,7 @@ use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, ValidRequest};
 use tokio::sync::mpsc;
 
+use crate::metrics::RealtimeTally;
 use crate::{adapters, ApiError, AppState};
 
 /// How often a stream with nothing to say sends an SSE comment: the write
@@ -26,6 +27,7 @@ pub struct Call {
     replies: mpsc::Receiver<Reply>,
     guard: Pending,
     timeout: Duration,
+    tally: RealtimeTally,
 }
 
 /// Resolve the adapter `valid` names, and publish it for `model`.
@@ -49,6 +51,7 @@ pub async fn start(state: &AppState, account: &Account, model: &str, valid: Vali
     let timeout = state.config.realtime_timeout;
     let resolved_in = started.elapsed();
     let (correlation, replies) = state.realtime.submit(&request, timeout).await?;
+    let tally = RealtimeTally::start(&state.metrics, model);
     tracing::trace!(
         %correlation,
         resolve_ms = resolved_in.as_secs_f64() * 1e3,
@@ -64,6 +67,7 @@ pub async fn start(state: &AppState, account: &Account, model: &str, valid: Vali
             open: true,
         },
         timeout,
+        tally,
     })
 }
 
@@ -72,6 +76,7 @@ impl Call {
     pub async fn output(mut self) -> Result<Output, ApiError> {
         let answer = tokio::time::timeout(self.timeout, async {
             while let Some(reply) = self.replies.recv().await {
+                self.tally.reply(&reply);
                 match reply {
                     Reply::Token { .. } => {}
                     Reply::Done { output } => return Ok(output),
@@ -87,7 +92,10 @@ impl Call {
         .await;
         match answer {
             // Nobody waits any more: stop the worker too.
-            Err(_) => Err(BatcherError::Timeout(self.timeout).into()),
+            Err(_) => {
+                self.tally.timed_out();
+                Err(BatcherError::Timeout(self.timeout).into())
+            }
             Ok(result) => {
                 self.guard.open = false;
                 self.guard.client.forget(&self.guard.correlation);
@@ -103,6 +111,9 @@ impl Call {
             return None;
         }
         let reply = self.replies.recv().await;
+        if let Some(reply) = &reply {
+            self.tally.reply(reply);
+        }
         // After the last reply nothing is owed; replies that stop without
         // one (the caller was cut off for falling behind) leave the call
         // open, so that dropping it cancels the request.

@@ -17,6 +17,7 @@ pub mod fuzzing;
 pub mod guard;
 mod health;
 mod lane;
+pub mod metrics;
 pub mod openai;
 mod openapi;
 pub mod quota;
@@ -93,6 +94,10 @@ pub struct AppState {
     uploads: Arc<tokio::sync::Semaphore>,
     /// Each account's real-time token bucket, in this process.
     pub(crate) realtime_rate: Arc<quota::RealtimeRate>,
+    /// What this process counts.
+    pub metrics: Arc<metrics::ApiMetrics>,
+    /// More families for `/metrics` (a worker's, in the same process).
+    pub(crate) more_metrics: Option<metrics::MoreMetrics>,
 }
 
 impl AppState {
@@ -113,6 +118,16 @@ impl AppState {
             config,
             uploads,
             realtime_rate: Arc::default(),
+            metrics: Arc::default(),
+            more_metrics: None,
+        }
+    }
+
+    /// The same state, whose `/metrics` also writes what `more` writes.
+    pub fn with_more_metrics(self, more: metrics::MoreMetrics) -> Self {
+        AppState {
+            more_metrics: Some(more),
+            ..self
         }
     }
 
@@ -138,6 +153,7 @@ pub fn router(state: AppState) -> Router {
     let api = OpenApiRouter::with_openapi(openapi::Base::openapi())
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz))
+        .routes(routes!(metrics::metrics))
         .routes(routes!(account::show))
         .routes(routes!(account::rotate))
         .routes(routes!(account::usage))
@@ -197,5 +213,9 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(axum::middleware::from_fn(guard::uri))
         .layer(axum::middleware::from_fn(error::cloudflare_envelope))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state.metrics),
+            metrics::track,
+        ))
         .with_state(state)
 }

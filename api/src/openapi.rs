@@ -835,7 +835,7 @@ pub struct Ready {
 pub struct Base;
 
 /// Routes that need no token.
-const OPEN: [&str; 3] = ["/healthz", "/readyz", "/openapi.json"];
+const OPEN: [&str; 4] = ["/healthz", "/readyz", "/metrics", "/openapi.json"];
 
 /// Finishes the document the router collected: the bearer scheme on every
 /// route that needs a token, and every error status each can answer, in the

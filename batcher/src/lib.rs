@@ -11,6 +11,7 @@
 //! - [`webhooks`]: signed, retried completion webhooks (Standard Webhooks).
 //! - [`openai`]: OpenAI's answer objects and batch output lines, built from results.
 //! - [`realtime`]: the API side of the real-time lane (publish, await the reply).
+//! - [`metrics`]: what a worker exposes at `/metrics`.
 #![forbid(unsafe_code)]
 
 pub mod adapters;
@@ -19,6 +20,7 @@ pub mod broker;
 pub mod error;
 pub mod finaliser;
 pub mod ids;
+pub mod metrics;
 pub mod model;
 pub mod objects;
 pub mod openai;

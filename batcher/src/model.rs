@@ -32,6 +32,18 @@ pub enum BatchStatus {
 }
 
 impl BatchStatus {
+    /// Every status, in lifecycle order.
+    pub const ALL: [BatchStatus; 8] = [
+        BatchStatus::Validating,
+        BatchStatus::Failed,
+        BatchStatus::InProgress,
+        BatchStatus::Finalizing,
+        BatchStatus::Completed,
+        BatchStatus::Expired,
+        BatchStatus::Cancelling,
+        BatchStatus::Cancelled,
+    ];
+
     /// The database and wire spelling.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -122,10 +122,10 @@ pub async fn forward(
     mut events: EventStream,
     reply: &ReplyTo<'_>,
     cancel: &CancellationToken,
-) -> Result<Option<lorry_engine::Usage>, BatcherError> {
+) -> Result<Forwarded, BatcherError> {
     let mut pending = std::collections::VecDeque::new();
     let mut first = true;
-    let mut served = None;
+    let mut served = Forwarded::Failed;
     loop {
         let event = tokio::select! {
             _ = cancel.cancelled() => return cancelled(reply),
@@ -135,7 +135,7 @@ pub async fn forward(
         let message = match event {
             Event::Token(text) => Reply::Token { text },
             Event::Finished(output) => {
-                served = Some(output.usage);
+                served = Forwarded::Served(output.usage);
                 Reply::Done { output }
             }
             Event::Failed(e) => Reply::engine_error(&e),
@@ -165,16 +165,27 @@ pub async fn forward(
     reply
         .send(&Reply::error(ErrorCode::EngineStopped, "the engine stopped"))
         .await
-        .map(|()| None)
+        .map(|()| Forwarded::Failed)
+}
+
+/// How a real-time request [`forward`]ed ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    /// Its answer went out; what it used.
+    Served(lorry_engine::Usage),
+    /// Its error went out.
+    Failed,
+    /// Its client hung up first.
+    Cancelled,
 }
 
 /// What [`forward`] returns once its client has hung up: nothing more to send, nothing served.
-fn cancelled(reply: &ReplyTo<'_>) -> Result<Option<lorry_engine::Usage>, BatcherError> {
+fn cancelled(reply: &ReplyTo<'_>) -> Result<Forwarded, BatcherError> {
     tracing::debug!(
         correlation = reply.correlation,
         "real-time request cancelled by its client"
     );
-    Ok(None)
+    Ok(Forwarded::Cancelled)
 }
 
 /// How many cancelled requests a worker remembers, for cancellations that
@@ -332,6 +343,36 @@ impl RealtimeClient {
     /// Whether the broker is reachable.
     pub async fn ping(&self) -> Result<(), BatcherError> {
         self.link().await.map(|_| ())
+    }
+
+    /// Requests waiting in each model's real-time queue (a queue no worker has
+    /// declared yet counts none). Asked on a channel of its own: a passive
+    /// declare of a missing queue closes the channel it was asked on.
+    pub async fn lane_depths(&self) -> Result<Vec<(String, u32)>, BatcherError> {
+        let link = self.link().await?;
+        let mut channel = link.connection.create_channel().await?;
+        let mut depths = Vec::with_capacity(self.models.len());
+        for model in &self.models {
+            let declared = channel
+                .queue_declare(
+                    &self.topology.rt_queue(model),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match declared {
+                Ok(queue) => depths.push((model.clone(), queue.message_count())),
+                Err(_) => {
+                    depths.push((model.clone(), 0));
+                    channel = link.connection.create_channel().await?;
+                }
+            }
+        }
+        let _ = channel.close(200, "depths read").await;
+        Ok(depths)
     }
 
     /// Publish a request; its replies arrive on the returned channel. The message

@@ -15,6 +15,7 @@ use sha2::Sha256;
 use tokio_util::sync::CancellationToken;
 use url::{Host, Url};
 
+use crate::metrics::WorkerMetrics;
 use crate::store::{DueDelivery, Store};
 use crate::BatcherError;
 
@@ -227,6 +228,7 @@ pub struct WebhookSender {
     store: Store,
     http: reqwest::Client,
     config: WebhookConfig,
+    metrics: Arc<WorkerMetrics>,
 }
 
 #[derive(Debug)]
@@ -243,7 +245,17 @@ impl WebhookSender {
     /// A sender with its own HTTP client.
     pub fn new(store: Store, config: WebhookConfig) -> Self {
         let http = client(&config);
-        WebhookSender { store, http, config }
+        WebhookSender {
+            store,
+            http,
+            config,
+            metrics: Arc::default(),
+        }
+    }
+
+    /// The same sender, counting its attempts into `metrics`.
+    pub fn counting_into(self, metrics: Arc<WorkerMetrics>) -> Self {
+        WebhookSender { metrics, ..self }
     }
 
     /// The delay before retry number `attempt` (1-based), or `None` once attempts are spent.
@@ -271,6 +283,7 @@ impl WebhookSender {
             let made = delivery.attempts as u32 + 1;
             match result {
                 Attempt::Delivered(code) => {
+                    self.metrics.webhook_attempts.with(["delivered"]).inc();
                     self.store
                         .record_attempt(delivery, Some(code), None, true, None)
                         .await?
@@ -282,6 +295,8 @@ impl WebhookSender {
                 } => {
                     let retry = if permanent { None } else { self.retry_delay(made) };
                     let retry_at = retry.map(|d| chrono::Utc::now() + d);
+                    let outcome = if retry.is_some() { "retrying" } else { "failed" };
+                    self.metrics.webhook_attempts.with([outcome]).inc();
                     tracing::info!(id = %delivery.id, attempt = made, error, "webhook attempt failed");
                     self.store
                         .record_attempt(delivery, status, Some(&error), false, retry_at)

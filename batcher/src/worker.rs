@@ -26,9 +26,10 @@ use crate::adapters;
 use crate::broker::{self, Publisher, Topology};
 use crate::finaliser::Finaliser;
 use crate::ids::AccountId;
+use crate::metrics::WorkerMetrics;
 use crate::model::{Chunk, RequestError};
-use crate::realtime::{self, Cancels, Reply, RtRequest};
-use crate::store::{AdapterRecord, Claimed, ClaimedInput, Outcome, Store};
+use crate::realtime::{self, Cancels, Forwarded, Reply, RtRequest};
+use crate::store::{AdapterRecord, Claimed, ClaimedInput, Committed, Outcome, Store};
 use crate::BatcherError;
 
 /// How long a stopping worker waits for the work it holds.
@@ -85,6 +86,9 @@ struct Inner {
     backends: HashMap<String, Arc<dyn Backend>>,
     config: WorkerConfig,
     cancels: Cancels,
+    metrics: Arc<WorkerMetrics>,
+    /// Whether a broker session is consuming every queue now.
+    consuming: std::sync::atomic::AtomicBool,
 }
 
 impl Worker {
@@ -105,8 +109,21 @@ impl Worker {
                 backends,
                 config,
                 cancels: Cancels::default(),
+                metrics: Arc::default(),
+                consuming: Default::default(),
             }),
         }
+    }
+
+    /// Whether the worker is connected to the broker and consuming every
+    /// queue it serves (false while it connects or reconnects).
+    pub fn is_consuming(&self) -> bool {
+        self.inner.consuming.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// What this worker counts, for `/metrics`.
+    pub fn metrics(&self) -> Arc<WorkerMetrics> {
+        Arc::clone(&self.inner.metrics)
     }
 
     /// The models this worker serves.
@@ -179,16 +196,23 @@ impl Worker {
                 _ = tokio::time::sleep_until(last_flush + interval) => {}
             }
             if ready.len() >= inner.config.flush_rows || last_flush.elapsed() >= interval {
-                report.committed += inner.store.commit(&chunk.batch_id, &std::mem::take(&mut ready)).await?;
+                report.committed += self.commit(chunk, &std::mem::take(&mut ready)).await?;
                 last_flush = Instant::now();
             }
         }
-        report.committed += inner.store.commit(&chunk.batch_id, &ready).await?;
+        report.committed += self.commit(chunk, &ready).await?;
         inner.finaliser.report_progress(&chunk.batch_id).await?;
         if report.deferred == 0 {
             inner.finaliser.try_finalize(&chunk.batch_id).await?;
         }
         Ok(report)
+    }
+
+    /// Commit `outcomes` of `chunk`'s requests; how many rows were written.
+    async fn commit(&self, chunk: &Chunk, outcomes: &[Outcome]) -> Result<u64, BatcherError> {
+        let written = self.inner.store.commit(&chunk.batch_id, outcomes).await?;
+        self.inner.metrics.ended(Lane::Batch, &chunk.model, &written);
+        Ok(written.rows)
     }
 
     /// The record of the adapter `request` names, looked up once per chunk;
@@ -246,6 +270,12 @@ impl Worker {
             retryable: false,
         };
         let ended = self.inner.store.fail_chunk(chunk, &error).await?;
+        let written = Committed {
+            rows: ended,
+            errored: ended,
+            ..Committed::default()
+        };
+        self.inner.metrics.ended(Lane::Batch, &chunk.model, &written);
         self.inner.finaliser.try_finalize(&chunk.batch_id).await?;
         Ok(ended)
     }
@@ -285,8 +315,10 @@ impl Worker {
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
         // Consumers end on `stop` after their work in hand is settled, or when the connection drops.
+        inner.consuming.store(true, std::sync::atomic::Ordering::Release);
         let mut outcome = Ok(());
         while let Some(ended) = consumers.join_next().await {
+            inner.consuming.store(false, std::sync::atomic::Ordering::Release);
             if let Ok(Err(e)) = ended {
                 outcome = Err(e);
                 consumers.abort_all();
@@ -465,15 +497,40 @@ impl Worker {
                 };
                 match submitted {
                     Ok(events) => realtime::forward(events, &reply, &cancel).await,
-                    Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| None),
+                    Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| Forwarded::Failed),
                 }
             }
-            Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| None),
+            Err(e) => reply.send(&Reply::engine_error(&e)).await.map(|()| Forwarded::Failed),
         };
         inner.cancels.finish(correlation.as_str());
+        // Labelled only with a model served here: label values stay few.
+        let model = if inner.backends.contains_key(&request.model) {
+            request.model.as_str()
+        } else {
+            "unknown"
+        };
+        let ended = match sent {
+            Ok(Forwarded::Served(usage)) => Committed {
+                rows: 1,
+                succeeded: 1,
+                prompt_tokens: usage.prompt_tokens.into(),
+                completion_tokens: usage.completion_tokens.into(),
+                ..Committed::default()
+            },
+            Ok(Forwarded::Cancelled) => {
+                inner.metrics.cancelled(model);
+                Committed::default()
+            }
+            Ok(Forwarded::Failed) | Err(_) => Committed {
+                rows: 1,
+                errored: 1,
+                ..Committed::default()
+            },
+        };
+        inner.metrics.ended(Lane::RealTime, model, &ended);
         match sent {
             // A request served is counted for its account once its answer is out.
-            Ok(Some(usage)) => {
+            Ok(Forwarded::Served(usage)) => {
                 if let Some(account) = &request.account_id {
                     let recorded = inner
                         .store
@@ -490,7 +547,7 @@ impl Worker {
                     }
                 }
             }
-            Ok(None) => {}
+            Ok(Forwarded::Failed | Forwarded::Cancelled) => {}
             Err(e) => tracing::debug!(error = %e, "could not answer a real-time request"),
         }
         Settle::Ack

@@ -167,10 +167,15 @@ async fn a_result_is_committed_once_however_often_it_is_delivered(pool: PgPool) 
     assert!(again.iter().all(|c| c.attempts == 2));
 
     let outcomes: Vec<Outcome> = (0..4).map(ok).collect();
-    assert_eq!(store.commit(&id, &outcomes).await.unwrap(), 4);
+    let written = store.commit(&id, &outcomes).await.unwrap();
+    assert_eq!(
+        (written.rows, written.succeeded, written.errored, written.prompt_tokens),
+        (4, 4, 0, 4),
+        "the commit says what it wrote"
+    );
     assert_eq!(
         store.commit(&id, &outcomes).await.unwrap(),
-        0,
+        lorry_batcher::store::Committed::default(),
         "a second commit writes nothing"
     );
     assert!(
@@ -196,7 +201,7 @@ async fn an_output_holding_u0000_is_stored_and_read_back_as_generated(pool: PgPo
         },
         ok(1),
     ];
-    assert_eq!(store.commit(&id, &outcomes).await.unwrap(), 2);
+    assert_eq!(store.commit(&id, &outcomes).await.unwrap().rows, 2);
     let finished = store.finished_requests(&id).await.unwrap();
     assert_eq!(finished[0].response, Some(json!({"response": generated})));
     assert_eq!(finished[1].response, Some(json!({"response": 1})));

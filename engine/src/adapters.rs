@@ -207,6 +207,8 @@ struct Shared {
     changed: tokio::sync::Notify,
     source: Arc<dyn AdapterSource>,
     config: AdaptersConfig,
+    /// How long each successful load took (fetch, check and pack).
+    load_time: lorry_metrics::Histogram,
 }
 
 impl Shared {
@@ -261,8 +263,14 @@ impl Adapters {
                 changed: tokio::sync::Notify::new(),
                 source,
                 config,
+                load_time: lorry_metrics::Histogram::seconds(),
             }),
         }
+    }
+
+    /// How long each successful load took, in seconds.
+    pub fn load_time(&self) -> lorry_metrics::HistogramSnapshot {
+        self.shared.load_time.snapshot()
     }
 
     /// A snapshot of the counters.
@@ -434,6 +442,7 @@ impl Adapters {
                         last_used: tick,
                     },
                 );
+                shared.load_time.observe(seconds);
                 let stats = &mut state.stats;
                 stats.loads += 1;
                 if stats.load_seconds.len() == RECENT_LOADS {

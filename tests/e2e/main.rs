@@ -10,6 +10,7 @@ mod batches;
 mod durability;
 mod fairness;
 mod hardening;
+mod metrics;
 mod models;
 mod offline;
 mod openai;

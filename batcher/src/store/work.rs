@@ -14,6 +14,21 @@ use super::{Result, Store};
 use crate::ids::BatchId;
 use crate::model::{Batch, BatchStatus, Chunk, OpenAiBatch, RequestError, RequestStatus};
 
+/// What one [`Store::commit`] wrote.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// Rows written.
+    pub rows: u64,
+    /// Of those, succeeded.
+    pub succeeded: u64,
+    /// Of those, errored.
+    pub errored: u64,
+    /// The prompt tokens of the rows written.
+    pub prompt_tokens: u64,
+    /// The tokens they generated.
+    pub completion_tokens: u64,
+}
+
 /// A request a worker now holds.
 #[derive(Debug, Clone)]
 pub struct Claimed {
@@ -140,9 +155,9 @@ impl Store {
     }
 
     /// Write results; a request that already has one keeps it. Returns how many were written.
-    pub async fn commit(&self, batch: &BatchId, outcomes: &[Outcome]) -> Result<u64> {
+    pub async fn commit(&self, batch: &BatchId, outcomes: &[Outcome]) -> Result<Committed> {
         if outcomes.is_empty() {
-            return Ok(0);
+            return Ok(Committed::default());
         }
         let mut idx = Vec::with_capacity(outcomes.len());
         let mut status = Vec::with_capacity(outcomes.len());
@@ -169,12 +184,19 @@ impl Store {
                 }
             }
         }
-        let done = sqlx::query(
-            "UPDATE requests r SET status = u.status, response = u.response::json, error = u.error,
-                 prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
-             FROM UNNEST($2::int[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
-                 AS u(idx, status, response, error, pt, ct, finish)
-             WHERE r.batch_id = $1 AND r.idx = u.idx AND r.status = 'running'",
+        // What the statement wrote (not what it was given: a redelivered
+        // chunk's rows already ended are left alone), for the metrics.
+        let row = sqlx::query(
+            "WITH written AS (
+                 UPDATE requests r SET status = u.status, response = u.response::json, error = u.error,
+                     prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
+                 FROM UNNEST($2::int[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
+                     AS u(idx, status, response, error, pt, ct, finish)
+                 WHERE r.batch_id = $1 AND r.idx = u.idx AND r.status = 'running'
+                 RETURNING r.status, r.prompt_tokens, r.completion_tokens)
+             SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'),
+                    coalesce(sum(prompt_tokens), 0)::bigint, coalesce(sum(completion_tokens), 0)::bigint
+             FROM written",
         )
         .bind(batch.as_str())
         .bind(&idx)
@@ -184,9 +206,18 @@ impl Store {
         .bind(&pt)
         .bind(&ct)
         .bind(&finish)
-        .execute(&self.pool)
+        .fetch_one(&self.pool)
         .await?;
-        Ok(done.rows_affected())
+        let count = |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i)?.max(0) as u64) };
+        let rows = count(0)?;
+        let succeeded = count(1)?;
+        Ok(Committed {
+            rows,
+            succeeded,
+            errored: rows - succeeded,
+            prompt_tokens: count(2)?,
+            completion_tokens: count(3)?,
+        })
     }
 
     /// End every unfinished request of a chunk with `error` (the dead-letter path).

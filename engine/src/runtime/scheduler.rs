@@ -300,7 +300,6 @@ impl Scheduler {
     }
 
     /// Sequences running and waiting.
-    #[cfg(test)]
     pub(crate) fn counts(&self) -> (usize, usize) {
         (self.running.len(), self.waiting_rt.len() + self.waiting_batch.len())
     }
@@ -312,9 +311,13 @@ impl Scheduler {
     }
 
     /// Free KV blocks.
-    #[cfg(test)]
     pub(crate) fn free_blocks(&self) -> usize {
         self.pool.free_blocks()
+    }
+
+    /// KV blocks in all.
+    pub(crate) fn total_blocks(&self) -> usize {
+        self.pool.total_blocks()
     }
 
     /// Decide the next step; `share` says how batch work shares it with

@@ -151,6 +151,16 @@ pub struct Counters {
     pub rt_step_us: AtomicU64,
     /// Batch tokens that rode along in those steps.
     pub rt_batch_tokens: AtomicU64,
+    /// How long each forward pass took.
+    pub step_seconds: lorry_metrics::Histogram,
+    /// Sequences in the running batch, as of the last step.
+    pub running: AtomicU64,
+    /// Sequences waiting to join it.
+    pub waiting: AtomicU64,
+    /// KV-cache blocks nobody holds (never used, or cached and idle).
+    pub kv_blocks_free: AtomicU64,
+    /// KV-cache blocks in all.
+    pub kv_blocks_total: AtomicU64,
 }
 
 impl Counters {
@@ -473,6 +483,7 @@ impl EngineLoop {
 
     fn run(&mut self, inbox: &std_mpsc::Receiver<Job>) {
         loop {
+            self.publish_occupancy();
             if self.scheduler.is_idle() {
                 match inbox.recv() {
                     Ok(job) => self.accept(job),
@@ -487,6 +498,18 @@ impl EngineLoop {
                 self.step();
             }
         }
+    }
+
+    /// Sequences and KV blocks in use now, for whoever reads the counters.
+    fn publish_occupancy(&self) {
+        let (running, waiting) = self.scheduler.counts();
+        let c = &self.counters;
+        c.running.store(running as u64, Ordering::Relaxed);
+        c.waiting.store(waiting as u64, Ordering::Relaxed);
+        c.kv_blocks_free
+            .store(self.scheduler.free_blocks() as u64, Ordering::Relaxed);
+        c.kv_blocks_total
+            .store(self.scheduler.total_blocks() as u64, Ordering::Relaxed);
     }
 
     fn accept(&mut self, job: Job) {
@@ -755,6 +778,7 @@ impl EngineLoop {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
             .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
         let took = started.elapsed();
+        self.counters.step_seconds.observe_duration(took);
         let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
         let ms = took.as_secs_f64() * 1e3;
         self.cost.observe(rt_tokens + batch_tokens, ms);
