@@ -165,6 +165,9 @@ pub struct HistogramSnapshot {
     pub sum: f64,
 }
 
+/// A member's label names and values, in order.
+pub type LabelPairs = Vec<(&'static str, String)>;
+
 /// One metric per set of `N` label values, made on first use.
 pub struct Family<M, const N: usize> {
     labels: [&'static str; N],
@@ -234,7 +237,7 @@ impl<M, const N: usize> Family<M, N> {
     }
 
     /// Every member with its labels, in the order they were made.
-    pub fn members(&self) -> Vec<(Vec<(&'static str, String)>, Arc<M>)> {
+    pub fn members(&self) -> Vec<(LabelPairs, Arc<M>)> {
         let members = self.members.read().unwrap_or_else(|p| p.into_inner());
         members
             .iter()
