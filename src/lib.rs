@@ -10,6 +10,7 @@ pub mod observe;
 pub mod offline;
 pub mod operator;
 pub mod settings;
+pub mod telemetry;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,19 +41,10 @@ use tokio_util::sync::CancellationToken;
 use crate::observe::Observed;
 pub use settings::{Secret, Settings};
 
-/// Logs to stderr, filtered by `LORRY_LOG` (`tracing` syntax; `info` by default).
-pub fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("LORRY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // `LORRY_LOG_FORMAT=json`: one JSON object a line, for log collectors.
-    if std::env::var("LORRY_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
-        builder.json().with_current_span(true).init();
-    } else {
-        builder.init();
-    }
+/// Logs (and traces, with `LORRY_OTLP_ENDPOINT`) for a process named
+/// `lorry`; see [`telemetry`]. Keep the guard until the process ends.
+pub fn init_logging() -> telemetry::Telemetry {
+    telemetry::init("lorry")
 }
 
 /// Which parts of Lorry a process runs.
@@ -67,6 +59,15 @@ pub enum Role {
 }
 
 impl Role {
+    /// The service name its traces carry.
+    pub fn service_name(self) -> &'static str {
+        match self {
+            Role::Serve => "lorry",
+            Role::Api => "lorry-api",
+            Role::Worker => "lorry-worker",
+        }
+    }
+
     fn has_api(self) -> bool {
         matches!(self, Role::Serve | Role::Api)
     }

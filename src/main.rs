@@ -94,8 +94,14 @@ fn parse_cli() -> anyhow::Result<Cli> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    lorry::init_logging();
     let cli = parse_cli()?;
+    let role = match &cli.command {
+        Command::Serve(_) => Some(Role::Serve),
+        Command::Api(_) => Some(Role::Api),
+        Command::Worker(_) => Some(Role::Worker),
+        _ => None,
+    };
+    let _telemetry = lorry::telemetry::init(role.map_or("lorry", Role::service_name));
     let (settings, role) = match cli.command {
         Command::Serve(s) => (s, Role::Serve),
         Command::Api(s) => (s, Role::Api),

@@ -19,6 +19,7 @@ use axum::http::{header, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use lorry_metrics::{Counter, Family, Histogram, Text};
+use tracing::Instrument as _;
 
 use crate::AppState;
 
@@ -157,7 +158,9 @@ impl Drop for RealtimeTally {
     }
 }
 
-/// Count every HTTP request by method, route template and status.
+/// Count every HTTP request by method, route template and status, and
+/// serve it in a span of its own: a child of the client's `traceparent`
+/// where it sends one.
 pub async fn track(State(metrics): State<Arc<ApiMetrics>>, request: Request, next: Next) -> Response {
     let started = Instant::now();
     // A client's method or path is never a label value: only those the routes name.
@@ -175,7 +178,21 @@ pub async fn track(State(metrics): State<Arc<ApiMetrics>>, request: Request, nex
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
-    let response = next.run(request).await;
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = %format!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+    );
+    let traceparent = request
+        .headers()
+        .get(lorry_batcher::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok());
+    lorry_batcher::trace::follow(&span, traceparent);
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
     let status = response.status().as_u16().to_string();
     metrics.http_requests.with([method, &route, &status]).inc();
     metrics

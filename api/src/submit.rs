@@ -325,6 +325,7 @@ pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Resul
     let total = new.requests.len() as i32;
     let chunk = state.config.chunk_size.max(1) as i32;
     let mut outbox = Vec::with_capacity((total / chunk + 1) as usize);
+    let traceparent = lorry_batcher::trace::traceparent(&tracing::Span::current());
     for start in (0..total).step_by(chunk as usize) {
         let message = Chunk {
             batch_id: new.id.clone(),
@@ -339,6 +340,8 @@ pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Resul
             payload: serde_json::to_value(&message).map_err(lorry_batcher::BatcherError::from)?,
             // Held for the relay's fair dispatch, which takes turns by account.
             account_id: Some(new.account_id.clone()),
+            // The trace of this request goes on with the chunk's message.
+            traceparent: traceparent.clone(),
         });
     }
     let limit = crate::quota::limits(state, account).queued_requests;

@@ -233,8 +233,8 @@ impl Publisher {
     pub async fn publish_all(&self, messages: &[OutboxMessage]) -> Result<()> {
         let pending = messages.iter().map(|m| async move {
             let body = serde_json::to_vec(&m.payload)?;
-            self.publish(&m.exchange, &m.routing_key, &body, json_properties())
-                .await
+            let properties = crate::trace::with_traceparent(json_properties(), m.traceparent.as_deref());
+            self.publish(&m.exchange, &m.routing_key, &body, properties).await
         });
         try_join_all(pending).await?;
         Ok(())

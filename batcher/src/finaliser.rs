@@ -93,6 +93,7 @@ impl Finaliser {
             routing_key: event_type.to_string(),
             payload: cloud_event(event_type, id, &data),
             account_id: None,
+            traceparent: crate::trace::traceparent(&tracing::Span::current()),
         };
         let webhook = json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data});
         (event, (event_type.to_string(), webhook))

@@ -12,6 +12,7 @@
 //! - [`openai`]: OpenAI's answer objects and batch output lines, built from results.
 //! - [`realtime`]: the API side of the real-time lane (publish, await the reply).
 //! - [`metrics`]: what a worker exposes at `/metrics`.
+//! - [`trace`]: W3C trace context through HTTP, the outbox and the broker.
 #![forbid(unsafe_code)]
 
 pub mod adapters;
@@ -28,6 +29,7 @@ pub mod quota;
 pub mod realtime;
 pub mod relay;
 pub mod store;
+pub mod trace;
 pub mod webhooks;
 pub mod worker;
 

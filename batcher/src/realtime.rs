@@ -410,6 +410,8 @@ impl RealtimeClient {
             .with_reply_to(link.reply_queue.as_str().into())
             .with_correlation_id(correlation.as_str().into())
             .with_expiration(timeout.as_millis().to_string().into());
+        let traceparent = crate::trace::traceparent(&tracing::Span::current());
+        let properties = crate::trace::with_traceparent(properties, traceparent.as_deref());
         let body = serde_json::to_vec(request)?;
         if let Err(e) = link.publisher.publish("", &queue, &body, properties).await {
             self.forget(&correlation);

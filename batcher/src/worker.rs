@@ -21,6 +21,7 @@ use lorry_engine::{collect, Backend, Catalog, EngineError, ErrorCode, InputError
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::adapters;
 use crate::broker::{self, Publisher, Topology};
@@ -247,8 +248,11 @@ impl Worker {
         records: &mut Records,
     ) -> Result<Result<Request, EngineError>, BatcherError> {
         let partition = (!self.inner.config.share_prefix_cache).then(|| account.0.clone());
+        let span = tracing::Span::current();
         if request.lora.is_none() {
-            return Ok(Ok(Request::new(request, lane).in_cache_partition(partition)));
+            return Ok(Ok(Request::new(request, lane)
+                .in_cache_partition(partition)
+                .in_span(span)));
         }
         let adapter = self
             .adapter_record(account, &request, records)
@@ -258,6 +262,7 @@ impl Worker {
             Request::new(request, lane)
                 .with_adapter(Some(adapter))
                 .in_cache_partition(partition)
+                .in_span(span)
         }))
     }
 
@@ -385,10 +390,23 @@ impl Worker {
     }
 
     async fn handle(&self, delivery: Delivery, kind: Kind) {
-        let settled = match &kind {
-            Kind::RealTime(replies) => self.handle_realtime(&delivery, replies).await,
-            Kind::Batch | Kind::DeadLetter => self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter)).await,
+        // The message's work, in the trace of the request that sent it.
+        let span = match &kind {
+            Kind::RealTime(_) => {
+                tracing::info_span!("lorry.realtime", otel.kind = "consumer", queue = %delivery.routing_key)
+            }
+            Kind::Batch => tracing::info_span!("lorry.chunk", otel.kind = "consumer", queue = %delivery.routing_key),
+            Kind::DeadLetter => tracing::info_span!("lorry.dead_letter", otel.kind = "consumer"),
         };
+        crate::trace::follow(&span, crate::trace::from_message(&delivery.properties).as_deref());
+        let settled = async {
+            match &kind {
+                Kind::RealTime(replies) => self.handle_realtime(&delivery, replies).await,
+                Kind::Batch | Kind::DeadLetter => self.handle_chunk(&delivery, matches!(kind, Kind::DeadLetter)).await,
+            }
+        }
+        .instrument(span)
+        .await;
         let result = match settled {
             Settle::Ack => delivery.ack(BasicAckOptions::default()).await,
             Settle::Retry => {

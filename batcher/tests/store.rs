@@ -47,6 +47,7 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
         routing_key: "lane".into(),
         payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
         account_id: Some(AccountId(account.into())),
+        traceparent: Some(format!("00-{:032x}-{:016x}-01", start + 1, 7)),
     };
     // acct: a batch of priority 0, then one of priority 5; other: one batch, last.
     let (low, high, theirs) = (BatchId::generate(), BatchId::generate(), BatchId::generate());
@@ -74,6 +75,12 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
             .unwrap();
         assert_eq!(sent, 1);
         let message = published.lock().unwrap().pop().unwrap();
+        // The trace context written with the message goes out with it.
+        let start = message.payload["start"].as_i64().unwrap();
+        assert_eq!(
+            message.traceparent,
+            Some(format!("00-{:032x}-{:016x}-01", start + 1, 7))
+        );
         order.push((
             message.payload["account_id"].as_str().unwrap().to_string(),
             message.payload["batch_id"].as_str().unwrap().to_string(),
@@ -111,6 +118,7 @@ async fn a_cancelled_batchs_chunks_still_held_are_dropped(pool: PgPool) {
             routing_key: "lane".into(),
             payload: json!({"batch_id": id, "account_id": "acct", "model": "@lorry/echo", "start": i, "end": i + 1}),
             account_id: Some(AccountId("acct".into())),
+            traceparent: None,
         })
         .collect();
     store

@@ -27,7 +27,7 @@ enum Bench {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    lorry::init_logging();
+    let _telemetry = lorry::init_logging();
     match Bench::parse() {
         Bench::Pipeline(args) => bench::pipeline(&args).await.map(drop),
         Bench::Engine(args) => bench::engine(&args).await,

@@ -181,6 +181,9 @@ pub struct Request {
     /// request's speed tells nothing of what another tenant sent. `None`
     /// is a partition of its own, shared by every request without one.
     pub cache_partition: Option<String>,
+    /// The span the request's work belongs to: an engine records its
+    /// sequence under it, and each step the sequence took part in.
+    pub span: tracing::Span,
 }
 
 impl Request {
@@ -191,7 +194,13 @@ impl Request {
             lane,
             adapter: None,
             cache_partition: None,
+            span: tracing::Span::none(),
         }
+    }
+
+    /// The same request, traced under `span`.
+    pub fn in_span(self, span: tracing::Span) -> Self {
+        Request { span, ..self }
     }
 
     /// The same request with an adapter.

@@ -289,26 +289,7 @@ impl TestApp {
 
     /// Environment for a `lorry` child process of this deployment.
     pub fn child_env(&self) -> Vec<(String, String)> {
-        let s = &self.settings;
-        vec![
-            ("LORRY_DATABASE_URL".into(), s.services.database_url.clone()),
-            ("LORRY_AMQP_URL".into(), s.services.amqp_url.clone()),
-            (
-                "LORRY_S3_ENDPOINT".into(),
-                s.services.s3_endpoint.clone().unwrap_or_default(),
-            ),
-            ("LORRY_S3_BUCKET".into(), s.services.s3_bucket.clone()),
-            ("LORRY_S3_REGION".into(), s.services.s3_region.clone()),
-            ("AWS_ACCESS_KEY_ID".into(), s.services.s3_access_key.clone()),
-            (
-                "AWS_SECRET_ACCESS_KEY".into(),
-                s.services.s3_secret_key.expose().to_string(),
-            ),
-            ("LORRY_QUEUE_PREFIX".into(), s.services.queue_prefix.clone()),
-            ("LORRY_SWEEP_INTERVAL_MS".into(), s.worker.sweep_interval_ms.to_string()),
-            ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
-            ("LORRY_DATA_DIR".into(), s.data_dir().display().to_string()),
-        ]
+        child_env(&self.settings)
     }
 
     /// Start `lorry worker` as a real process of this deployment.
@@ -451,4 +432,27 @@ impl Proxy {
         let mut refused = self.refused.clone();
         refused.wait_for(|&count| count >= n).await.expect("the proxy stopped");
     }
+}
+
+/// Environment for a `lorry` child process of the deployment `s` describes.
+pub fn child_env(s: &Settings) -> Vec<(String, String)> {
+    vec![
+        ("LORRY_DATABASE_URL".into(), s.services.database_url.clone()),
+        ("LORRY_AMQP_URL".into(), s.services.amqp_url.clone()),
+        (
+            "LORRY_S3_ENDPOINT".into(),
+            s.services.s3_endpoint.clone().unwrap_or_default(),
+        ),
+        ("LORRY_S3_BUCKET".into(), s.services.s3_bucket.clone()),
+        ("LORRY_S3_REGION".into(), s.services.s3_region.clone()),
+        ("AWS_ACCESS_KEY_ID".into(), s.services.s3_access_key.clone()),
+        (
+            "AWS_SECRET_ACCESS_KEY".into(),
+            s.services.s3_secret_key.expose().to_string(),
+        ),
+        ("LORRY_QUEUE_PREFIX".into(), s.services.queue_prefix.clone()),
+        ("LORRY_SWEEP_INTERVAL_MS".into(), s.worker.sweep_interval_ms.to_string()),
+        ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
+        ("LORRY_DATA_DIR".into(), s.data_dir().display().to_string()),
+    ]
 }

@@ -18,5 +18,6 @@ mod openapi;
 mod realtime;
 mod retention;
 mod sdk;
+mod traces;
 mod webhooks;
 mod workers_ai;

@@ -25,6 +25,9 @@ pub struct OutboxMessage {
     /// For the batch lane's chunks: the account it is held under until the
     /// relay's fair dispatch publishes it (`None`: published at once, in order).
     pub account_id: Option<AccountId>,
+    /// The trace context of the request that wrote it (W3C `traceparent`),
+    /// published in the message's headers.
+    pub traceparent: Option<String>,
 }
 
 pub(super) async fn insert_outbox(tx: &mut Transaction<'_, Postgres>, messages: &[OutboxMessage]) -> Result<()> {
@@ -38,14 +41,16 @@ pub(super) async fn insert_outbox(tx: &mut Transaction<'_, Postgres>, messages: 
         .iter()
         .map(|m| m.account_id.as_ref().map(|a| a.0.as_str()))
         .collect();
+    let traces: Vec<Option<&str>> = messages.iter().map(|m| m.traceparent.as_deref()).collect();
     sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, payload, account_id)
-         SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[])",
+        "INSERT INTO outbox (exchange, routing_key, payload, account_id, traceparent)
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[], $5::text[])",
     )
     .bind(&exchanges)
     .bind(&keys)
     .bind(&payloads)
     .bind(&accounts)
+    .bind(&traces)
     .execute(&mut **tx)
     .await?;
     sqlx::query("SELECT pg_notify($1, '')")
@@ -106,7 +111,7 @@ impl Store {
     {
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(
-            "SELECT id, exchange, routing_key, payload FROM outbox WHERE sent_at IS NULL AND account_id IS NULL
+            "SELECT id, exchange, routing_key, payload, traceparent FROM outbox WHERE sent_at IS NULL AND account_id IS NULL
              ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(limit)
@@ -123,6 +128,7 @@ impl Store {
                 routing_key: r.get("routing_key"),
                 payload: r.get("payload"),
                 account_id: None,
+                traceparent: r.get("traceparent"),
             })
             .collect();
         publish(messages).await?;
@@ -177,12 +183,13 @@ impl Store {
             return Ok(0);
         }
         let rows = sqlx::query(
-            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, t.turn
+            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn
              FROM (SELECT DISTINCT account_id FROM outbox
                    WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL) a
              LEFT JOIN dispatch_turns t ON t.routing_key = $1 AND t.account_id = a.account_id
              CROSS JOIN LATERAL (
-                 SELECT o.id, o.exchange, o.payload, o.account_id, coalesce(b.priority, 0::smallint) AS priority FROM outbox o
+                 SELECT o.id, o.exchange, o.payload, o.account_id, coalesce(b.priority, 0::smallint) AS priority,
+                        o.traceparent FROM outbox o
                  LEFT JOIN batches b ON b.id = o.payload->>'batch_id'
                  WHERE o.sent_at IS NULL AND o.routing_key = $1 AND o.account_id = a.account_id
                  ORDER BY 5 DESC, o.id LIMIT $2
@@ -205,6 +212,7 @@ impl Store {
                         routing_key: lane.to_string(),
                         payload: r.try_get("payload")?,
                         account_id: None,
+                        traceparent: r.try_get("traceparent")?,
                     },
                 })
             })
@@ -384,6 +392,7 @@ mod tests {
                 routing_key: "lane".into(),
                 payload: Value::Null,
                 account_id: None,
+                traceparent: None,
             },
         }
     }

@@ -189,6 +189,8 @@ struct Job {
     /// Its prefix-cache partition ([`Request::cache_partition`]).
     partition: Option<String>,
     events: Events,
+    /// [`Request::span`].
+    span: tracing::Span,
 }
 
 /// A handle to a running engine; the engine thread stops once every handle is
@@ -268,6 +270,7 @@ impl Backend for TextEngine {
             lane,
             adapter,
             cache_partition,
+            span,
         } = request;
         let mut job = Job {
             request: input,
@@ -276,6 +279,7 @@ impl Backend for TextEngine {
             adapter: None,
             partition: cache_partition,
             events,
+            span,
         };
         let Some(reference) = adapter else {
             if let Some(named) = &job.request.lora {
@@ -336,6 +340,8 @@ struct Active {
     guess: Option<Guess>,
     /// Where a real-time request's time goes.
     trace: Option<RtTrace>,
+    /// Its sequence's span, under the request's ([`Request::span`]); ends with it.
+    span: tracing::Span,
 }
 
 /// A real-time request's time in the engine.
@@ -533,6 +539,17 @@ impl EngineLoop {
                     && (decoding.is_greedy() || self.speculation.sampled)
                     && self.speculation.max_draft > 0;
                 let stream = job.request.stream;
+                let span = if job.span.is_disabled() {
+                    tracing::Span::none()
+                } else {
+                    tracing::info_span!(
+                        parent: &job.span,
+                        "engine.sequence",
+                        model = %self.name,
+                        lane = ?job.lane,
+                        prompt_tokens = decoding.tokens.len(),
+                    )
+                };
                 self.active.insert(
                     id,
                     Active {
@@ -543,6 +560,7 @@ impl EngineLoop {
                         hasher,
                         spec: speculates.then(|| SpecState::new(self.speculation.max_draft)),
                         guess: None,
+                        span,
                         trace: (job.lane == Lane::RealTime).then_some(RtTrace {
                             arrived: job.submitted,
                             waited: None,
@@ -786,6 +804,20 @@ impl EngineLoop {
             self.decode_cost.observe(rt_tokens + batch_tokens, ms);
         }
         self.owe(rt_tokens, batch_tokens, ms);
+        // Each traced sequence's span notes the step: what it ran, beside how many.
+        for chunk in &plan.chunks {
+            let span = &self.active[&chunk.id].span;
+            if !span.is_disabled() {
+                tracing::info!(
+                    target: "lorry::trace",
+                    parent: span,
+                    tokens = chunk.len,
+                    sequences = plan.chunks.len(),
+                    step_ms = ms,
+                    "engine.step"
+                );
+            }
+        }
         if rt_tokens > 0 {
             self.trace_real_time(&plan, batch_tokens, started, took);
         }
