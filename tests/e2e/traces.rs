@@ -75,6 +75,17 @@ async fn collector() -> (String, Arc<Mutex<Vec<Span>>>) {
     (url, spans)
 }
 
+/// The spans received so far of the trace `trace` (hex).
+fn in_trace(spans: &Mutex<Vec<Span>>, trace: &str) -> Vec<Span> {
+    spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.trace == trace)
+        .cloned()
+        .collect()
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -172,13 +183,7 @@ async fn a_request_is_one_trace_from_http_through_the_broker_to_the_engines_step
 
     // The batch: HTTP request → (outbox, RabbitMQ) → the worker's chunk → each sequence, with its steps.
     let batch = eventually(Duration::from_secs(30), || async {
-        let traced: Vec<Span> = spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.trace == batch_trace)
-            .cloned()
-            .collect();
+        let traced = in_trace(&spans, batch_trace);
         let sequences = traced.iter().filter(|s| s.name == "engine.sequence").count();
         if sequences == 3 {
             Ok(traced)
@@ -213,13 +218,7 @@ async fn a_request_is_one_trace_from_http_through_the_broker_to_the_engines_step
 
     // The real-time request: HTTP → RabbitMQ → the worker → its sequence.
     let realtime = eventually(Duration::from_secs(30), || async {
-        let traced: Vec<Span> = spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.trace == rt_trace)
-            .cloned()
-            .collect();
+        let traced = in_trace(&spans, rt_trace);
         if traced.iter().any(|s| s.name == "engine.sequence") {
             Ok(traced)
         } else {
