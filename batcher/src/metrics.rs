@@ -174,28 +174,25 @@ pub fn render_engines(text: &mut Text, engines: &[(&str, &Counters)], adapters: 
         &|c| load(&c.prefix_evicted),
     );
     let proposers = [("ngram", Proposer::Ngram), ("draft", Proposer::Draft)];
-    let mut proposed = text.counter(
-        "lorry_speculation_proposed_tokens_total",
-        "Tokens guessed by speculative decoding, by proposer.",
-    );
-    for (model, c) in engines {
-        for (label, proposer) in proposers {
-            proposed.sample(
-                &[("model", model), ("proposer", label)],
-                load(c.speculation(proposer).0),
-            );
-        }
-    }
-    let mut accepted = text.counter(
-        "lorry_speculation_accepted_tokens_total",
-        "Guessed tokens the model accepted, by proposer.",
-    );
-    for (model, c) in engines {
-        for (label, proposer) in proposers {
-            accepted.sample(
-                &[("model", model), ("proposer", label)],
-                load(c.speculation(proposer).1),
-            );
+    type Read = fn(&Counters, Proposer) -> f64;
+    let guesses: [(&str, &str, Read); 2] = [
+        (
+            "lorry_speculation_proposed_tokens_total",
+            "Tokens guessed by speculative decoding, by proposer.",
+            |c, p| c.speculation(p).0.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "lorry_speculation_accepted_tokens_total",
+            "Guessed tokens the model accepted, by proposer.",
+            |c, p| c.speculation(p).1.load(Ordering::Relaxed) as f64,
+        ),
+    ];
+    for (name, help, read) in guesses {
+        let mut samples = text.counter(name, help);
+        for (model, c) in engines {
+            for (label, proposer) in proposers {
+                samples.sample(&[("model", model), ("proposer", label)], read(c, proposer));
+            }
         }
     }
     let Some(adapters) = adapters else {

@@ -184,8 +184,11 @@ async fn a_request_is_one_trace_from_http_through_the_broker_to_the_engines_step
     // The batch: HTTP request → (outbox, RabbitMQ) → the worker's chunk → each sequence, with its steps.
     let batch = eventually(Duration::from_secs(30), || async {
         let traced = in_trace(&spans, batch_trace);
-        let sequences = traced.iter().filter(|s| s.name == "engine.sequence").count();
-        if sequences == 3 {
+        // Spans arrive as they end, in the exporter's batches: the chunk's
+        // ends after its sequences' (once its results are committed).
+        let count = |name: &str| traced.iter().filter(|s| s.name == name).count();
+        let sequences = count("engine.sequence");
+        if sequences == 3 && count("lorry.chunk") == 1 && count("POST /v1/batches") == 1 {
             Ok(traced)
         } else {
             Err(format!(
@@ -219,7 +222,11 @@ async fn a_request_is_one_trace_from_http_through_the_broker_to_the_engines_step
     // The real-time request: HTTP → RabbitMQ → the worker → its sequence.
     let realtime = eventually(Duration::from_secs(30), || async {
         let traced = in_trace(&spans, rt_trace);
-        if traced.iter().any(|s| s.name == "engine.sequence") {
+        let has = |name: &str| traced.iter().any(|s| s.name == name);
+        if has("engine.sequence")
+            && has("lorry.realtime")
+            && has("POST /client/v4/accounts/{account_id}/ai/run/{*model}")
+        {
             Ok(traced)
         } else {
             Err(format!("the real-time trace so far: {traced:#?}"))
