@@ -252,6 +252,7 @@ impl Worker {
         if request.lora.is_none() {
             return Ok(Ok(Request::new(request, lane)
                 .in_cache_partition(partition)
+                .for_account(Some(account.0.clone()))
                 .in_span(span)));
         }
         let adapter = self
@@ -262,6 +263,7 @@ impl Worker {
             Request::new(request, lane)
                 .with_adapter(Some(adapter))
                 .in_cache_partition(partition)
+                .for_account(Some(account.0.clone()))
                 .in_span(span)
         }))
     }

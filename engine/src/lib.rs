@@ -181,6 +181,11 @@ pub struct Request {
     /// request's speed tells nothing of what another tenant sent. `None`
     /// is a partition of its own, shared by every request without one.
     pub cache_partition: Option<String>,
+    /// Whose share of the engine the request counts against (an account):
+    /// batch sequences of different accounts are admitted taking turns, the
+    /// account with the fewest running first, so one account's many queued
+    /// requests do not hold up another's. `None` is an account of its own.
+    pub account: Option<String>,
     /// The span the request's work belongs to: an engine records its
     /// sequence under it, and each step the sequence took part in.
     pub span: tracing::Span,
@@ -194,6 +199,7 @@ impl Request {
             lane,
             adapter: None,
             cache_partition: None,
+            account: None,
             span: tracing::Span::none(),
         }
     }
@@ -214,6 +220,11 @@ impl Request {
             cache_partition: partition,
             ..self
         }
+    }
+
+    /// The same request, counted against `account`'s share of the engine.
+    pub fn for_account(self, account: Option<String>) -> Self {
+        Request { account, ..self }
     }
 
     /// The refusal a backend that serves no adapters gives a request that

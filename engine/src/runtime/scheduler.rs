@@ -42,6 +42,12 @@
 //! drafts in one pass, and after verification the engine
 //! [`Scheduler::rollback`]s the rejected drafts' keys and values.
 //!
+//! Accounts: batch sequences of several accounts are admitted taking turns,
+//! the account with the fewest batch sequences running first (arrival order
+//! among equals, and within an account), so a worker holding many of one
+//! account's requests starts another's as soon as a slot frees instead of
+//! after all of them. With one account waiting, admission is arrival order.
+//!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
 
@@ -53,6 +59,9 @@ use crate::Lane;
 
 /// A sequence's handle in the scheduler.
 pub(crate) type SeqId = u64;
+
+/// Whose share of batch admission a sequence counts against (a digest of its account).
+pub(crate) type AccountKey = u64;
 
 /// How sequences are admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +117,7 @@ pub(crate) struct Plan {
 #[derive(Debug)]
 struct Seq {
     lane: Lane,
+    account: AccountKey,
     /// Tokens known (prompt and generated).
     tokens: usize,
     /// Tokens whose keys and values are cached.
@@ -137,6 +147,8 @@ pub(crate) struct Scheduler {
     seqs: HashMap<SeqId, Seq>,
     waiting_rt: VecDeque<SeqId>,
     waiting_batch: VecDeque<SeqId>,
+    /// Batch sequences waiting, by account.
+    waiting_accounts: HashMap<AccountKey, usize>,
     /// Running sequences in arrival order.
     running: Vec<SeqId>,
     arrivals: u64,
@@ -160,6 +172,7 @@ impl Scheduler {
             seqs: HashMap::new(),
             waiting_rt: VecDeque::new(),
             waiting_batch: VecDeque::new(),
+            waiting_accounts: HashMap::new(),
             running: Vec::new(),
             arrivals: 0,
             preemptions: 0,
@@ -178,12 +191,13 @@ impl Scheduler {
         self.pool.total_blocks() * self.pool.block_size()
     }
 
-    /// Queue a new sequence of `tokens` prompt tokens, with the hashes of the
-    /// prompt's full blocks (none: the prefix cache is not used for it).
-    pub fn add(&mut self, id: SeqId, lane: Lane, tokens: usize, hashes: Vec<BlockHash>) {
+    /// Queue a new sequence of `account`'s, of `tokens` prompt tokens, with the
+    /// hashes of the prompt's full blocks (none: the prefix cache is not used for it).
+    pub fn add(&mut self, id: SeqId, lane: Lane, account: AccountKey, tokens: usize, hashes: Vec<BlockHash>) {
         self.arrivals += 1;
         let seq = Seq {
             lane,
+            account,
             tokens,
             computed: 0,
             table: BlockTable::default(),
@@ -198,7 +212,10 @@ impl Scheduler {
         self.seqs.insert(id, seq);
         match lane {
             Lane::RealTime => self.waiting_rt.push_back(id),
-            Lane::Batch => self.waiting_batch.push_back(id),
+            Lane::Batch => {
+                self.waiting_batch.push_back(id);
+                *self.waiting_accounts.entry(account).or_default() += 1;
+            }
         }
     }
 
@@ -260,7 +277,10 @@ impl Scheduler {
             seq.table.release(&mut self.pool);
             self.running.retain(|&r| r != id);
             self.waiting_rt.retain(|&r| r != id);
-            self.waiting_batch.retain(|&r| r != id);
+            if let Some(at) = self.waiting_batch.iter().position(|&r| r == id) {
+                self.waiting_batch.remove(at);
+                self.left_waiting(seq.account);
+            }
         }
     }
 
@@ -441,7 +461,7 @@ impl Scheduler {
             return;
         }
         let batch_slots = self.config.max_seqs - self.config.rt_reserved_seqs.min(self.config.max_seqs);
-        while let Some(&id) = self.waiting_batch.front() {
+        while let Some((at, id)) = self.next_batch() {
             if *budget == 0 || self.running.len() >= self.config.max_seqs || batch_running(self) >= batch_slots {
                 return;
             }
@@ -462,9 +482,52 @@ impl Scheduler {
             if self.pool.free_blocks() < needed + reserve {
                 return;
             }
-            self.waiting_batch.pop_front();
+            let account = seq.account;
+            self.waiting_batch.remove(at);
+            self.left_waiting(account);
             self.start(id);
             self.plan_one(id, budget, 0, plan);
+        }
+    }
+
+    /// The waiting batch sequence admitted next, and its place in the queue:
+    /// the first of the account with the fewest batch sequences running
+    /// (the earliest first among equals).
+    fn next_batch(&self) -> Option<(usize, SeqId)> {
+        if self.waiting_accounts.len() <= 1 {
+            return self.waiting_batch.front().map(|&id| (0, id));
+        }
+        let mut running: HashMap<AccountKey, usize> = HashMap::new();
+        for id in &self.running {
+            let seq = &self.seqs[id];
+            if seq.lane == Lane::Batch {
+                *running.entry(seq.account).or_default() += 1;
+            }
+        }
+        // Each waiting account's first sequence, in queue order.
+        let mut firsts: Vec<(usize, SeqId, AccountKey)> = Vec::with_capacity(self.waiting_accounts.len());
+        for (at, &id) in self.waiting_batch.iter().enumerate() {
+            let account = self.seqs[&id].account;
+            if firsts.iter().all(|&(_, _, a)| a != account) {
+                firsts.push((at, id, account));
+                if firsts.len() == self.waiting_accounts.len() {
+                    break;
+                }
+            }
+        }
+        firsts
+            .into_iter()
+            .min_by_key(|&(at, _, account)| (running.get(&account).copied().unwrap_or(0), at))
+            .map(|(at, id, _)| (at, id))
+    }
+
+    /// One of `account`'s batch sequences left the queue.
+    fn left_waiting(&mut self, account: AccountKey) {
+        if let Some(count) = self.waiting_accounts.get_mut(&account) {
+            *count -= 1;
+            if *count == 0 {
+                self.waiting_accounts.remove(&account);
+            }
         }
     }
 
@@ -562,7 +625,10 @@ impl Scheduler {
         self.running.retain(|&r| r != id);
         let queue = match seq.lane {
             Lane::RealTime => &mut self.waiting_rt,
-            Lane::Batch => &mut self.waiting_batch,
+            Lane::Batch => {
+                *self.waiting_accounts.entry(seq.account).or_default() += 1;
+                &mut self.waiting_batch
+            }
         };
         let order = seq.order;
         let at = queue.partition_point(|q| self.seqs[q].order < order);
@@ -622,7 +688,7 @@ mod tests {
     #[test]
     fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
         let mut s = Scheduler::new(config(4, 8), BlockPool::new(64, 4));
-        s.add(1, Lane::Batch, 3, vec![]);
+        s.add(1, Lane::Batch, 0, 3, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(
             plan.chunks,
@@ -635,7 +701,7 @@ mod tests {
             }]
         );
         run(&mut s, &plan);
-        s.add(2, Lane::Batch, 20, vec![]);
+        s.add(2, Lane::Batch, 0, 20, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         // Sequence 1 decodes its one token; sequence 2 gets the other seven.
         assert_eq!(
@@ -677,12 +743,12 @@ mod tests {
         c.rt_reserved_seqs = 1;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         for id in 0..5 {
-            s.add(id, Lane::Batch, 4, vec![]);
+            s.add(id, Lane::Batch, 0, 4, vec![]);
         }
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 3, "the last slot is kept for real time");
         run(&mut s, &plan);
-        s.add(10, Lane::RealTime, 4, vec![]);
+        s.add(10, Lane::RealTime, 0, 4, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.iter().filter(|c| c.id == 10).count(), 1);
         assert_eq!(plan.chunks.len(), 4);
@@ -693,13 +759,13 @@ mod tests {
         let mut c = config(8, 64);
         c.rt_hold_steps = 3;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
-        s.add(1, Lane::Batch, 4, vec![]);
-        s.add(2, Lane::Batch, 4, vec![]);
+        s.add(1, Lane::Batch, 0, 4, vec![]);
+        s.add(2, Lane::Batch, 0, 4, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(plan.chunks.len(), 2);
-        s.add(10, Lane::RealTime, 4, vec![]);
-        s.add(3, Lane::Batch, 4, vec![]);
+        s.add(10, Lane::RealTime, 0, 4, vec![]);
+        s.add(3, Lane::Batch, 0, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         for _ in 0..3 {
             let plan = s.schedule(Share::Counted, usize::MAX);
@@ -727,14 +793,14 @@ mod tests {
         let mut c = config(8, 64);
         c.rt_hold_steps = 1000; // the engine's time decides, not the count
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
-        s.add(1, Lane::Batch, 4, vec![]);
+        s.add(1, Lane::Batch, 0, 4, vec![]);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
         let held = Share::Timed { sits_out: true };
         let plan = s.schedule(held, usize::MAX);
         assert_eq!(ids(&plan), vec![1], "nothing to sit out for without real time");
         run(&mut s, &plan);
-        s.add(10, Lane::RealTime, 4, vec![]);
-        s.add(2, Lane::Batch, 4, vec![]);
+        s.add(10, Lane::RealTime, 0, 4, vec![]);
+        s.add(2, Lane::Batch, 0, 4, vec![]);
         for _ in 0..3 {
             let plan = s.schedule(held, usize::MAX);
             assert_eq!(ids(&plan), vec![10], "batch work and its admission wait");
@@ -751,11 +817,11 @@ mod tests {
         c.rt_hold_steps = 3; // the pace replaces the hold
         let mut s = Scheduler::new(c, BlockPool::new(256, 4));
         for id in 1..=6 {
-            s.add(id, Lane::Batch, 4, vec![]);
+            s.add(id, Lane::Batch, 0, 4, vec![]);
         }
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
-        s.add(10, Lane::RealTime, 4, vec![]);
+        s.add(10, Lane::RealTime, 0, 4, vec![]);
         // A step costs 10 ms and 1 ms a token; half again over the real-time work's own cost.
         let pace = Pace {
             cost: StepCost::linear(10.0, 1.0),
@@ -799,11 +865,11 @@ mod tests {
     fn a_step_keeps_within_its_bound_with_decodes_taking_turns_each_whole() {
         let mut s = Scheduler::new(config(8, 64), BlockPool::new(256, 4));
         for id in 1..=3 {
-            s.add(id, Lane::Batch, 2, vec![]);
+            s.add(id, Lane::Batch, 0, 2, vec![]);
         }
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
-        s.add(4, Lane::Batch, 100, vec![]);
+        s.add(4, Lane::Batch, 0, 100, vec![]);
         // Three decodes and 7 tokens of the long prompt make 10.
         let plan = s.schedule(Share::Counted, 10);
         let decodes: Vec<usize> = plan.chunks.iter().filter(|c| c.id != 4).map(|c| c.len).collect();
@@ -827,9 +893,9 @@ mod tests {
     fn beside_real_time_work_batch_decodes_take_turns_within_the_step_bound() {
         let mut s = Scheduler::new(config(8, 64), BlockPool::new(256, 4));
         for id in 1..=4 {
-            s.add(id, Lane::Batch, 2, vec![]);
+            s.add(id, Lane::Batch, 0, 2, vec![]);
         }
-        s.add(10, Lane::RealTime, 2, vec![]);
+        s.add(10, Lane::RealTime, 0, 2, vec![]);
         let plan = s.schedule(Share::Timed { sits_out: false }, usize::MAX);
         run(&mut s, &plan);
         let ids = |plan: &Plan| plan.chunks.iter().map(|c| c.id).collect::<Vec<_>>();
@@ -867,10 +933,10 @@ mod tests {
             Share::Timed { sits_out: true },
         ] {
             let mut s = Scheduler::new(config(4, 64), BlockPool::new(512, 4));
-            s.add(1, Lane::Batch, 1000, vec![]);
+            s.add(1, Lane::Batch, 0, 1000, vec![]);
             let plan = s.schedule(share, usize::MAX);
             run(&mut s, &plan);
-            s.add(10, Lane::RealTime, 8, vec![]);
+            s.add(10, Lane::RealTime, 0, 8, vec![]);
             let mut decoded = 0;
             let mut prefilled = 0;
             while decoded < 3 {
@@ -893,12 +959,12 @@ mod tests {
         let mut c = config(8, 64);
         c.rt_reserved_blocks = 5;
         let mut s = Scheduler::new(c, BlockPool::new(8, 4));
-        s.add(1, Lane::Batch, 8, vec![]);
-        s.add(2, Lane::Batch, 8, vec![]);
+        s.add(1, Lane::Batch, 0, 8, vec![]);
+        s.add(2, Lane::Batch, 0, 8, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 1, "a second batch sequence would eat the reserve");
         assert_eq!(s.free_blocks(), 6);
-        s.add(3, Lane::RealTime, 16, vec![]);
+        s.add(3, Lane::RealTime, 0, 16, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert!(plan.chunks.iter().any(|c| c.id == 3 && c.len == 16));
     }
@@ -906,10 +972,10 @@ mod tests {
     #[test]
     fn running_out_of_blocks_preempts_the_newest_batch_sequence() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
-        s.add(1, Lane::Batch, 4, vec![]);
-        s.add(2, Lane::Batch, 4, vec![]);
-        s.add(3, Lane::Batch, 4, vec![]);
-        s.add(4, Lane::Batch, 4, vec![]);
+        s.add(1, Lane::Batch, 0, 4, vec![]);
+        s.add(2, Lane::Batch, 0, 4, vec![]);
+        s.add(3, Lane::Batch, 0, 4, vec![]);
+        s.add(4, Lane::Batch, 0, 4, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!((plan.chunks.len(), s.free_blocks()), (4, 0));
@@ -951,19 +1017,19 @@ mod tests {
     fn a_cached_prefix_is_shared_at_admission_and_only_the_rest_is_computed() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(16, 4));
         // 10 tokens: two full blocks and a partial one.
-        s.add(1, Lane::Batch, 10, hashes(2, 0));
+        s.add(1, Lane::Batch, 0, 10, hashes(2, 0));
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!((plan.chunks[0].start, plan.chunks[0].len), (0, 10));
         s.step_done(&plan);
         s.append_token(1);
         // The same two blocks, then more: only the tail is planned, on shared blocks.
-        s.add(2, Lane::Batch, 12, hashes(2, 0));
+        s.add(2, Lane::Batch, 0, 12, hashes(2, 0));
         let plan = s.schedule(Share::Counted, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 2).unwrap();
         assert_eq!((chunk.start, chunk.len), (8, 4));
         assert_eq!(&s.blocks(2)[..2], &s.blocks(1)[..2], "shared, not copied");
         // A prompt that is exactly its cached blocks still computes its last token.
-        s.add(3, Lane::Batch, 8, hashes(2, 0));
+        s.add(3, Lane::Batch, 0, 8, hashes(2, 0));
         let plan = s.schedule(Share::Counted, usize::MAX);
         let chunk = plan.chunks.iter().find(|c| c.id == 3).unwrap();
         assert_eq!((chunk.start, chunk.len), (4, 4));
@@ -973,12 +1039,12 @@ mod tests {
             s.remove(id);
         }
         assert_eq!(s.free_blocks(), 16);
-        s.add(4, Lane::Batch, 9, hashes(2, 0));
+        s.add(4, Lane::Batch, 0, 9, hashes(2, 0));
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks[0].start, 8, "found after its holders ended");
         // Other contents take the idle blocks when nothing else is free.
         s.remove(4);
-        s.add(5, Lane::Batch, 64, hashes(16, 100));
+        s.add(5, Lane::Batch, 0, 64, hashes(16, 100));
         s.schedule(Share::Counted, usize::MAX);
         assert!(s.prefix_stats().evicted > 0);
     }
@@ -986,7 +1052,7 @@ mod tests {
     #[test]
     fn guesses_ride_with_a_decode_and_rejected_ones_are_rolled_back() {
         let mut s = Scheduler::new(config(4, 64), BlockPool::new(4, 4));
-        s.add(1, Lane::Batch, 4, vec![]);
+        s.add(1, Lane::Batch, 0, 4, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         s.propose(1, 3);
@@ -1007,7 +1073,7 @@ mod tests {
         s.append_tokens(1, 2, &[]);
         assert_eq!(s.decoding(), vec![1]);
         // Guesses that do not fit are dropped rather than preempting anyone.
-        s.add(2, Lane::Batch, 7, vec![]);
+        s.add(2, Lane::Batch, 0, 7, vec![]);
         let plan = s.schedule(Share::Counted, usize::MAX);
         run(&mut s, &plan);
         assert_eq!(s.free_blocks(), 0);
@@ -1024,7 +1090,7 @@ mod tests {
         c.policy = Policy::Static;
         let mut s = Scheduler::new(c, BlockPool::new(64, 4));
         for id in 0..3 {
-            s.add(id, Lane::Batch, 2, vec![]);
+            s.add(id, Lane::Batch, 0, 2, vec![]);
         }
         let plan = s.schedule(Share::Counted, usize::MAX);
         assert_eq!(plan.chunks.len(), 2, "the batch fills before it decodes");
@@ -1063,7 +1129,8 @@ mod tests {
                 } else {
                     Lane::Batch
                 };
-                s.add(next, lane, 1 + (rng.next_u64() % 30) as usize, vec![]);
+                let account = rng.next_u64() % 3;
+                s.add(next, lane, account, 1 + (rng.next_u64() % 30) as usize, vec![]);
                 remaining.insert(next, 1 + (rng.next_u64() % 40) as usize);
                 next += 1;
             }
@@ -1094,7 +1161,77 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         assert!(s.is_idle());
+        assert!(s.waiting_accounts.is_empty(), "{:?}", s.waiting_accounts);
         assert_eq!(s.free_blocks(), 24);
         assert!(s.preemptions() > 0, "the pool was meant to run short");
+    }
+
+    /// The sequences `plan` started (added to `running`).
+    fn started(plan: &Plan, running: &mut Vec<SeqId>) -> Vec<SeqId> {
+        let new: Vec<SeqId> = plan
+            .chunks
+            .iter()
+            .map(|c| c.id)
+            .filter(|id| !running.contains(id))
+            .collect();
+        running.extend(&new);
+        new
+    }
+
+    #[test]
+    fn accounts_take_turns_at_admission_the_one_with_fewest_running_first() {
+        // Two slots; account 1 queued six sequences before account 2 queued two.
+        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
+        for id in 0..6 {
+            s.add(id, Lane::Batch, 1, 4, vec![]);
+        }
+        for id in 10..12 {
+            s.add(id, Lane::Batch, 2, 4, vec![]);
+        }
+        let mut running = Vec::new();
+        let plan = s.schedule(Share::Counted, usize::MAX);
+        // Account 1's first is first in arrival order; then account 2 has none running.
+        assert_eq!(started(&plan, &mut running), vec![0, 10]);
+        let finish = |s: &mut Scheduler, running: &mut Vec<SeqId>, done: &[SeqId]| {
+            for &id in done {
+                s.remove(id);
+                running.retain(|&r| r != id);
+            }
+            let plan = s.schedule(Share::Counted, usize::MAX);
+            started(&plan, running)
+        };
+        // Account 1's ends: it has none running against account 2's one.
+        assert_eq!(finish(&mut s, &mut running, &[0]), vec![1]);
+        assert_eq!(finish(&mut s, &mut running, &[1]), vec![2]);
+        // Account 2's ends: its 11 goes before account 1's 3, which arrived first.
+        assert_eq!(finish(&mut s, &mut running, &[10]), vec![11]);
+        // Only account 1 waits now: arrival order.
+        assert_eq!(finish(&mut s, &mut running, &[11, 2]), vec![3, 4]);
+        assert_eq!(s.waiting_accounts.get(&1), Some(&1));
+        assert_eq!(s.waiting_accounts.get(&2), None);
+    }
+
+    #[test]
+    fn one_account_behind_another_starts_as_soon_as_a_slot_frees() {
+        // Eight of account 1's ahead of account 2's four, two slots: in arrival
+        // order account 2 would start after all eight; taking turns, every
+        // other freed slot is its.
+        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
+        for id in 0..8 {
+            s.add(id, Lane::Batch, 1, 4, vec![]);
+        }
+        for id in 100..104 {
+            s.add(id, Lane::Batch, 2, 4, vec![]);
+        }
+        let mut running: Vec<SeqId> = Vec::new();
+        let mut order = Vec::new();
+        while !s.is_idle() {
+            let plan = s.schedule(Share::Counted, usize::MAX);
+            order.extend(started(&plan, &mut running));
+            // The oldest running sequence ends.
+            let done = running.remove(0);
+            s.remove(done);
+        }
+        assert_eq!(order, vec![0, 100, 1, 101, 2, 102, 3, 103, 4, 5, 6, 7]);
     }
 }

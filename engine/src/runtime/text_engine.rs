@@ -28,7 +28,7 @@ use crate::runtime::chat::{Decoding, TextModel};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
 use crate::runtime::pace::{Owed, Pace, Share, StepCost};
-use crate::runtime::scheduler::{Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::runtime::scheduler::{AccountKey, Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::runtime::speculative::{
     choose, Acceptance, Candidate, DraftModel, Guess, Probes, Proposer, SpecConfig, SpecPolicy, SpecState,
 };
@@ -188,6 +188,8 @@ struct Job {
     adapter: Option<Lease>,
     /// Its prefix-cache partition ([`Request::cache_partition`]).
     partition: Option<String>,
+    /// Whose share of admission it counts against ([`Request::account`]).
+    account: AccountKey,
     events: Events,
     /// [`Request::span`].
     span: tracing::Span,
@@ -270,6 +272,7 @@ impl Backend for TextEngine {
             lane,
             adapter,
             cache_partition,
+            account,
             span,
         } = request;
         let mut job = Job {
@@ -278,6 +281,7 @@ impl Backend for TextEngine {
             submitted: Instant::now(),
             adapter: None,
             partition: cache_partition,
+            account: account_key(account.as_deref()),
             events,
             span,
         };
@@ -534,7 +538,8 @@ impl EngineLoop {
                 let hashes = hasher
                     .as_mut()
                     .map_or_else(Vec::new, |h| h.update(&decoding.tokens).to_vec());
-                self.scheduler.add(id, job.lane, decoding.tokens.len(), hashes);
+                self.scheduler
+                    .add(id, job.lane, job.account, decoding.tokens.len(), hashes);
                 let speculates = self.speculation.proposer != Proposer::Off
                     && (decoding.is_greedy() || self.speculation.sampled)
                     && self.speculation.max_draft > 0;
@@ -974,6 +979,15 @@ impl EngineLoop {
             }
         }
     }
+}
+
+/// The scheduler's key for an account: a digest of its name (`None`, the
+/// requests without one, is a key of its own).
+fn account_key(account: Option<&str>) -> AccountKey {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    account.hash(&mut hasher);
+    hasher.finish()
 }
 
 fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
