@@ -206,7 +206,8 @@ pub struct WorkerSettings {
     /// Deliveries of one message before it is dead-lettered.
     #[arg(long, env = "LORRY_DELIVERY_LIMIT", default_value_t = 5)]
     pub delivery_limit: u32,
-    /// Batch-lane messages a worker holds at once per model.
+    /// Batch-lane messages a worker holds at once per model, from its batch
+    /// queue and as many again from its queue ahead.
     #[arg(long, env = "LORRY_BATCH_PREFETCH", default_value_t = 4)]
     pub batch_prefetch: u16,
     /// Real-time requests a worker holds at once per model.

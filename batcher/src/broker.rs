@@ -49,6 +49,13 @@ impl Topology {
         format!("{}.batch.{model}", self.prefix)
     }
 
+    /// The batch lane's queue ahead of a model: fair dispatch routes there
+    /// the chunks of an account far behind another in chunks in flight, and
+    /// workers consume it beside the batch queue with a prefetch of its own.
+    pub fn batch_ahead_queue(&self, model: &str) -> String {
+        ahead_queue(&self.batch_queue(model))
+    }
+
     /// The real-time lane of a model.
     pub fn rt_queue(&self, model: &str) -> String {
         format!("{}.rt.{model}", self.prefix)
@@ -116,13 +123,22 @@ impl Topology {
             )
             .await?;
         for model in models {
-            for queue in [self.batch_queue(model), self.rt_queue(model)] {
+            for queue in [
+                self.batch_queue(model),
+                self.batch_ahead_queue(model),
+                self.rt_queue(model),
+            ] {
                 let args = quorum(Some((self.delivery_limit, &self.dead_letter_exchange())));
                 channel.queue_declare(&queue, durable_queue(), args).await?;
             }
         }
         Ok(())
     }
+}
+
+/// The queue ahead of batch queue `lane` ([`Topology::batch_ahead_queue`]).
+pub fn ahead_queue(lane: &str) -> String {
+    format!("{lane}.ahead")
 }
 
 fn durable_queue() -> QueueDeclareOptions {

@@ -8,11 +8,15 @@
 //!
 //! The batch lane's chunks are held in the outbox under their account and
 //! published by fair dispatch: while a model's queue holds fewer ready
-//! messages than `dispatch_depth`, the relay tops it up, taking turns by
-//! account (`Store::dispatch_fair`). The queue stays shallow, so a batch
-//! submitted behind another account's large one waits for a few chunks, not
-//! for all of it; what is held is in Postgres, so it survives any process's
-//! crash, and any number of workers consume the one queue as before.
+//! messages than `dispatch_depth`, the relay tops it up, the account with the
+//! fewest chunks in flight first, taking turns among equals
+//! (`Store::dispatch_fair`); a worker marks a chunk served as it acks it
+//! (`Store::chunk_done`). The queue stays shallow, so a batch submitted
+//! behind another account's large one waits for a few chunks, not for all
+//! of it, and an account far behind another goes to the lane's queue ahead,
+//! which workers consume beside it, waiting for none; what is held is in
+//! Postgres, so it survives any process's crash, and any number of workers
+//! consume the queues.
 
 use std::time::Duration;
 
@@ -20,7 +24,7 @@ use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{self, Publisher, Topology};
-use crate::store::{Store, OUTBOX_CHANNEL};
+use crate::store::{Room, Store, OUTBOX_CHANNEL};
 use crate::BatcherError;
 
 /// How a relay runs.
@@ -90,19 +94,12 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
 pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<bool, BatcherError> {
     let lanes = store.held_lanes().await?;
     for lane in &lanes {
-        let ready = publisher
-            .channel()
-            .queue_declare(
-                lane,
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                lapin::types::FieldTable::default(),
-            )
-            .await?
-            .message_count();
-        let room = depth.saturating_sub(ready) as usize;
+        let room = |ready: u32| depth.saturating_sub(ready) as usize;
+        let room = Room {
+            queue: room(ready(publisher, lane).await?),
+            ahead: room(ready(publisher, &broker::ahead_queue(lane)).await?),
+            queue_depth: depth as usize,
+        };
         store
             .dispatch_fair(
                 lane,
@@ -112,4 +109,20 @@ pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Resul
             .await?;
     }
     Ok(!lanes.is_empty())
+}
+
+/// Messages ready in `queue` (a passive declare).
+async fn ready(publisher: &Publisher, queue: &str) -> Result<u32, BatcherError> {
+    Ok(publisher
+        .channel()
+        .queue_declare(
+            queue,
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await?
+        .message_count())
 }

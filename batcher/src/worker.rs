@@ -318,6 +318,14 @@ impl Worker {
             )
             .await?;
             consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
+            let ahead = consumer(
+                &connection,
+                &topology.batch_ahead_queue(model),
+                inner.config.batch_prefetch,
+                0,
+            )
+            .await?;
+            consumers.spawn(self.clone().consume(ahead, Kind::Batch, stop.clone()));
         }
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));
@@ -425,10 +433,20 @@ impl Worker {
             // The channel is gone; the broker will deliver the message again.
             tracing::debug!(error = %e, "could not settle a delivery");
         }
-        if matches!(kind, Kind::Batch) {
-            // A chunk is done: wake the relays, whose fair dispatch keeps the
-            // batch queue only a few chunks deep and tops it up now.
-            if let Err(e) = self.inner.store.notify_outbox().await {
+        if matches!(kind, Kind::Batch | Kind::DeadLetter) {
+            // A chunk served (acked, or dead-lettered) is no longer in flight
+            // for the fair dispatch; either way, wake the relays, which keep
+            // the batch queue only a few chunks deep and top it up now.
+            let served = match (&settled, serde_json::from_slice::<Chunk>(&delivery.data)) {
+                (Settle::Ack, Ok(chunk)) => Some(chunk),
+                _ => None,
+            };
+            let woken = match &served {
+                Some(chunk) => self.inner.store.chunk_done(chunk).await,
+                None if matches!(kind, Kind::Batch) => self.inner.store.notify_outbox().await,
+                None => Ok(()),
+            };
+            if let Err(e) = woken {
                 tracing::debug!(error = %e, "could not wake the outbox relays");
             }
         }

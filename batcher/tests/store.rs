@@ -5,13 +5,22 @@ use std::time::Duration;
 
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, OutboxMessage, Outcome, Store};
+use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, OutboxMessage, Outcome, Room, Store};
 use lorry_engine::{Task, ValidRequest};
 use serde_json::json;
 use sqlx::PgPool;
 
 fn prompt(i: usize) -> ValidRequest {
     ValidRequest::parse(Task::Echo, &json!({"prompt": format!("p{i}"), "max_tokens": 3})).unwrap()
+}
+
+/// Room in the lane's queue only, none ahead.
+fn queue_room(queue: usize) -> Room {
+    Room {
+        queue,
+        ahead: 0,
+        queue_depth: 4,
+    }
 }
 
 fn new_batch(id: &BatchId, n: usize, window: Duration, priority: i16) -> NewBatch {
@@ -67,7 +76,7 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
     let mut order = Vec::new();
     for _ in 0..6 {
         let sent = store
-            .dispatch_fair("lane", 1, |messages| async {
+            .dispatch_fair("lane", queue_room(1), |messages| async {
                 published.lock().unwrap().extend(messages);
                 Ok(())
             })
@@ -105,6 +114,83 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
         Vec::<String>::new(),
         "nothing left held"
     );
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    store.ensure_account("acct", "token").await.unwrap();
+    store.ensure_account("other", "other-token").await.unwrap();
+    let held = |batch: &BatchId, account: &str, start: i32| OutboxMessage {
+        exchange: String::new(),
+        routing_key: "lane".into(),
+        payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
+        account_id: Some(AccountId(account.into())),
+        traceparent: None,
+    };
+    let chunk = |batch: &BatchId, account: &str, start: i32| Chunk {
+        batch_id: batch.clone(),
+        account_id: AccountId(account.into()),
+        model: "@lorry/echo".into(),
+        start,
+        end: start + 1,
+    };
+    let dispatch = |room: usize| {
+        let store = store.clone();
+        async move {
+            let published = std::sync::Mutex::new(Vec::new());
+            store
+                .dispatch_fair("lane", queue_room(room), |messages| async {
+                    published.lock().unwrap().extend(messages);
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            published
+                .into_inner()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    (
+                        m.payload["account_id"].as_str().unwrap().to_string(),
+                        m.payload["start"].as_i64().unwrap(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let expect = |v: &[(&str, i64)]| v.iter().map(|(a, i)| (a.to_string(), *i)).collect::<Vec<_>>();
+    // acct's large batch: three chunks go out while it is alone.
+    let large = BatchId::generate();
+    store
+        .create_batch(
+            new_batch(&large, 6, Duration::from_secs(3600), 0),
+            (0..6).map(|i| held(&large, "acct", i)).collect(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(dispatch(3).await, expect(&[("acct", 0), ("acct", 1), ("acct", 2)]));
+    // other arrives behind it: with none in flight against acct's three, it
+    // takes the next places.
+    let small = BatchId::generate();
+    let mut theirs = new_batch(&small, 3, Duration::from_secs(3600), 0);
+    theirs.account_id = AccountId("other".into());
+    store
+        .create_batch(theirs, (0..3).map(|i| held(&small, "other", i)).collect())
+        .await
+        .unwrap();
+    assert_eq!(dispatch(1).await, expect(&[("other", 0)]));
+    assert_eq!(dispatch(1).await, expect(&[("other", 1)]));
+    // acct's three are served (one reported twice, as a redelivered chunk
+    // would be): acct now has none in flight against other's two.
+    for start in [0, 1, 2, 2] {
+        store.chunk_done(&chunk(&large, "acct", start)).await.unwrap();
+    }
+    assert_eq!(dispatch(2).await, expect(&[("acct", 3), ("acct", 4)]));
+    // Two each: other's turn is older.
+    assert_eq!(dispatch(1).await, expect(&[("other", 2)]));
+    assert_eq!(dispatch(5).await, expect(&[("acct", 5)]));
+    assert!(dispatch(1).await.is_empty());
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]

@@ -36,6 +36,9 @@ pub struct FairnessArgs {
     /// A's results to wait for before B submits, so that B arrives behind a batch already draining.
     #[arg(long, default_value_t = 200)]
     pub head_start: i64,
+    /// Runs of B's batch in each phase (alone, then one after another behind A's); the median is compared.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
 }
 
 fn batch_body(args: &FairnessArgs, n: usize, tag: &str) -> Value {
@@ -95,18 +98,34 @@ async fn run_small(http: &reqwest::Client, args: &FairnessArgs, tag: &str) -> an
     }
 }
 
+fn median(times: &[Duration]) -> Duration {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    sorted[sorted.len() / 2]
+}
+
+fn seconds(times: &[Duration]) -> String {
+    times
+        .iter()
+        .map(|t| format!("{:.2}", t.as_secs_f64()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Run the benchmark and print its table.
 pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
     let http = reqwest::Client::new();
-    eprintln!("idle: B's {} requests alone, three times", args.small);
+    eprintln!("idle: B's {} requests alone, {} times", args.small, args.runs);
     let mut alone = Vec::new();
-    for run in 0..3 {
+    for run in 0..args.runs {
         alone.push(run_small(&http, args, &format!("idle {run}")).await?);
     }
-    alone.sort();
-    let idle = alone[1];
+    let idle = median(&alone);
     eprintln!(
-        "idle: {:.1} s; submitting A's {} requests",
+        "idle: {:.2} s; submitting A's {} requests",
         idle.as_secs_f64(),
         args.large
     );
@@ -118,34 +137,38 @@ pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let a_before = finished(&batch(&http, args, &args.token, &large).await?);
-    eprintln!("A is draining ({a_before} finished); B submits behind it");
-    let shared = run_small(&http, args, "shared").await?;
-    let a_after = finished(&batch(&http, args, &args.token, &large).await?);
+    // B's batches one after another while A's drains.
+    let mut behind = Vec::new();
+    let mut a_meanwhile = Vec::new();
+    for run in 0..args.runs {
+        let a_before = finished(&batch(&http, args, &args.token, &large).await?);
+        if a_before >= args.large as i64 {
+            bail!("A's batch ended before B's run {run}: make --large larger");
+        }
+        eprintln!("A is draining ({a_before} finished); B submits behind it");
+        behind.push(run_small(&http, args, &format!("shared {run}")).await?);
+        let a_after = finished(&batch(&http, args, &args.token, &large).await?);
+        a_meanwhile.push(a_after - a_before);
+    }
     // A's batch is not needed any more.
     let _ = http
         .post(format!("{}/v1/batches/{large}/cancel", args.url))
         .bearer_auth(&args.token)
         .send()
         .await;
+    let shared = median(&behind);
     println!(
-        "| B's batch ({} requests x {} tokens, {}) | time to completed (s) | A's requests finished meanwhile |",
+        "| B's batch ({} requests x {} tokens, {}) | time to completed (s), median | runs (s) | A's requests finished meanwhile |",
         args.small, args.new_tokens, args.model
     );
-    println!("|---|---:|---:|");
+    println!("|---|---:|---|---|");
+    println!("| alone | {:.2} | {} | - |", idle.as_secs_f64(), seconds(&alone));
     println!(
-        "| alone (median of {:.2}, {:.2}, {:.2}) | {:.2} | - |",
-        alone[0].as_secs_f64(),
-        alone[1].as_secs_f64(),
-        alone[2].as_secs_f64(),
-        idle.as_secs_f64()
-    );
-    println!(
-        "| behind A's {} requests | {:.2} | {} of {} |",
+        "| behind A's {} requests | {:.2} | {} | {} |",
         args.large,
         shared.as_secs_f64(),
-        a_after - a_before,
-        args.large
+        seconds(&behind),
+        a_meanwhile.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
     );
     println!();
     println!(

@@ -182,9 +182,10 @@ pub struct Request {
     /// is a partition of its own, shared by every request without one.
     pub cache_partition: Option<String>,
     /// Whose share of the engine the request counts against (an account):
-    /// batch sequences of different accounts are admitted taking turns, the
-    /// account with the fewest running first, so one account's many queued
-    /// requests do not hold up another's. `None` is an account of its own.
+    /// when several accounts' batch sequences wait, the account with the
+    /// fewest in the engine (running and waiting) is admitted first, so one
+    /// account's many queued requests do not hold up another's few. `None`
+    /// is an account of its own.
     pub account: Option<String>,
     /// The span the request's work belongs to: an engine records its
     /// sequence under it, and each step the sequence took part in.

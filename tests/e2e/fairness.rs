@@ -60,5 +60,13 @@ async fn a_small_batch_behind_another_accounts_large_one_finishes_while_the_larg
     eprintln!("the small batch finished after {done} of the large batch's 3,000 requests");
     let large = app.wait_until_ended(&large_id, Duration::from_secs(120)).await;
     assert_eq!(large["request_counts"]["completed"], 3000, "nothing lost: {large}");
+    // Every chunk the fair dispatch published was marked served as its worker acked it.
+    let in_flight: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE account_id IS NOT NULL AND (sent_at IS NULL OR done_at IS NULL)",
+    )
+    .fetch_one(app.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(in_flight, 0, "chunks still held or in flight after both batches ended");
     app.stop().await;
 }

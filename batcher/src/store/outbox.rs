@@ -9,6 +9,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::{Result, Store};
 use crate::ids::{AccountId, BatchId, DeliveryId};
+use crate::model::Chunk;
 
 /// The `LISTEN` channel that wakes outbox relays.
 pub const OUTBOX_CHANNEL: &str = "lorry_outbox";
@@ -140,6 +141,27 @@ impl Store {
         Ok(ids.len())
     }
 
+    /// `chunk`, published by fair dispatch, has been served (acked or
+    /// dead-lettered): it is no longer in flight. Wakes the relays, whose fair
+    /// dispatch keeps the batch queue only a few chunks deep and tops it up now.
+    pub async fn chunk_done(&self, chunk: &Chunk) -> Result<()> {
+        sqlx::query(
+            "WITH done AS (
+                 UPDATE outbox SET done_at = now()
+                 WHERE account_id = $1 AND sent_at IS NOT NULL AND done_at IS NULL
+                   AND payload->>'batch_id' = $2 AND (payload->>'start')::int = $3
+             )
+             SELECT pg_notify($4, '')",
+        )
+        .bind(&chunk.account_id.0)
+        .bind(chunk.batch_id.as_str())
+        .bind(chunk.start)
+        .bind(OUTBOX_CHANNEL)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Wake the outbox relays (`NOTIFY`).
     pub async fn notify_outbox(&self) -> Result<()> {
         sqlx::query("SELECT pg_notify($1, '')")
@@ -158,20 +180,29 @@ impl Store {
         .await?)
     }
 
-    /// Publish up to `room` of the chunks held for `lane`, taking turns by
-    /// account: the account whose last turn is oldest (or that never had
-    /// one) goes first, one chunk each in that order, round after round,
-    /// each account's chunks by its batches' priority, highest first, then
-    /// oldest first. Marks them sent after `publish`
+    /// Publish up to `room` of the chunks held for `lane`, a chunk at a time
+    /// to the account with the fewest in flight (published, not yet
+    /// [`Store::chunk_done`]), among equals the one whose last turn is
+    /// oldest (or that never had one): accounts with as many in flight take
+    /// turns, one chunk each a round, and an account that arrives behind
+    /// another's large batch goes first until it has as many. Each account's
+    /// chunks go by its batches' priority, highest first, then oldest
+    /// first. Marks them sent after `publish`
     /// confirms them, and records each account's turn. One relay dispatches
     /// a lane at a time (others find it locked and skip it); returns how
     /// many went out.
-    pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: usize, publish: F) -> Result<usize>
+    ///
+    /// An account more than `room.queue_depth` chunks in flight behind
+    /// another goes to the lane's queue ahead ([`crate::broker::ahead_queue`])
+    /// instead, up to `room.ahead` chunks: workers consume it beside the lane's
+    /// queue, so its chunks wait neither for the chunks ready in the lane's
+    /// queue nor for a worker to ack one.
+    pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<usize>
     where
         F: FnOnce(Vec<OutboxMessage>) -> Fut,
         Fut: std::future::Future<Output = Result<()>>,
     {
-        if room == 0 {
+        if room.queue + room.ahead == 0 {
             return Ok(0);
         }
         let mut tx = self.pool.begin().await?;
@@ -183,10 +214,15 @@ impl Store {
             return Ok(0);
         }
         let rows = sqlx::query(
-            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn
+            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn, f.in_flight
              FROM (SELECT DISTINCT account_id FROM outbox
                    WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL) a
              LEFT JOIN dispatch_turns t ON t.routing_key = $1 AND t.account_id = a.account_id
+             CROSS JOIN LATERAL (
+                 SELECT count(*) AS in_flight FROM outbox f
+                 WHERE f.account_id = a.account_id AND f.routing_key = $1
+                   AND f.sent_at IS NOT NULL AND f.done_at IS NULL
+             ) f
              CROSS JOIN LATERAL (
                  SELECT o.id, o.exchange, o.payload, o.account_id, coalesce(b.priority, 0::smallint) AS priority,
                         o.traceparent FROM outbox o
@@ -196,7 +232,7 @@ impl Store {
              ) o",
         )
         .bind(lane)
-        .bind(room as i64)
+        .bind((room.queue + room.ahead) as i64)
         .fetch_all(&mut *tx)
         .await?;
         let held = rows
@@ -207,6 +243,7 @@ impl Store {
                     account: r.try_get("account_id")?,
                     priority: r.try_get("priority")?,
                     turn: r.try_get("turn")?,
+                    in_flight: r.try_get("in_flight")?,
                     message: OutboxMessage {
                         exchange: r.try_get("exchange")?,
                         routing_key: lane.to_string(),
@@ -217,7 +254,7 @@ impl Store {
                 })
             })
             .collect::<std::result::Result<Vec<Held>, sqlx::Error>>()?;
-        let chosen = take_turns(held, room);
+        let chosen = take_turns(held, room, &crate::broker::ahead_queue(lane));
         if chosen.is_empty() {
             return Ok(0);
         }
@@ -331,6 +368,17 @@ impl Store {
     }
 }
 
+/// The places fair dispatch may fill on a lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// Chunks the lane's queue may take now.
+    pub queue: usize,
+    /// Chunks its queue ahead may take now.
+    pub ahead: usize,
+    /// The lane's queue's depth: an account more chunks in flight behind another goes ahead.
+    pub queue_depth: usize,
+}
+
 /// A chunk held for fair dispatch.
 #[derive(Debug, Clone)]
 struct Held {
@@ -340,13 +388,20 @@ struct Held {
     priority: i16,
     /// The account's last turn on the lane (`None`: never).
     turn: Option<i64>,
+    /// The account's chunks on the lane published and not yet served.
+    in_flight: i64,
     message: OutboxMessage,
 }
 
-/// Up to `room` of `held`, one an account a round: accounts in the order of
-/// their last turn (never first), each one's chunks highest priority first,
-/// then oldest first.
-fn take_turns(mut held: Vec<Held>, room: usize) -> Vec<Held> {
+/// What of `held` goes out now: first, up to `room.ahead` chunks, routed to
+/// `ahead`, of accounts more than `room.queue_depth` chunks in flight behind
+/// another account; then up to `room.queue`, a chunk at a time to the account
+/// with the fewest in flight, and among equals to the one whose last turn is
+/// oldest (never first): accounts with as many in flight take turns, one chunk
+/// each a round, and one with fewer (an account just arrived behind another's
+/// large batch) goes first until it has as many. Each account's chunks go
+/// highest priority first, then oldest first.
+fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
     held.sort_by(|a, b| {
         (a.turn.is_some(), a.turn, &a.account, -a.priority, a.id).cmp(&(
             b.turn.is_some(),
@@ -356,23 +411,67 @@ fn take_turns(mut held: Vec<Held>, room: usize) -> Vec<Held> {
             b.id,
         ))
     });
-    let mut queues: Vec<std::collections::VecDeque<Held>> = Vec::new();
+    // Each account's chunks, the accounts in the order of their last turn.
+    struct Queue {
+        chunks: std::collections::VecDeque<Held>,
+        in_flight: i64,
+        /// Its place in the order of turns (a turn taken moves it last).
+        turn: usize,
+    }
+    let mut queues: Vec<Queue> = Vec::new();
     for h in held {
         match queues.last_mut() {
-            Some(queue) if queue.back().is_some_and(|last| last.account == h.account) => queue.push_back(h),
-            _ => queues.push(std::collections::VecDeque::from([h])),
+            Some(queue) if queue.chunks.back().is_some_and(|last| last.account == h.account) => {
+                queue.chunks.push_back(h)
+            }
+            _ => queues.push(Queue {
+                in_flight: h.in_flight,
+                turn: queues.len(),
+                chunks: std::collections::VecDeque::from([h]),
+            }),
         }
     }
-    let mut chosen = Vec::with_capacity(room);
-    while chosen.len() < room && queues.iter().any(|q| !q.is_empty()) {
-        for queue in queues.iter_mut() {
-            if chosen.len() == room {
-                break;
+    let mut next_turn = queues.len();
+    let mut chosen = Vec::with_capacity(room.queue + room.ahead);
+    let mut take = |queues: &mut Vec<Queue>, at: usize, to: Option<&str>, chosen: &mut Vec<Held>| {
+        let queue = &mut queues[at];
+        if let Some(mut h) = queue.chunks.pop_front() {
+            if let Some(to) = to {
+                h.message.routing_key = to.to_string();
             }
-            if let Some(h) = queue.pop_front() {
-                chosen.push(h);
-            }
+            chosen.push(h);
         }
+        queue.in_flight += 1;
+        queue.turn = next_turn;
+        next_turn += 1;
+    };
+    let behind = room.queue_depth as i64;
+    for _ in 0..room.ahead {
+        let most = |except: usize| {
+            queues
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != except)
+                .map(|(_, q)| q.in_flight)
+                .max()
+        };
+        let Some(at) = (0..queues.len())
+            .filter(|&i| !queues[i].chunks.is_empty())
+            .filter(|&i| most(i).is_some_and(|m| queues[i].in_flight + behind < m))
+            .min_by_key(|&i| (queues[i].in_flight, queues[i].turn))
+        else {
+            break;
+        };
+        take(&mut queues, at, Some(ahead), &mut chosen);
+    }
+    for _ in 0..room.queue {
+        let Some(at) = (0..queues.len())
+            .filter(|&i| !queues[i].chunks.is_empty())
+            .min_by_key(|&i| (queues[i].in_flight, queues[i].turn))
+        else {
+            break;
+        };
+        take(&mut queues, at, None, &mut chosen);
     }
     chosen
 }
@@ -387,6 +486,7 @@ mod tests {
             account: account.into(),
             priority: 0,
             turn,
+            in_flight: 0,
             message: OutboxMessage {
                 exchange: String::new(),
                 routing_key: "lane".into(),
@@ -394,6 +494,14 @@ mod tests {
                 account_id: None,
                 traceparent: None,
             },
+        }
+    }
+
+    fn room(queue: usize) -> Room {
+        Room {
+            queue,
+            ahead: 0,
+            queue_depth: 2,
         }
     }
 
@@ -411,19 +519,112 @@ mod tests {
             held(9, "b", None),
             held(10, "b", None),
         ];
-        let chosen = take_turns(rows.clone(), 4);
+        let chosen = take_turns(rows.clone(), room(4), "ahead");
         let expect = |v: &[(&str, i64)]| v.iter().map(|(a, i)| (a.to_string(), *i)).collect::<Vec<_>>();
         assert_eq!(ids(&chosen), expect(&[("b", 9), ("a", 1), ("b", 10), ("a", 2)]));
         // Room for more than is held: everything, still interleaved.
-        assert_eq!(ids(&take_turns(rows.clone(), 10)).len(), 5);
+        assert_eq!(ids(&take_turns(rows.clone(), room(10), "ahead")).len(), 5);
         // One slot: the account whose turn is oldest.
         let older = vec![held(1, "a", Some(7)), held(5, "c", Some(3))];
-        assert_eq!(ids(&take_turns(older, 1)), expect(&[("c", 5)]));
-        assert!(take_turns(Vec::new(), 3).is_empty());
+        assert_eq!(ids(&take_turns(older, room(1), "ahead")), expect(&[("c", 5)]));
+        assert!(take_turns(Vec::new(), room(3), "ahead").is_empty());
         // Within an account, its higher-priority batch's chunks go first.
         let mut urgent = held(20, "a", Some(7));
         urgent.priority = 5;
         let rows = vec![held(1, "a", Some(7)), urgent, held(2, "a", Some(7))];
-        assert_eq!(ids(&take_turns(rows, 3)), expect(&[("a", 20), ("a", 1), ("a", 2)]));
+        assert_eq!(
+            ids(&take_turns(rows, room(3), "ahead")),
+            expect(&[("a", 20), ("a", 1), ("a", 2)])
+        );
+    }
+
+    #[test]
+    fn the_account_with_fewest_chunks_in_flight_goes_first_until_it_has_as_many() {
+        let expect = |v: &[(&str, i64)]| v.iter().map(|(a, i)| (a.to_string(), *i)).collect::<Vec<_>>();
+        // `a` has three chunks in flight, `b` (whose turn is newer) one: `b`
+        // takes two places, then they alternate, oldest turn first.
+        let in_flight = |mut h: Held, n: i64| {
+            h.in_flight = n;
+            h
+        };
+        let rows = vec![
+            in_flight(held(1, "a", Some(3)), 3),
+            in_flight(held(2, "a", Some(3)), 3),
+            in_flight(held(3, "a", Some(3)), 3),
+            in_flight(held(10, "b", Some(8)), 1),
+            in_flight(held(11, "b", Some(8)), 1),
+            in_flight(held(12, "b", Some(8)), 1),
+            in_flight(held(13, "b", Some(8)), 1),
+        ];
+        assert_eq!(
+            ids(&take_turns(rows.clone(), room(6), "ahead")),
+            expect(&[("b", 10), ("b", 11), ("a", 1), ("b", 12), ("a", 2), ("b", 13)])
+        );
+        // An account with none left held takes no place, whatever it has in flight.
+        let rows = vec![in_flight(held(1, "a", Some(3)), 9), in_flight(held(2, "a", Some(3)), 9)];
+        assert_eq!(ids(&take_turns(rows, room(5), "ahead")), expect(&[("a", 1), ("a", 2)]));
+    }
+
+    #[test]
+    fn an_account_more_than_a_queue_behind_goes_ahead_then_takes_turns() {
+        let expect = |v: &[(&str, i64, &str)]| {
+            v.iter()
+                .map(|(a, i, q)| (a.to_string(), *i, q.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let routed = |chosen: &[Held]| {
+            chosen
+                .iter()
+                .map(|h| (h.account.clone(), h.id, h.message.routing_key.clone()))
+                .collect::<Vec<_>>()
+        };
+        let with = |id: i64, account: &str, in_flight: i64| Held {
+            in_flight,
+            ..held(id, account, Some(1))
+        };
+        // `a` has six in flight, `b` one: with a queue two deep, `b` is more
+        // than a queue behind until it has four in flight, so three of its
+        // chunks go ahead; the lane's queue then takes turns, `b` first (four
+        // against six), then by turn.
+        let rows: Vec<Held> = (1..=4)
+            .map(|i| with(i, "a", 6))
+            .chain((10..=15).map(|i| with(i, "b", 1)))
+            .collect();
+        let room = Room {
+            queue: 4,
+            ahead: 5,
+            queue_depth: 2,
+        };
+        assert_eq!(
+            routed(&take_turns(rows.clone(), room, "lane.ahead")),
+            expect(&[
+                ("b", 10, "lane.ahead"),
+                ("b", 11, "lane.ahead"),
+                ("b", 12, "lane.ahead"),
+                ("b", 13, "lane"),
+                ("b", 14, "lane"),
+                ("a", 1, "lane"),
+                ("b", 15, "lane"),
+            ])
+        );
+        // No room ahead: the lane's queue alone.
+        let room = Room { ahead: 0, ..room };
+        assert_eq!(
+            routed(&take_turns(rows.clone(), room, "lane.ahead")),
+            expect(&[
+                ("b", 10, "lane"),
+                ("b", 11, "lane"),
+                ("b", 12, "lane"),
+                ("b", 13, "lane")
+            ])
+        );
+        // One account alone never goes ahead, however much it has in flight.
+        let alone: Vec<Held> = (1..=3).map(|i| with(i, "a", 0)).collect();
+        let room = Room {
+            queue: 0,
+            ahead: 3,
+            ..room
+        };
+        assert!(take_turns(alone, room, "lane.ahead").is_empty());
     }
 }

@@ -42,11 +42,12 @@
 //! drafts in one pass, and after verification the engine
 //! [`Scheduler::rollback`]s the rejected drafts' keys and values.
 //!
-//! Accounts: batch sequences of several accounts are admitted taking turns,
-//! the account with the fewest batch sequences running first (arrival order
-//! among equals, and within an account), so a worker holding many of one
-//! account's requests starts another's as soon as a slot frees instead of
-//! after all of them. With one account waiting, admission is arrival order.
+//! Accounts: when batch sequences of several accounts wait, the next slot
+//! goes to the account with the fewest batch sequences here, running and
+//! waiting (arrival order among equals, and within an account): a worker
+//! holding many of one account's requests runs another account's few as
+//! slots free instead of after all of them, and accounts with as many
+//! share the slots. With one account waiting, admission is arrival order.
 //!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
@@ -491,8 +492,9 @@ impl Scheduler {
     }
 
     /// The waiting batch sequence admitted next, and its place in the queue:
-    /// the first of the account with the fewest batch sequences running
-    /// (the earliest first among equals).
+    /// the first of the account with the fewest batch sequences here,
+    /// running and waiting (among equals, the one with fewer running, then
+    /// the earliest).
     fn next_batch(&self) -> Option<(usize, SeqId)> {
         if self.waiting_accounts.len() <= 1 {
             return self.waiting_batch.front().map(|&id| (0, id));
@@ -517,7 +519,10 @@ impl Scheduler {
         }
         firsts
             .into_iter()
-            .min_by_key(|&(at, _, account)| (running.get(&account).copied().unwrap_or(0), at))
+            .min_by_key(|&(at, _, account)| {
+                let running = running.get(&account).copied().unwrap_or(0);
+                (running + self.waiting_accounts[&account], running, at)
+            })
             .map(|(at, id, _)| (at, id))
     }
 
@@ -1178,60 +1183,58 @@ mod tests {
         new
     }
 
-    #[test]
-    fn accounts_take_turns_at_admission_the_one_with_fewest_running_first() {
-        // Two slots; account 1 queued six sequences before account 2 queued two.
-        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
-        for id in 0..6 {
-            s.add(id, Lane::Batch, 1, 4, vec![]);
+    /// Start what `plan` admits after `done` end; which started.
+    fn finish(s: &mut Scheduler, running: &mut Vec<SeqId>, done: &[SeqId]) -> Vec<SeqId> {
+        for &id in done {
+            s.remove(id);
+            running.retain(|&r| r != id);
         }
-        for id in 10..12 {
-            s.add(id, Lane::Batch, 2, 4, vec![]);
-        }
-        let mut running = Vec::new();
         let plan = s.schedule(Share::Counted, usize::MAX);
-        // Account 1's first is first in arrival order; then account 2 has none running.
-        assert_eq!(started(&plan, &mut running), vec![0, 10]);
-        let finish = |s: &mut Scheduler, running: &mut Vec<SeqId>, done: &[SeqId]| {
-            for &id in done {
-                s.remove(id);
-                running.retain(|&r| r != id);
-            }
-            let plan = s.schedule(Share::Counted, usize::MAX);
-            started(&plan, running)
-        };
-        // Account 1's ends: it has none running against account 2's one.
-        assert_eq!(finish(&mut s, &mut running, &[0]), vec![1]);
-        assert_eq!(finish(&mut s, &mut running, &[1]), vec![2]);
-        // Account 2's ends: its 11 goes before account 1's 3, which arrived first.
-        assert_eq!(finish(&mut s, &mut running, &[10]), vec![11]);
-        // Only account 1 waits now: arrival order.
-        assert_eq!(finish(&mut s, &mut running, &[11, 2]), vec![3, 4]);
-        assert_eq!(s.waiting_accounts.get(&1), Some(&1));
-        assert_eq!(s.waiting_accounts.get(&2), None);
+        started(&plan, running)
     }
 
     #[test]
-    fn one_account_behind_another_starts_as_soon_as_a_slot_frees() {
-        // Eight of account 1's ahead of account 2's four, two slots: in arrival
-        // order account 2 would start after all eight; taking turns, every
-        // other freed slot is its.
+    fn accounts_with_as_many_here_share_the_slots() {
+        // Two slots; account 1 queued three sequences before account 2 queued three.
+        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
+        for id in 0..3 {
+            s.add(id, Lane::Batch, 1, 4, vec![]);
+        }
+        for id in 10..13 {
+            s.add(id, Lane::Batch, 2, 4, vec![]);
+        }
+        let mut running = Vec::new();
+        // Three each: the earliest first, then the one with none running.
+        assert_eq!(finish(&mut s, &mut running, &[]), vec![0, 10]);
+        // Account 1's ends: two of its own here against account 2's three.
+        assert_eq!(finish(&mut s, &mut running, &[0]), vec![1]);
+        // Account 2's ends: two each, and account 2 has none running.
+        assert_eq!(finish(&mut s, &mut running, &[10]), vec![11]);
+        assert_eq!(finish(&mut s, &mut running, &[1]), vec![2]);
+        // Only account 2 waits now: arrival order.
+        assert_eq!(finish(&mut s, &mut running, &[11]), vec![12]);
+        assert!(s.waiting_accounts.is_empty());
+    }
+
+    #[test]
+    fn a_few_requests_behind_another_accounts_many_start_as_slots_free() {
+        // Eight of account 1's queued ahead of account 2's three, two slots:
+        // in arrival order account 2 would start after all eight; with fewer
+        // here, it takes every slot that frees until it has none waiting.
         let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
         for id in 0..8 {
             s.add(id, Lane::Batch, 1, 4, vec![]);
         }
-        for id in 100..104 {
+        let mut running: Vec<SeqId> = Vec::new();
+        let mut order = finish(&mut s, &mut running, &[]);
+        for id in 100..103 {
             s.add(id, Lane::Batch, 2, 4, vec![]);
         }
-        let mut running: Vec<SeqId> = Vec::new();
-        let mut order = Vec::new();
         while !s.is_idle() {
-            let plan = s.schedule(Share::Counted, usize::MAX);
-            order.extend(started(&plan, &mut running));
             // The oldest running sequence ends.
-            let done = running.remove(0);
-            s.remove(done);
+            let done = running[0];
+            order.extend(finish(&mut s, &mut running, &[done]));
         }
-        assert_eq!(order, vec![0, 100, 1, 101, 2, 102, 3, 103, 4, 5, 6, 7]);
+        assert_eq!(order, vec![0, 1, 100, 101, 102, 2, 3, 4, 5, 6, 7]);
     }
 }
