@@ -345,7 +345,12 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let tally = lane.store.tally(&lane.batch).await.unwrap();
     assert_eq!(tally.count(RequestStatus::Pending), 1);
     assert_eq!(lane.status().await, before);
-    for queue in [lane.topology.rt_queue(MODEL), lane.topology.batch_queue(MODEL), dlq] {
+    for queue in [
+        lane.topology.rt_queue(MODEL),
+        lane.topology.batch_queue(MODEL),
+        lane.topology.batch_ahead_queue(MODEL),
+        dlq,
+    ] {
         let _ = channel.queue_delete(&queue, Default::default()).await;
     }
 }

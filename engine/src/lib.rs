@@ -183,8 +183,9 @@ pub struct Request {
     pub cache_partition: Option<String>,
     /// Whose share of the engine the request counts against (an account):
     /// when several accounts' batch sequences wait, the account with the
-    /// fewest in the engine (running and waiting) is admitted first, so one
-    /// account's many queued requests do not hold up another's few. `None`
+    /// fewest running is admitted first (an account with a smaller backlog
+    /// in the engine than the largest counts its running ones at half), so
+    /// one account's many queued requests do not hold up another's. `None`
     /// is an account of its own.
     pub account: Option<String>,
     /// The span the request's work belongs to: an engine records its

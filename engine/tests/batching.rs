@@ -351,3 +351,51 @@ async fn an_adapter_that_cannot_be_had_fails_its_request_alone() {
     .unwrap();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn an_accounts_few_requests_behind_anothers_many_are_not_served_after_all_of_them() {
+    // Eight slots; account a's 200 requests queued before account b's 8, all
+    // of one length. In arrival order b's would end after every one of a's
+    // still queued; admitted by account, b's take two of every three slots
+    // that free once they arrive.
+    let (reference, dir) = model("accounts");
+    let config = EngineConfig {
+        max_seqs: 8,
+        rt_reserved_seqs: 0,
+        ..engine_config(1 << 30, 64)
+    };
+    let engine = TextEngine::start("tiny", reference, config);
+    let body =
+        |i: usize| request(json!({"prompt": format!("line {i}"), "raw": true, "max_tokens": 6, "ignore_eos": true}));
+    let ended = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    let mut ended_before_b = 0;
+    for (account, count) in [("a", 200), ("b", 8)] {
+        if account == "b" {
+            ended_before_b = ended.lock().unwrap().len();
+        }
+        for i in 0..count {
+            let request = Request::new(body(i), Lane::Batch).for_account(Some(account.to_string()));
+            let events = engine.submit(request).unwrap();
+            let ended = ended.clone();
+            tasks.push(tokio::spawn(async move {
+                collect(events).await.unwrap();
+                ended.lock().unwrap().push(account);
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let ended = ended.lock().unwrap().clone();
+    let last_b = ended.iter().rposition(|a| *a == "b").unwrap();
+    // Once b's are queued: the eight running end, b's take their slots two
+    // for one, and b's last runs its six tokens beside seven others.
+    assert!(
+        last_b < ended_before_b + 8 + 12 + 8,
+        "b's last request ended {}th of 208, {ended_before_b} having ended before b's were queued: {}",
+        last_b + 1,
+        ended.concat()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

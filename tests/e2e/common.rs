@@ -341,7 +341,9 @@ async fn delete_topology(url: &str, prefix: &str) {
     };
     // Every model a test deployment serves has a queue per lane.
     let models = ["@lorry/echo", "@lorry/demo-llama", "@lorry/demo-bge"];
-    let lanes = models.iter().flat_map(|m| [format!("batch.{m}"), format!("rt.{m}")]);
+    let lanes = models
+        .iter()
+        .flat_map(|m| [format!("batch.{m}"), format!("batch.{m}.ahead"), format!("rt.{m}")]);
     for queue in lanes.chain(["dlq".to_string()]) {
         let _ = channel
             .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())

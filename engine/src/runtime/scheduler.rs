@@ -43,11 +43,14 @@
 //! [`Scheduler::rollback`]s the rejected drafts' keys and values.
 //!
 //! Accounts: when batch sequences of several accounts wait, the next slot
-//! goes to the account with the fewest batch sequences here, running and
-//! waiting (arrival order among equals, and within an account): a worker
-//! holding many of one account's requests runs another account's few as
-//! slots free instead of after all of them, and accounts with as many
-//! share the slots. With one account waiting, admission is arrival order.
+//! goes to the account with the fewest batch sequences running, weighted:
+//! an account with fewer here (running and waiting) than the largest
+//! backlog counts its running ones at half (among equals, the one with
+//! fewer here, then arrival order, as within an account). A worker holding
+//! many of one account's requests so gives another account's few two slots
+//! for each of the large backlog's as they free, instead of starting them
+//! after all of those, and the large backlog still gets a third: no account
+//! waiting is starved. With one account waiting, admission is arrival order.
 //!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
@@ -492,9 +495,10 @@ impl Scheduler {
     }
 
     /// The waiting batch sequence admitted next, and its place in the queue:
-    /// the first of the account with the fewest batch sequences here,
-    /// running and waiting (among equals, the one with fewer running, then
-    /// the earliest).
+    /// the first of the account with the fewest batch sequences running,
+    /// those of an account with fewer here (running and waiting) than the
+    /// largest backlog counted at half (among equals, the one with fewer
+    /// here, then the earliest).
     fn next_batch(&self) -> Option<(usize, SeqId)> {
         if self.waiting_accounts.len() <= 1 {
             return self.waiting_batch.front().map(|&id| (0, id));
@@ -517,11 +521,16 @@ impl Scheduler {
                 }
             }
         }
+        let running_of = |account: &AccountKey| running.get(account).copied().unwrap_or(0);
+        let held = |account: &AccountKey| running_of(account) + self.waiting_accounts[account];
+        let most = firsts.iter().map(|(_, _, a)| held(a)).max().unwrap_or(0);
+        // An account with fewer here than the most counts its running
+        // sequences at half: it gets two slots for the largest backlog's one.
         firsts
             .into_iter()
             .min_by_key(|&(at, _, account)| {
-                let running = running.get(&account).copied().unwrap_or(0);
-                (running + self.waiting_accounts[&account], running, at)
+                let weight = if held(&account) < most { 1 } else { 2 };
+                (running_of(&account) * weight, held(&account), at)
             })
             .map(|(at, id, _)| (at, id))
     }
@@ -1194,7 +1203,7 @@ mod tests {
     }
 
     #[test]
-    fn accounts_with_as_many_here_share_the_slots() {
+    fn accounts_take_turns_at_admission_the_one_with_fewest_running_first() {
         // Two slots; account 1 queued three sequences before account 2 queued three.
         let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
         for id in 0..3 {
@@ -1206,9 +1215,9 @@ mod tests {
         let mut running = Vec::new();
         // Three each: the earliest first, then the one with none running.
         assert_eq!(finish(&mut s, &mut running, &[]), vec![0, 10]);
-        // Account 1's ends: two of its own here against account 2's three.
+        // Account 1's ends: it has none running against account 2's one.
         assert_eq!(finish(&mut s, &mut running, &[0]), vec![1]);
-        // Account 2's ends: two each, and account 2 has none running.
+        // Account 2's ends: it has none running.
         assert_eq!(finish(&mut s, &mut running, &[10]), vec![11]);
         assert_eq!(finish(&mut s, &mut running, &[1]), vec![2]);
         // Only account 2 waits now: arrival order.
@@ -1217,10 +1226,10 @@ mod tests {
     }
 
     #[test]
-    fn a_few_requests_behind_another_accounts_many_start_as_slots_free() {
+    fn a_few_requests_behind_another_accounts_many_share_the_slots_as_they_free() {
         // Eight of account 1's queued ahead of account 2's three, two slots:
         // in arrival order account 2 would start after all eight; with fewer
-        // here, it takes every slot that frees until it has none waiting.
+        // running, it takes every other slot that frees.
         let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
         for id in 0..8 {
             s.add(id, Lane::Batch, 1, 4, vec![]);
@@ -1235,6 +1244,27 @@ mod tests {
             let done = running[0];
             order.extend(finish(&mut s, &mut running, &[done]));
         }
-        assert_eq!(order, vec![0, 1, 100, 101, 102, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(order, vec![0, 1, 100, 2, 101, 3, 102, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn the_smaller_backlog_gets_two_slots_for_the_larger_ones_one() {
+        // Three slots, account 1's ten queued first, account 2's six behind
+        // them: account 2 has fewer here, so its running sequences count at
+        // half; account 1 still gets every third slot.
+        let mut s = Scheduler::new(config(3, 64), BlockPool::new(64, 4));
+        for id in 0..10 {
+            s.add(id, Lane::Batch, 1, 4, vec![]);
+        }
+        let mut running: Vec<SeqId> = Vec::new();
+        let mut order = finish(&mut s, &mut running, &[]);
+        for id in 100..106 {
+            s.add(id, Lane::Batch, 2, 4, vec![]);
+        }
+        while !s.is_idle() {
+            let done = running[0];
+            order.extend(finish(&mut s, &mut running, &[done]));
+        }
+        assert_eq!(order, vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5, 6, 7, 8, 9]);
     }
 }
