@@ -238,8 +238,9 @@ pub struct WorkerSettings {
     /// files are deleted; 0 keeps them.
     #[arg(long, env = "LORRY_RETENTION_DAYS", default_value_t = 0)]
     pub retention_days: u64,
-    /// Ready chunk messages the relay keeps in each model's batch queue; the
-    /// rest wait in Postgres and go out taking turns by account.
+    /// Ready chunk messages the relay keeps in each model's batch queue (and
+    /// its queue ahead); the rest wait in Postgres and go out by account, the
+    /// one with the fewest chunks in flight first.
     #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 4)]
     pub dispatch_depth: u32,
     /// Milliseconds between the relay's top-ups of batch queues while chunks are held.

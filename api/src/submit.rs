@@ -338,7 +338,7 @@ pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Resul
             exchange: String::new(),
             routing_key: queue.clone(),
             payload: serde_json::to_value(&message).map_err(lorry_batcher::BatcherError::from)?,
-            // Held for the relay's fair dispatch, which takes turns by account.
+            // Held for the relay's fair dispatch, which goes by account.
             account_id: Some(new.account_id.clone()),
             // The trace of this request goes on with the chunk's message.
             traceparent: traceparent.clone(),

@@ -89,8 +89,9 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
     }
 }
 
-/// Top up every batch queue whose chunks are held to `depth` ready messages,
-/// taking turns by account; returns whether chunks are still held.
+/// Top up every batch queue whose chunks are held, and its queue ahead, to
+/// `depth` ready messages each, by account (`Store::dispatch_fair`); returns
+/// whether chunks are still held.
 pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<bool, BatcherError> {
     let lanes = store.held_lanes().await?;
     for lane in &lanes {

@@ -310,22 +310,11 @@ impl Worker {
         for model in &models {
             let rt = consumer(&connection, &topology.rt_queue(model), inner.config.rt_prefetch, 10).await?;
             consumers.spawn(self.clone().consume(rt, Kind::RealTime(replies.clone()), stop.clone()));
-            let batch = consumer(
-                &connection,
-                &topology.batch_queue(model),
-                inner.config.batch_prefetch,
-                0,
-            )
-            .await?;
-            consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
-            let ahead = consumer(
-                &connection,
-                &topology.batch_ahead_queue(model),
-                inner.config.batch_prefetch,
-                0,
-            )
-            .await?;
-            consumers.spawn(self.clone().consume(ahead, Kind::Batch, stop.clone()));
+            // The batch queue and its queue ahead, each with a prefetch of its own.
+            for queue in [topology.batch_queue(model), topology.batch_ahead_queue(model)] {
+                let batch = consumer(&connection, &queue, inner.config.batch_prefetch, 0).await?;
+                consumers.spawn(self.clone().consume(batch, Kind::Batch, stop.clone()));
+            }
         }
         let dlq = consumer(&connection, &topology.dead_letter_queue(), 1, 0).await?;
         consumers.spawn(self.clone().consume(dlq, Kind::DeadLetter, stop.clone()));

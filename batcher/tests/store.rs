@@ -14,6 +14,17 @@ fn prompt(i: usize) -> ValidRequest {
     ValidRequest::parse(Task::Echo, &json!({"prompt": format!("p{i}"), "max_tokens": 3})).unwrap()
 }
 
+/// The outbox row of `account`'s chunk of one request at `start` of `batch`, held for fair dispatch on "lane".
+fn held_chunk(batch: &BatchId, account: &str, start: i32) -> OutboxMessage {
+    OutboxMessage {
+        exchange: String::new(),
+        routing_key: "lane".into(),
+        payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
+        account_id: Some(AccountId(account.into())),
+        traceparent: None,
+    }
+}
+
 /// Room in the lane's queue only, none ahead.
 fn queue_room(queue: usize) -> Room {
     Room {
@@ -52,11 +63,8 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
     store.ensure_account("acct", "token").await.unwrap();
     store.ensure_account("other", "other-token").await.unwrap();
     let held = |batch: &BatchId, account: &str, start: i32| OutboxMessage {
-        exchange: String::new(),
-        routing_key: "lane".into(),
-        payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
-        account_id: Some(AccountId(account.into())),
         traceparent: Some(format!("00-{:032x}-{:016x}-01", start + 1, 7)),
+        ..held_chunk(batch, account, start)
     };
     // acct: a batch of priority 0, then one of priority 5; other: one batch, last.
     let (low, high, theirs) = (BatchId::generate(), BatchId::generate(), BatchId::generate());
@@ -121,13 +129,7 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
     let store = Store::from_pool(pool);
     store.ensure_account("acct", "token").await.unwrap();
     store.ensure_account("other", "other-token").await.unwrap();
-    let held = |batch: &BatchId, account: &str, start: i32| OutboxMessage {
-        exchange: String::new(),
-        routing_key: "lane".into(),
-        payload: json!({"batch_id": batch, "account_id": account, "model": "@lorry/echo", "start": start, "end": start + 1}),
-        account_id: Some(AccountId(account.into())),
-        traceparent: None,
-    };
+    let held = held_chunk;
     let chunk = |batch: &BatchId, account: &str, start: i32| Chunk {
         batch_id: batch.clone(),
         account_id: AccountId(account.into()),

@@ -1225,46 +1225,41 @@ mod tests {
         assert!(s.waiting_accounts.is_empty());
     }
 
-    #[test]
-    fn a_few_requests_behind_another_accounts_many_share_the_slots_as_they_free() {
-        // Eight of account 1's queued ahead of account 2's three, two slots:
-        // in arrival order account 2 would start after all eight; with fewer
-        // running, it takes every other slot that frees.
-        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
-        for id in 0..8 {
+    /// On `slots` slots, account 1's `many` sequences (ids from 0) start,
+    /// then account 2's `few` (ids from 100) are queued behind the rest of
+    /// them, and the oldest running sequence ends, step after step: the
+    /// order in which they all start.
+    fn few_behind_many(slots: usize, many: u64, few: u64) -> Vec<SeqId> {
+        let mut s = Scheduler::new(config(slots, 64), BlockPool::new(64, 4));
+        for id in 0..many {
             s.add(id, Lane::Batch, 1, 4, vec![]);
         }
         let mut running: Vec<SeqId> = Vec::new();
         let mut order = finish(&mut s, &mut running, &[]);
-        for id in 100..103 {
+        for id in 100..100 + few {
             s.add(id, Lane::Batch, 2, 4, vec![]);
         }
         while !s.is_idle() {
-            // The oldest running sequence ends.
             let done = running[0];
             order.extend(finish(&mut s, &mut running, &[done]));
         }
-        assert_eq!(order, vec![0, 1, 100, 2, 101, 3, 102, 4, 5, 6, 7]);
+        order
+    }
+
+    #[test]
+    fn a_few_requests_behind_another_accounts_many_share_the_slots_as_they_free() {
+        // In arrival order account 2 would start after all eight; on two
+        // slots it takes every other one that frees.
+        assert_eq!(few_behind_many(2, 8, 3), vec![0, 1, 100, 2, 101, 3, 102, 4, 5, 6, 7]);
     }
 
     #[test]
     fn the_smaller_backlog_gets_two_slots_for_the_larger_ones_one() {
-        // Three slots, account 1's ten queued first, account 2's six behind
-        // them: account 2 has fewer here, so its running sequences count at
-        // half; account 1 still gets every third slot.
-        let mut s = Scheduler::new(config(3, 64), BlockPool::new(64, 4));
-        for id in 0..10 {
-            s.add(id, Lane::Batch, 1, 4, vec![]);
-        }
-        let mut running: Vec<SeqId> = Vec::new();
-        let mut order = finish(&mut s, &mut running, &[]);
-        for id in 100..106 {
-            s.add(id, Lane::Batch, 2, 4, vec![]);
-        }
-        while !s.is_idle() {
-            let done = running[0];
-            order.extend(finish(&mut s, &mut running, &[done]));
-        }
-        assert_eq!(order, vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5, 6, 7, 8, 9]);
+        // Account 2 has fewer here, so its running sequences count at half;
+        // account 1 still gets every third slot.
+        assert_eq!(
+            few_behind_many(3, 10, 6),
+            vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5, 6, 7, 8, 9]
+        );
     }
 }
