@@ -94,11 +94,16 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
 /// whether chunks are still held.
 pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<bool, BatcherError> {
     let lanes = store.held_lanes().await?;
-    for lane in &lanes {
+    for (lane, accounts) in &lanes {
         let room = |ready: u32| depth.saturating_sub(ready) as usize;
+        // Only an account behind another that still holds chunks goes ahead.
+        let ahead = match accounts {
+            1 => 0,
+            _ => room(ready(publisher, &broker::ahead_queue(lane)).await?),
+        };
         let room = Room {
             queue: room(ready(publisher, lane).await?),
-            ahead: room(ready(publisher, &broker::ahead_queue(lane)).await?),
+            ahead,
             queue_depth: depth as usize,
         };
         store

@@ -119,7 +119,7 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
     );
     assert_eq!(
         store.held_lanes().await.unwrap(),
-        Vec::<String>::new(),
+        Vec::<(String, i64)>::new(),
         "nothing left held"
     );
 }
@@ -181,6 +181,8 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         .create_batch(theirs, (0..3).map(|i| held(&small, "other", i)).collect())
         .await
         .unwrap();
+    // Two accounts hold chunks on the lane now: the relay looks at its queue ahead.
+    assert_eq!(store.held_lanes().await.unwrap(), vec![("lane".to_string(), 2)]);
     assert_eq!(dispatch(1).await, expect(&[("other", 0)]));
     assert_eq!(dispatch(1).await, expect(&[("other", 1)]));
     // acct's three are served (one reported twice, as a redelivered chunk
@@ -213,7 +215,7 @@ async fn a_cancelled_batchs_chunks_still_held_are_dropped(pool: PgPool) {
         .create_batch(new_batch(&id, 3, Duration::from_secs(3600), 0), outbox)
         .await
         .unwrap();
-    assert_eq!(store.held_lanes().await.unwrap(), vec!["lane".to_string()]);
+    assert_eq!(store.held_lanes().await.unwrap(), vec![("lane".to_string(), 1)]);
     store
         .cancel_batch(&AccountId("acct".into()), &id)
         .await

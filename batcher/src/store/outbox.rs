@@ -171,10 +171,12 @@ impl Store {
         Ok(())
     }
 
-    /// The lanes (routing keys) holding chunks for fair dispatch.
-    pub async fn held_lanes(&self) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(
-            "SELECT DISTINCT routing_key FROM outbox WHERE sent_at IS NULL AND account_id IS NOT NULL",
+    /// The lanes (routing keys) holding chunks for fair dispatch, each with
+    /// how many accounts hold them.
+    pub async fn held_lanes(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT routing_key, count(DISTINCT account_id) FROM outbox
+             WHERE sent_at IS NULL AND account_id IS NOT NULL GROUP BY routing_key",
         )
         .fetch_all(&self.pool)
         .await?)
