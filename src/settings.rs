@@ -243,8 +243,9 @@ pub struct WorkerSettings {
     /// one with the fewest chunks in flight first.
     #[arg(long, env = "LORRY_DISPATCH_DEPTH", default_value_t = 4)]
     pub dispatch_depth: u32,
-    /// Milliseconds between the relay's top-ups of batch queues while chunks are held.
-    #[arg(long, env = "LORRY_DISPATCH_POLL_MS", default_value_t = 20)]
+    /// Milliseconds between the relay's top-ups of batch queues while chunks
+    /// are held, beside the wake-up each acked chunk sends.
+    #[arg(long, env = "LORRY_DISPATCH_POLL_MS", default_value_t = 200)]
     pub dispatch_poll_ms: u64,
     /// Milliseconds the echo model spends on each request (tests and benchmarks).
     #[arg(long, env = "LORRY_ECHO_DELAY_MS", default_value_t = 0)]

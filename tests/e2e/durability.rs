@@ -139,18 +139,18 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
     let connection = lorry_batcher::broker::connect(&app.settings.services.amqp_url, "test-failing-worker")
         .await
         .unwrap();
-    let mut channel = connection.create_channel().await.unwrap();
-    let queue = format!("{}.batch.@lorry/echo", app.settings.services.queue_prefix);
+    let channel = connection.create_channel().await.unwrap();
+    // The queues as the relay declares them (the same arguments), so that
+    // the test never asks for one not declared yet.
+    let topology =
+        lorry_batcher::broker::Topology::new(&app.settings.services.queue_prefix, app.settings.worker.delivery_limit);
+    topology.declare(&channel, ["@lorry/echo"]).await.unwrap();
+    let queue = topology.batch_queue("@lorry/echo");
     let started = std::time::Instant::now();
     let mut failed = 0;
     while started.elapsed() < Duration::from_secs(20) {
-        match channel.basic_get(&queue, BasicGetOptions::default()).await {
-            // The queue is not declared yet, which closes the channel.
-            Err(_) => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                channel = connection.create_channel().await.unwrap();
-            }
-            Ok(Some(message)) => {
+        match channel.basic_get(&queue, BasicGetOptions::default()).await.unwrap() {
+            Some(message) => {
                 message
                     .delivery
                     .nack(BasicNackOptions {
@@ -161,8 +161,8 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
                     .unwrap();
                 failed += 1;
             }
-            _ if failed > 2 => break,
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            None if failed > 2 => break,
+            None => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
     assert_eq!(failed, 3, "delivered once and redelivered up to the limit of 2");
