@@ -129,7 +129,9 @@ async fn a_dropped_broker_connection_loses_no_request_and_duplicates_none() {
 
 #[tokio::test]
 async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_end_errored() {
-    use lapin::options::{BasicGetOptions, BasicNackOptions};
+    use futures::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicNackOptions};
+    use lapin::types::FieldTable;
 
     // No worker yet: the relay publishes the chunk, and the test plays a worker
     // that fails it on every delivery.
@@ -145,27 +147,33 @@ async fn a_message_that_fails_every_delivery_is_dead_lettered_and_its_requests_e
     let topology =
         lorry_batcher::broker::Topology::new(&app.settings.services.queue_prefix, app.settings.worker.delivery_limit);
     topology.declare(&channel, ["@lorry/echo"]).await.unwrap();
-    let queue = topology.batch_queue("@lorry/echo");
-    let started = std::time::Instant::now();
-    let mut failed = 0;
-    while started.elapsed() < Duration::from_secs(20) {
-        match channel.basic_get(&queue, BasicGetOptions::default()).await.unwrap() {
-            Some(message) => {
-                message
-                    .delivery
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap();
-                failed += 1;
-            }
-            None if failed > 2 => break,
-            None => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
+    let mut deliveries = channel
+        .basic_consume(
+            &topology.batch_queue("@lorry/echo"),
+            "test-failing-worker",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // Delivered once and redelivered up to the limit of 2: each refused.
+    for attempt in 1..=3 {
+        let delivery = tokio::time::timeout(Duration::from_secs(20), deliveries.next())
+            .await
+            .unwrap_or_else(|_| panic!("delivery {attempt} never came"))
+            .expect("the consumer ended")
+            .unwrap();
+        delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
     }
-    assert_eq!(failed, 3, "delivered once and redelivered up to the limit of 2");
+    // The third refusal dead-letters it: a fourth delivery would reach the
+    // worker below and complete the batch without errors.
+    channel.close(200, "done failing").await.unwrap();
 
     let worker = crate::common::start(app.settings.clone(), Role::Worker).await;
     let done = app.wait_until_ended(id, Duration::from_secs(30)).await;
