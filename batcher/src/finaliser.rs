@@ -2,7 +2,13 @@
 //! order) and `errors.jsonl` to S3, then moves the batch to its terminal status
 //! together with its events and webhook, in one transaction. The sweeper
 //! expires batches past their window and picks up batches whose finaliser died.
+//! A finalisation that fails (S3 or PostgreSQL unreachable) hands its batch
+//! back to the sweepers after a backoff of its own (1 s doubling, at most the
+//! stale period), so a batch ends soon after the service is back rather than
+//! a whole stale period later.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::Utc;
@@ -56,6 +62,19 @@ pub struct Finaliser {
     objects: ObjectStore,
     topology: Topology,
     config: FinaliserConfig,
+    /// Failed finalisations so far of each batch this finaliser tried.
+    failures: Arc<Mutex<HashMap<BatchId, u32>>>,
+}
+
+/// How many batches' failure counts a finaliser keeps (the oldest are
+/// forgotten past it: their next retry starts the backoff again).
+const FAILURES_KEPT: usize = 1024;
+
+/// The wait before a batch whose finalisation failed `failures` times is
+/// tried again: 1 s doubling, at most `stale_after`.
+pub fn finalize_retry_delay(failures: u32, stale_after: Duration) -> Duration {
+    let doubled = Duration::from_secs(1).saturating_mul(1u32 << failures.saturating_sub(1).min(20));
+    doubled.min(stale_after)
 }
 
 impl Finaliser {
@@ -66,6 +85,7 @@ impl Finaliser {
             objects,
             topology,
             config,
+            failures: Arc::default(),
         }
     }
 
@@ -107,8 +127,38 @@ impl Finaliser {
         }
     }
 
-    /// Write the output of a batch in `finalizing` and end it.
+    /// Write the output of a batch in `finalizing` and end it. If that
+    /// fails, the batch is handed back to the sweepers after its backoff.
     pub async fn finalize(&self, batch: Batch) -> Result<bool, BatcherError> {
+        let id = batch.id.clone();
+        let outcome = self.write_ending(batch).await;
+        let failures = {
+            let mut failures = self.failures.lock().unwrap();
+            if outcome.is_ok() {
+                failures.remove(&id);
+                return outcome;
+            }
+            if failures.len() >= FAILURES_KEPT {
+                failures.clear();
+            }
+            let count = failures.entry(id.clone()).or_insert(0);
+            *count += 1;
+            *count
+        };
+        let delay = finalize_retry_delay(failures, self.config.stale_after);
+        match self
+            .store
+            .retry_finalizing_after(&id, self.config.stale_after, delay)
+            .await
+        {
+            Ok(_) => tracing::warn!(batch = %id, failures, retry_in = ?delay, "finalising failed"),
+            // The stale period hands it back instead.
+            Err(e) => tracing::warn!(batch = %id, failures, error = %e, "finalising failed; not rescheduled"),
+        }
+        outcome
+    }
+
+    async fn write_ending(&self, batch: Batch) -> Result<bool, BatcherError> {
         let finished = self.store.finished_requests(&batch.id).await?;
         let rendered = Rendered::of(&batch, &finished)?;
         let output_key = batch_key(&batch.account_id, &batch.id, "output.jsonl");

@@ -345,6 +345,40 @@ async fn only_one_finaliser_wins_and_only_once_every_request_ended(pool: PgPool)
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_failed_finalisation_is_handed_back_to_the_sweepers_after_its_delay_not_the_stale_period(pool: PgPool) {
+    let stale = Duration::from_secs(3600);
+    let (store, id) = store_with_batch(pool, 1, stale).await;
+    store.claim(&chunk(&id, 0, 1)).await.unwrap();
+    store.commit(&id, &[ok(0)]).await.unwrap();
+    store.begin_finalizing(&id).await.unwrap().expect("ready");
+    assert!(
+        store.reclaim_stale_finalizing(stale).await.unwrap().is_empty(),
+        "a live finaliser's claim is not taken"
+    );
+    // Its finaliser failed: retried in an hour less a moment, not yet due.
+    assert!(store
+        .retry_finalizing_after(&id, stale, Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert!(store.reclaim_stale_finalizing(stale).await.unwrap().is_empty());
+    // Due now: one sweeper takes it (and its claim is fresh again).
+    assert!(store.retry_finalizing_after(&id, stale, Duration::ZERO).await.unwrap());
+    let taken = store.reclaim_stale_finalizing(stale).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].id, id);
+    assert!(store.reclaim_stale_finalizing(stale).await.unwrap().is_empty());
+}
+
+#[test]
+fn a_failed_finalisation_waits_one_second_doubling_up_to_the_stale_period() {
+    use lorry_batcher::finaliser::finalize_retry_delay;
+    let stale = Duration::from_secs(60);
+    let delays: Vec<u64> = (1..=8).map(|n| finalize_retry_delay(n, stale).as_secs()).collect();
+    assert_eq!(delays, [1, 2, 4, 8, 16, 32, 60, 60]);
+    assert_eq!(finalize_retry_delay(u32::MAX, stale), stale);
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
 async fn cancelling_ends_pending_requests_and_leaves_running_ones(pool: PgPool) {
     let (store, id) = store_with_batch(pool, 3, Duration::from_secs(3600)).await;
     store.claim(&chunk(&id, 0, 1)).await.unwrap();

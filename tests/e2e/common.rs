@@ -32,12 +32,21 @@ fn init_tracing() {
     });
 }
 
+/// The PostgreSQL server test deployments make their databases on (no database name).
+pub fn database_server() -> String {
+    std::env::var("LORRY_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
+}
+
 /// Settings for a fresh, isolated deployment.
 pub async fn isolated_settings() -> Settings {
+    isolated_settings_on(&database_server()).await
+}
+
+/// Settings for a fresh, isolated deployment whose database is made on the
+/// PostgreSQL server at `base` (a URL without a database name).
+pub async fn isolated_settings_on(base: &str) -> Settings {
     let mut settings = Settings::from_env().expect("settings from the environment");
     let unique = uuid::Uuid::new_v4().simple().to_string();
-    let base =
-        std::env::var("LORRY_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string());
     settings.services.database_url = format!("{base}/lorry_test_{unique}");
     Store::create_database(&settings.services.database_url)
         .await
@@ -142,6 +151,28 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
 }
 
 impl TestApp {
+    /// A handle on a deployment whose processes the test runs itself (no
+    /// Lorry in this process), its API at `address`.
+    pub async fn attach(settings: Settings, address: String) -> TestApp {
+        let store = Store::connect(&settings.services.database_url, 4).await.unwrap();
+        TestApp {
+            address,
+            broker_url: settings.services.amqp_url.clone(),
+            settings,
+            store,
+            http: reqwest::Client::new(),
+            stop: CancellationToken::new(),
+            handle: None,
+            text_engines: Vec::new(),
+        }
+    }
+
+    /// Start `lorry api` as a real process of this deployment on `port`
+    /// (0: any free one); returns it and its address once it listens.
+    pub async fn spawn_api_process(&self, port: u16) -> (tokio::process::Child, String) {
+        spawn_api_process(&self.child_env(), port).await
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.address)
     }
@@ -429,6 +460,11 @@ impl Proxy {
         self.blocked.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// How many connections it has refused so far.
+    pub fn refused(&self) -> u64 {
+        *self.refused.borrow()
+    }
+
     /// Wait until the deployment has tried, and failed, to reach the service `n` times.
     pub async fn wait_for_refusals(&self, n: u64) {
         let mut refused = self.refused.clone();
@@ -457,4 +493,107 @@ pub fn child_env(s: &Settings) -> Vec<(String, String)> {
         ("LORRY_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()),
         ("LORRY_DATA_DIR".into(), s.data_dir().display().to_string()),
     ]
+}
+
+/// Start `lorry api` with the environment `env` on `port` (0: any free
+/// one); returns the process and its address once it says it listens. Its
+/// log is drained (and shown with `TEST_LOG`).
+pub async fn spawn_api_process(env: &[(String, String)], port: u16) -> (tokio::process::Child, String) {
+    use tokio::io::AsyncBufReadExt;
+    let port = if port == 0 { free_port() } else { port };
+    let mut api = tokio::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
+        .arg("api")
+        .envs(env.iter().cloned())
+        .env("LORRY_LISTEN", format!("127.0.0.1:{port}"))
+        .env("LORRY_BOOTSTRAP_TOKEN", TOKEN)
+        .env("LORRY_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting lorry api");
+    let show = std::env::var_os("TEST_LOG").is_some();
+    let mut log = tokio::io::BufReader::new(api.stderr.take().unwrap()).lines();
+    loop {
+        match log.next_line().await.unwrap() {
+            Some(line) if line.contains("listening on") => break,
+            Some(line) if show => eprintln!("api: {line}"),
+            Some(_) => {}
+            None => panic!("lorry api exited before it listened: {:?}", api.wait().await),
+        }
+    }
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = log.next_line().await {
+            if show {
+                eprintln!("api: {line}");
+            }
+        }
+    });
+    (api, format!("http://127.0.0.1:{port}"))
+}
+
+/// A TCP port on loopback that nothing listened on a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A PostgreSQL server or RabbitMQ node of this test's own
+/// (`scripts/services own`), which the test may stop, crash and start again
+/// without touching anyone else's; removed, data and all, when dropped.
+pub struct OwnService {
+    kind: &'static str,
+    dir: std::path::PathBuf,
+    pub port: u16,
+}
+
+impl OwnService {
+    /// Make and start one: `kind` is `postgres` or `rabbitmq`.
+    pub async fn start(kind: &'static str) -> OwnService {
+        let root = std::env::temp_dir().join("lorry-own");
+        std::fs::create_dir_all(&root).unwrap();
+        let port = free_port();
+        let service = OwnService {
+            kind,
+            dir: root.join(format!("{kind}-{port}")),
+            port,
+        };
+        service.run("start").await;
+        service
+    }
+
+    /// Its URL as Lorry's settings take it: a PostgreSQL server without a
+    /// database name, or an AMQP URL.
+    pub fn url(&self) -> String {
+        match self.kind {
+            "postgres" => format!("postgres://postgres@127.0.0.1:{}", self.port),
+            _ => format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port),
+        }
+    }
+
+    /// `start`, `stop` (clean), `crash` (killed) or `remove`.
+    pub async fn run(&self, action: &str) {
+        let status = tokio::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services"))
+            .args(["own", self.kind])
+            .arg(&self.dir)
+            .args([&self.port.to_string(), action])
+            .env("LORRY_OWN_OWNER", std::process::id().to_string())
+            .status()
+            .await
+            .expect("running scripts/services");
+        assert!(status.success(), "scripts/services own {} {action}: {status}", self.kind);
+    }
+}
+
+impl Drop for OwnService {
+    fn drop(&mut self) {
+        let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services"))
+            .args(["own", self.kind])
+            .arg(&self.dir)
+            .args([&self.port.to_string(), "remove"])
+            .status();
+    }
 }

@@ -1,4 +1,5 @@
-//! Every accepted request ends exactly once, whatever crashes.
+//! Every accepted request ends exactly once, whatever crashes: the quick
+//! cases, on smaller batches (the fault matrix is `faults.rs`).
 
 use std::time::Duration;
 
@@ -46,28 +47,6 @@ async fn batch_in_flight(app: &TestApp, done: i64) -> (std::process::Child, Stri
     })
     .await;
     (worker, id)
-}
-
-#[tokio::test]
-async fn a_killed_worker_loses_no_request_and_duplicates_none() {
-    let app = spawn_app_with(Role::Api, |_| {}).await;
-    let (mut worker, id) = batch_in_flight(&app, 400).await;
-    let id = id.as_str();
-
-    worker.kill().expect("SIGKILL the worker");
-    worker.wait().unwrap();
-    let mid = app.get_json(&format!("/v1/batches/{id}")).await;
-    assert_eq!(mid["status"], "in_progress", "the batch cannot finish without a worker");
-    assert!(mid["request_counts"]["succeeded"].as_i64() < Some(2000));
-
-    let mut replacement = app.spawn_worker_process(&[("LORRY_ECHO_DELAY_MS", "2")]);
-    assert_exactly_once(&app, id, 2000).await;
-    replacement.kill().unwrap();
-    let _ = replacement.wait();
-    assert!(
-        redelivered(&app, id).await > 0,
-        "the killed worker's requests were delivered again"
-    );
 }
 
 #[tokio::test]
@@ -290,7 +269,9 @@ async fn s3_down_while_a_batch_ends_delays_its_output_and_loses_nothing() {
     let app = spawn_app_with(Role::Serve, |s| {
         s.services.s3_endpoint = Some(redirect(&endpoint, proxy.port).1);
         s.worker.echo_delay_ms = 2;
-        s.worker.finalize_stale_secs = 1;
+        // Only the failed finalisation's own retry can end it in time: no
+        // sweeper takes the batch over as stale.
+        s.worker.finalize_stale_secs = 3600;
     })
     .await;
     // Down before the batch can end: its output cannot be written.
@@ -304,80 +285,4 @@ async fn s3_down_while_a_batch_ends_delays_its_output_and_loses_nothing() {
     assert_eq!(stuck["status"], "finalizing", "no batch ends without its output");
     proxy.unblock();
     assert_exactly_once(&app, id, 300).await;
-}
-
-#[tokio::test]
-async fn an_api_killed_mid_post_leaves_one_batch_for_the_client_that_retries_with_its_key() {
-    // The in-process deployment serves the retry and runs the batch; a second
-    // API, a real process, takes the first POST and is killed during it.
-    let app = spawn_app_with(Role::Serve, |_| {}).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut api = tokio::process::Command::new(env!("CARGO_BIN_EXE_lorry"))
-        .arg("api")
-        .envs(app.child_env())
-        .env("LORRY_LISTEN", format!("127.0.0.1:{port}"))
-        .env("LORRY_BOOTSTRAP_TOKEN", crate::common::TOKEN)
-        .env("LORRY_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting lorry api");
-    // Up once it says it listens; its log is drained after that.
-    let mut log = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(api.stderr.take().unwrap()));
-    while let Some(line) = log.next_line().await.unwrap() {
-        if line.contains("listening on") {
-            break;
-        }
-    }
-    tokio::spawn(async move { while let Ok(Some(_)) = log.next_line().await {} });
-    let other = format!("http://127.0.0.1:{port}");
-    const N: usize = 10_000;
-    let requests: Vec<serde_json::Value> = (0..N)
-        .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
-        .collect();
-    let body = json!({"model": "@lorry/echo", "requests": requests});
-    let key = uuid::Uuid::new_v4().to_string();
-    let post = |base: String| {
-        let (http, body, key) = (app.http.clone(), body.clone(), key.clone());
-        async move {
-            http.post(format!("{base}/v1/batches"))
-                .bearer_auth(crate::common::TOKEN)
-                .header("Idempotency-Key", key)
-                .json(&body)
-                .send()
-                .await
-        }
-    };
-    let first = tokio::spawn(post(other));
-    // Kill it once it is writing the batch (or, on a fast machine, once it has answered).
-    let during_write = loop {
-        let writing: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND state <> 'idle' AND query ILIKE '%INSERT INTO requests%'",
-        )
-        .fetch_one(app.store.pool())
-        .await
-        .unwrap();
-        if writing > 0 || first.is_finished() {
-            break writing > 0;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    };
-    api.kill().await.expect("SIGKILL the API");
-    let answered = first.await.unwrap().is_ok();
-    eprintln!("killed while writing the batch: {during_write}; the first POST answered: {answered}");
-    let retried = post(app.address.clone()).await.unwrap();
-    assert!(retried.status().is_success(), "the retry: {}", retried.status());
-    let batch: serde_json::Value = retried.json().await.unwrap();
-    let batches: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE idempotency_key = $1")
-        .bind(&key)
-        .fetch_one(app.store.pool())
-        .await
-        .unwrap();
-    assert_eq!(batches, 1, "one batch, however the first POST ended");
-    assert_exactly_once(&app, batch["id"].as_str().unwrap(), N).await;
 }

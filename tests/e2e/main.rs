@@ -9,6 +9,7 @@ mod adapters;
 mod batches;
 mod durability;
 mod fairness;
+mod faults;
 mod hardening;
 mod metrics;
 mod models;

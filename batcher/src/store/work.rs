@@ -263,6 +263,23 @@ impl Store {
         rows.iter().map(batch_from_row).collect()
     }
 
+    /// Hand a batch whose finalisation failed back to the sweepers in
+    /// `delay`: its claim dated as if taken `stale_after - delay` ago, so that
+    /// [`Store::reclaim_stale_finalizing`] takes it then. False if it is no
+    /// longer finalising.
+    pub async fn retry_finalizing_after(&self, id: &BatchId, stale_after: Duration, delay: Duration) -> Result<bool> {
+        let back = stale_after.saturating_sub(delay);
+        let done = sqlx::query(
+            "UPDATE batches SET finalizing_at = now() - make_interval(secs => $2)
+             WHERE id = $1 AND status = 'finalizing'",
+        )
+        .bind(id.as_str())
+        .bind(back.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     /// Open batches with no unfinished request left (e.g. cancelled while nothing ran).
     pub async fn ready_to_finalize(&self, limit: i64) -> Result<Vec<BatchId>> {
         let ids: Vec<String> = sqlx::query_scalar(

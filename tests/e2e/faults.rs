@@ -1,0 +1,415 @@
+//! The fault matrix: a 10,000-request batch on the echo model, with a
+//! completion webhook, served by `lorry api` and `lorry worker` processes
+//! against real services, through one fault each: a worker killed, the API
+//! killed mid-POST of a second batch, RabbitMQ restarted, PostgreSQL
+//! restarted, S3 unreachable, the webhook receiver failing. Each case ends
+//! with every request exactly once, the batch `completed`, one
+//! `batch.completed` webhook (one `webhook-id` on every attempt), and the
+//! deployment still serving.
+//!
+//! The services a case restarts are its own (`scripts/services own`), so
+//! that nothing else on the machine loses them. These are the suite's
+//! slowest tests: `./scripts/test -P quick` leaves them out.
+
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use lorry::Settings;
+use serde_json::{json, Value};
+
+use crate::common::{
+    assert_each_index_once, database_server, eventually, isolated_settings_on, OwnService, Proxy, TestApp, TOKEN,
+};
+
+const N: usize = 10_000;
+
+/// How long a batch may take to end after its fault, on a busy machine.
+const END_LIMIT: Duration = Duration::from_secs(300);
+
+/// A webhook receiver that answers 500 to every call from the first
+/// `batch.completed` call until `fail_for` has passed, and 200 otherwise.
+#[derive(Clone)]
+struct Hook {
+    url: String,
+    /// Every call: its headers, body and the status it was answered.
+    calls: Arc<Mutex<Vec<(HeaderMap, axum::body::Bytes, u16)>>>,
+}
+
+impl Hook {
+    async fn start(fail_for: Duration) -> Hook {
+        let calls: Arc<Mutex<Vec<(HeaderMap, axum::body::Bytes, u16)>>> = Arc::default();
+        let first_completion: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let (seen, first) = (calls.clone(), first_completion.clone());
+        let app = Router::new().route(
+            "/hook",
+            post(move |headers: HeaderMap, body: axum::body::Bytes| {
+                let (seen, first) = (seen.clone(), first.clone());
+                async move {
+                    let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                    let failing = event["type"] == "batch.completed"
+                        && first.lock().unwrap().get_or_insert_with(Instant::now).elapsed() < fail_for;
+                    let status = if failing {
+                        StatusCode::INTERNAL_SERVER_ERROR
+                    } else {
+                        StatusCode::OK
+                    };
+                    seen.lock().unwrap().push((headers, body, status.as_u16()));
+                    status
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://127.0.0.1:{}/hook", listener.local_addr().unwrap().port());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Hook { url, calls }
+    }
+
+    /// The `batch.completed` calls for batch `id`: their `webhook-id`s and statuses.
+    fn completions(&self, id: &str) -> Vec<(String, u16)> {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, body, _)| {
+                let event: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+                event["type"] == "batch.completed" && event["data"]["id"] == id
+            })
+            .map(|(headers, _, status)| (headers["webhook-id"].to_str().unwrap().to_string(), *status))
+            .collect()
+    }
+}
+
+/// Where a case's deployment finds its services.
+struct Services {
+    /// A PostgreSQL server URL without a database name.
+    database: String,
+    amqp: Option<String>,
+    s3: Option<String>,
+}
+
+impl Default for Services {
+    fn default() -> Self {
+        Services {
+            database: database_server(),
+            amqp: None,
+            s3: None,
+        }
+    }
+}
+
+/// One case's deployment: `lorry api` and `lorry worker` processes, a
+/// webhook receiver, and the 10,000-request batch under way.
+struct Case {
+    app: TestApp,
+    api: tokio::process::Child,
+    port: u16,
+    workers: Vec<Child>,
+    hook: Hook,
+    batch: String,
+}
+
+impl Case {
+    /// Start the deployment with `workers` workers (each with `worker_env`
+    /// on top of the deployment's), submit the batch, and return once
+    /// `done` of its requests have succeeded.
+    async fn start(
+        services: Services,
+        workers: usize,
+        worker_env: &[(&str, &str)],
+        hook: Hook,
+        done: i64,
+    ) -> Case {
+        let mut settings: Settings = isolated_settings_on(&services.database).await;
+        if let Some(amqp) = services.amqp {
+            settings.services.amqp_url = amqp;
+        }
+        if let Some(s3) = services.s3 {
+            settings.services.s3_endpoint = Some(s3);
+        }
+        let env = crate::common::child_env(&settings);
+        let (api, address) = crate::common::spawn_api_process(&env, 0).await;
+        let port = address.rsplit(':').next().unwrap().parse().unwrap();
+        let app = TestApp::attach(settings, address).await;
+        let workers = (0..workers).map(|_| app.spawn_worker_process(worker_env)).collect();
+        let batch = app.submit_echo(N, json!({"webhook": {"url": hook.url}})).await;
+        let batch = batch["id"].as_str().unwrap().to_string();
+        let case = Case {
+            app,
+            api,
+            port,
+            workers,
+            hook,
+            batch,
+        };
+        case.app
+            .wait_for(&case.batch, Duration::from_secs(120), |b| {
+                b["request_counts"]["succeeded"].as_i64() >= Some(done)
+            })
+            .await;
+        case
+    }
+
+    /// Wait until the API's `/readyz` reports `check` (`postgres`,
+    /// `rabbitmq`, `s3`) as `ok` or not: the deployment has seen the fault,
+    /// or its end.
+    async fn wait_until_ready_says(&self, check: &str, ok: bool) {
+        eventually(Duration::from_secs(60), || async {
+            let answer = self.app.http.get(self.app.url("/readyz")).send().await;
+            let body: Value = match answer {
+                Ok(answer) => answer.json().await.unwrap_or(Value::Null),
+                Err(e) => return Err(format!("/readyz: {e}")),
+            };
+            if (body["checks"][check] == "ok") == ok {
+                Ok(())
+            } else {
+                Err(format!("/readyz never said {check} ok={ok}: {body}"))
+            }
+        })
+        .await
+    }
+
+    /// Every check that must hold after any fault, for batch `id` of `total` requests.
+    async fn assert_exactly_once(&self, id: &str, total: usize) {
+        let app = &self.app;
+        let done = app.wait_until_ended(id, END_LIMIT).await;
+        assert_eq!(done["status"], "completed", "{done:#}");
+        assert_eq!(done["request_counts"]["succeeded"], json!(total), "{done:#}");
+        let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
+        assert_each_index_once(&lines, total);
+        for line in &lines {
+            let i = line["index"].as_i64().unwrap();
+            assert_eq!(line["response"]["body"]["response"], format!("prompt {i}"));
+        }
+        let completions: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1",
+        )
+        .bind(id)
+        .fetch_one(app.store.pool())
+        .await
+        .unwrap();
+        assert_eq!(completions, 1, "the batch completed exactly once");
+
+        // One completion webhook, delivered, with one id on every attempt.
+        let calls = eventually(Duration::from_secs(60), || async {
+            let calls = self.hook.completions(id);
+            if calls.iter().any(|(_, status)| *status == 200) {
+                Ok(calls)
+            } else {
+                Err(format!("no batch.completed webhook was delivered for {id}: {calls:?}"))
+            }
+        })
+        .await;
+        assert!(
+            calls.iter().all(|(webhook_id, _)| *webhook_id == calls[0].0),
+            "one webhook-id on every attempt: {calls:?}"
+        );
+        let secret = app.get_json("/v1/account").await["webhook_secret"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let verifier = standardwebhooks::Webhook::new(&secret).unwrap();
+        for (headers, body, _) in self.hook.calls.lock().unwrap().iter() {
+            verifier.verify(body, headers).expect("every call is signed");
+        }
+    }
+
+    /// The deployment still serves: its processes are up, and a new batch ends.
+    async fn assert_still_serving(&mut self) {
+        assert!(
+            self.api.try_wait().unwrap().is_none(),
+            "the API process is still running"
+        );
+        for worker in &mut self.workers {
+            assert!(worker.try_wait().unwrap().is_none(), "a worker process exited");
+        }
+        let health = self.app.get("/healthz").await;
+        assert_eq!(health.status(), 200);
+        let after = self.app.submit_echo(3, json!({})).await;
+        let after = self
+            .app
+            .wait_until_ended(after["id"].as_str().unwrap(), Duration::from_secs(60))
+            .await;
+        assert_eq!(after["status"], "completed");
+        assert_eq!(after["request_counts"]["succeeded"], 3);
+    }
+
+    /// The batch's requests that were delivered more than once.
+    async fn redelivered(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM requests WHERE batch_id = $1 AND attempts > 1")
+            .bind(&self.batch)
+            .fetch_one(self.app.store.pool())
+            .await
+            .unwrap()
+    }
+
+    /// Check everything, then stop the processes.
+    async fn finish(mut self) {
+        let batch = self.batch.clone();
+        self.assert_exactly_once(&batch, N).await;
+        self.assert_still_serving().await;
+        for worker in &mut self.workers {
+            let _ = worker.kill();
+            let _ = worker.wait();
+        }
+        let _ = self.api.kill().await;
+    }
+}
+
+#[tokio::test]
+async fn fault_matrix_a_worker_killed_mid_batch() {
+    let hook = Hook::start(Duration::ZERO).await;
+    let mut case = Case::start(Services::default(), 2, &[("LORRY_ECHO_DELAY_MS", "2")], hook, 2000).await;
+    let mut killed = case.workers.remove(0);
+    killed.kill().expect("SIGKILL a worker");
+    killed.wait().unwrap();
+    let mid = case.app.get_json(&format!("/v1/batches/{}", case.batch)).await;
+    assert!(mid["request_counts"]["succeeded"].as_i64() < Some(N as i64), "{mid:#}");
+    let batch = case.batch.clone();
+    case.assert_exactly_once(&batch, N).await;
+    assert!(
+        case.redelivered().await > 0,
+        "the killed worker's requests were delivered again"
+    );
+    case.finish().await;
+}
+
+#[tokio::test]
+async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
+    let hook = Hook::start(Duration::ZERO).await;
+    let mut case = Case::start(Services::default(), 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    let requests: Vec<Value> = (0..N)
+        .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
+        .collect();
+    let body = json!({"model": "@lorry/echo", "requests": requests, "webhook": {"url": case.hook.url}});
+    let key = uuid::Uuid::new_v4().to_string();
+    let post = {
+        let (http, url, body, key) = (case.app.http.clone(), case.app.url("/v1/batches"), body, key.clone());
+        move || {
+            let (http, url, body, key) = (http.clone(), url.clone(), body.clone(), key.clone());
+            async move {
+                http.post(url)
+                    .bearer_auth(TOKEN)
+                    .header("Idempotency-Key", key)
+                    .json(&body)
+                    .send()
+                    .await
+            }
+        }
+    };
+    let first = tokio::spawn(post());
+    // Killed once it is writing the batch (or, on a fast machine, once it has answered).
+    let during_write = loop {
+        let writing: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND state <> 'idle' AND query ILIKE '%INSERT INTO requests%'",
+        )
+        .fetch_one(case.app.store.pool())
+        .await
+        .unwrap();
+        if writing > 0 || first.is_finished() {
+            break writing > 0;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    case.api.kill().await.expect("SIGKILL the API");
+    let answered = first.await.unwrap().is_ok();
+    eprintln!("killed while writing the batch: {during_write}; the first POST answered: {answered}");
+    // The API comes back on its address, as a supervisor would restart it,
+    // and the client retries with its key.
+    let (api, _) = case.app.spawn_api_process(case.port).await;
+    case.api = api;
+    let retried = post().await.unwrap();
+    assert!(retried.status().is_success(), "the retry: {}", retried.status());
+    let second: Value = retried.json().await.unwrap();
+    let batches: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE idempotency_key = $1")
+        .bind(&key)
+        .fetch_one(case.app.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(batches, 1, "one batch, however the first POST ended");
+    case.assert_exactly_once(second["id"].as_str().unwrap(), N).await;
+    case.finish().await;
+}
+
+#[tokio::test]
+async fn fault_matrix_rabbitmq_restarted() {
+    let broker = OwnService::start("rabbitmq").await;
+    let hook = Hook::start(Duration::ZERO).await;
+    let services = Services {
+        amqp: Some(broker.url()),
+        ..Services::default()
+    };
+    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    broker.run("stop").await;
+    case.wait_until_ready_says("rabbitmq", false).await;
+    broker.run("start").await;
+    case.wait_until_ready_says("rabbitmq", true).await;
+    case.finish().await;
+}
+
+#[tokio::test]
+async fn fault_matrix_postgres_restarted() {
+    let database = OwnService::start("postgres").await;
+    let hook = Hook::start(Duration::ZERO).await;
+    let services = Services {
+        database: database.url(),
+        ..Services::default()
+    };
+    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    database.run("stop").await;
+    case.wait_until_ready_says("postgres", false).await;
+    database.run("start").await;
+    case.wait_until_ready_says("postgres", true).await;
+    case.finish().await;
+}
+
+#[tokio::test]
+async fn fault_matrix_s3_unreachable_while_the_batch_ends() {
+    let endpoint = std::env::var("LORRY_S3_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:9310".into());
+    let upstream = endpoint.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let proxy = Proxy::start(upstream).await;
+    let hook = Hook::start(Duration::ZERO).await;
+    let services = Services {
+        s3: Some(format!("http://127.0.0.1:{}", proxy.port)),
+        ..Services::default()
+    };
+    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    // Unreachable from here until the batch has tried, and failed, to write its output.
+    proxy.block().await;
+    case.wait_until_ready_says("s3", false).await;
+    let stuck = case
+        .app
+        .wait_for(&case.batch, END_LIMIT, |b| b["status"] == "finalizing")
+        .await;
+    assert_eq!(stuck["request_counts"]["succeeded"], json!(N));
+    let refused = proxy.refused();
+    proxy.wait_for_refusals(refused + 3).await;
+    let still = case.app.get_json(&format!("/v1/batches/{}", case.batch)).await;
+    assert_eq!(still["status"], "finalizing", "no batch ends without its output");
+    proxy.unblock();
+    case.finish().await;
+}
+
+#[tokio::test]
+async fn fault_matrix_the_webhook_receiver_failing() {
+    // Five minutes of failures against the default backoff (1 s doubling),
+    // scaled down a hundredfold: 3 s against 10 ms.
+    let hook = Hook::start(Duration::from_secs(3)).await;
+    let env = [("LORRY_ECHO_DELAY_MS", "1"), ("LORRY_WEBHOOK_MIN_BACKOFF_MS", "10")];
+    let case = Case::start(Services::default(), 1, &env, hook, 2000).await;
+    let batch = case.batch.clone();
+    case.assert_exactly_once(&batch, N).await;
+    let calls = case.hook.completions(&batch);
+    let failed = calls.iter().filter(|(_, status)| *status == 500).count();
+    assert!(failed >= 5, "the receiver failed for a while first: {calls:?}");
+    assert_eq!(
+        calls.iter().filter(|(_, status)| *status == 200).count(),
+        1,
+        "delivered once: {calls:?}"
+    );
+    case.finish().await;
+}
