@@ -584,7 +584,11 @@ impl OwnService {
             .status()
             .await
             .expect("running scripts/services");
-        assert!(status.success(), "scripts/services own {} {action}: {status}", self.kind);
+        assert!(
+            status.success(),
+            "scripts/services own {} {action}: {status}",
+            self.kind
+        );
     }
 }
 

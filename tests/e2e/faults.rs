@@ -116,13 +116,7 @@ impl Case {
     /// Start the deployment with `workers` workers (each with `worker_env`
     /// on top of the deployment's), submit the batch, and return once
     /// `done` of its requests have succeeded.
-    async fn start(
-        services: Services,
-        workers: usize,
-        worker_env: &[(&str, &str)],
-        hook: Hook,
-        done: i64,
-    ) -> Case {
+    async fn start(services: Services, workers: usize, worker_env: &[(&str, &str)], hook: Hook, done: i64) -> Case {
         let mut settings: Settings = isolated_settings_on(&services.database).await;
         if let Some(amqp) = services.amqp {
             settings.services.amqp_url = amqp;
@@ -237,6 +231,16 @@ impl Case {
         assert_eq!(after["request_counts"]["succeeded"], 3);
     }
 
+    /// The batch has not ended: a fault now strikes it mid-way.
+    async fn assert_under_way(&self) {
+        let batch = self.app.get_json(&format!("/v1/batches/{}", self.batch)).await;
+        assert_eq!(batch["status"], "in_progress", "{batch:#}");
+        assert!(
+            batch["request_counts"]["succeeded"].as_i64() < Some(N as i64 / 2),
+            "{batch:#}"
+        );
+    }
+
     /// The batch's requests that were delivered more than once.
     async fn redelivered(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM requests WHERE batch_id = $1 AND attempts > 1")
@@ -263,6 +267,7 @@ impl Case {
 async fn fault_matrix_a_worker_killed_mid_batch() {
     let hook = Hook::start(Duration::ZERO).await;
     let mut case = Case::start(Services::default(), 2, &[("LORRY_ECHO_DELAY_MS", "2")], hook, 2000).await;
+    case.assert_under_way().await;
     let mut killed = case.workers.remove(0);
     killed.kill().expect("SIGKILL a worker");
     killed.wait().unwrap();
@@ -281,6 +286,7 @@ async fn fault_matrix_a_worker_killed_mid_batch() {
 async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
     let hook = Hook::start(Duration::ZERO).await;
     let mut case = Case::start(Services::default(), 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    case.assert_under_way().await;
     let requests: Vec<Value> = (0..N)
         .map(|i| json!({"custom_id": format!("req-{i}"), "body": {"prompt": format!("prompt {i}")}}))
         .collect();
@@ -335,36 +341,62 @@ async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
     case.finish().await;
 }
 
+/// Stop `service` mid-batch the way `how` says (`stop`: cleanly; `crash`:
+/// killed), wait until the API's `/readyz` has seen it gone, start it again,
+/// and check the batch through.
+async fn restarted(service: &OwnService, check: &str, how: &str, services: Services) {
+    let hook = Hook::start(Duration::ZERO).await;
+    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    case.assert_under_way().await;
+    service.run(how).await;
+    case.wait_until_ready_says(check, false).await;
+    service.run("start").await;
+    case.wait_until_ready_says(check, true).await;
+    eprintln!(
+        "{check} {how}: requests delivered more than once: {}",
+        case.redelivered().await
+    );
+    case.finish().await;
+}
+
 #[tokio::test]
 async fn fault_matrix_rabbitmq_restarted() {
     let broker = OwnService::start("rabbitmq").await;
-    let hook = Hook::start(Duration::ZERO).await;
     let services = Services {
         amqp: Some(broker.url()),
         ..Services::default()
     };
-    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
-    broker.run("stop").await;
-    case.wait_until_ready_says("rabbitmq", false).await;
-    broker.run("start").await;
-    case.wait_until_ready_says("rabbitmq", true).await;
-    case.finish().await;
+    restarted(&broker, "rabbitmq", "stop", services).await;
+}
+
+#[tokio::test]
+async fn fault_matrix_rabbitmq_killed_and_restarted() {
+    let broker = OwnService::start("rabbitmq").await;
+    let services = Services {
+        amqp: Some(broker.url()),
+        ..Services::default()
+    };
+    restarted(&broker, "rabbitmq", "crash", services).await;
 }
 
 #[tokio::test]
 async fn fault_matrix_postgres_restarted() {
     let database = OwnService::start("postgres").await;
-    let hook = Hook::start(Duration::ZERO).await;
     let services = Services {
         database: database.url(),
         ..Services::default()
     };
-    let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
-    database.run("stop").await;
-    case.wait_until_ready_says("postgres", false).await;
-    database.run("start").await;
-    case.wait_until_ready_says("postgres", true).await;
-    case.finish().await;
+    restarted(&database, "postgres", "stop", services).await;
+}
+
+#[tokio::test]
+async fn fault_matrix_postgres_crashed_and_restarted() {
+    let database = OwnService::start("postgres").await;
+    let services = Services {
+        database: database.url(),
+        ..Services::default()
+    };
+    restarted(&database, "postgres", "crash", services).await;
 }
 
 #[tokio::test]
@@ -378,6 +410,7 @@ async fn fault_matrix_s3_unreachable_while_the_batch_ends() {
         ..Services::default()
     };
     let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
+    case.assert_under_way().await;
     // Unreachable from here until the batch has tried, and failed, to write its output.
     proxy.block().await;
     case.wait_until_ready_says("s3", false).await;
