@@ -65,9 +65,9 @@ fn usage_day(raw: &str, param: &str) -> Result<NaiveDate, ApiError> {
 /// to before `end` (the last 30 days by default), by lane and the groups asked.
 #[utoipa::path(get, path = "/v1/usage", tag = crate::openapi::SERVICE,
     params(
-        ("start" = Option<String>, Query, description = "First UTC day, YYYY-MM-DD or unix seconds (30 days before `end`)"),
-        ("end" = Option<String>, Query, description = "The UTC day after the last, YYYY-MM-DD or unix seconds (tomorrow)"),
-        ("group_by" = Option<String>, Query, description = "Comma-separated: model, adapter, day, batch"),
+        ("start" = Option<String>, Query, description = "First UTC day, YYYY-MM-DD or unix seconds (30 days before `end`)", pattern = "^([0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{1,12})$"),
+        ("end" = Option<String>, Query, description = "The UTC day after the last, YYYY-MM-DD or unix seconds (tomorrow)", pattern = "^([0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{1,12})$"),
+        ("group_by" = Option<String>, Query, description = "Comma-separated: model, adapter, day, batch", pattern = "^(model|adapter|day|batch)(,(model|adapter|day|batch))*$"),
     ),
     responses((status = 200, description = "The account's usage", body = crate::openapi::UsageReport)))]
 pub async fn usage(

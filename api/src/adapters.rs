@@ -321,7 +321,7 @@ fn name_taken(name: &str) -> ApiError {
 
 /// `GET /v1/adapters`.
 #[utoipa::path(get, path = "/v1/adapters", tag = crate::openapi::ADAPTERS,
-    params(("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    params(("limit" = Option<u32>, Query, description = "Page size, 1–1000 (100)", minimum = 1, maximum = 1000), ("after" = Option<String>, Query, description = "The last adapter id of the page before", pattern = "^lora_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "Adapters, newest first", body = crate::openapi::AdapterList)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -440,7 +440,7 @@ pub async fn create_finetune(
 
 /// `GET /client/v4/accounts/{account_id}/ai/finetunes`.
 #[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/finetunes", tag = crate::openapi::ADAPTERS,
-    params(("account_id" = String, Path, description = "The token's account"), ("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    params(("account_id" = String, Path, description = "The token's account"), ("limit" = Option<u32>, Query, description = "Page size, 1–1000 (100)", minimum = 1, maximum = 1000), ("after" = Option<String>, Query, description = "The last adapter id of the page before", pattern = "^lora_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The account's finetunes", body = crate::openapi::Envelope)))]
 pub async fn list_finetunes(
     State(state): State<AppState>,

@@ -113,7 +113,7 @@ pub async fn create_account(
 
 /// `GET /admin/v1/accounts?limit=&after=`: accounts in name order.
 #[utoipa::path(get, path = "/admin/v1/accounts", tag = crate::openapi::ADMIN,
-    params(("limit" = Option<u32>, Query, description = "Page size, 1–1000 (100)"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    params(("limit" = Option<u32>, Query, description = "Page size, 1–1000 (100)", minimum = 1, maximum = 1000), ("after" = Option<String>, Query, description = "The last account name of the page before", pattern = "^[a-z0-9][a-z0-9_-]{0,63}$")),
     responses((status = 200, description = "A page of accounts", body = crate::openapi::AdminAccountList)))]
 pub async fn list_accounts(
     State(state): State<AppState>,

@@ -221,7 +221,7 @@ fn native_items(requests: &Value) -> Result<Vec<Item>, ApiError> {
 
 /// `GET /v1/batches/{id}`.
 #[utoipa::path(get, path = "/v1/batches/{id}", tag = crate::openapi::NATIVE,
-    params(("id" = String, Path, description = "A batch id")),
+    params(("id" = String, Path, description = "A batch id", pattern = "^batch_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The batch", body = crate::openapi::Batch)))]
 pub async fn show(
     State(state): State<AppState>,
@@ -235,7 +235,7 @@ pub async fn show(
 
 /// `GET /v1/batches?limit&after`: newest first.
 #[utoipa::path(get, path = "/v1/batches", tag = crate::openapi::NATIVE,
-    params(("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    params(("limit" = Option<u32>, Query, description = "Page size, 1–100 (20)", minimum = 1, maximum = 100), ("after" = Option<String>, Query, description = "The last batch id of the page before", pattern = "^batch_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "Batches, newest first", body = crate::openapi::BatchList)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -262,7 +262,7 @@ pub async fn list(
 
 /// `POST /v1/batches/{id}/cancel`: unstarted requests are cancelled; running ones finish.
 #[utoipa::path(post, path = "/v1/batches/{id}/cancel", tag = crate::openapi::NATIVE,
-    params(("id" = String, Path, description = "A batch id")),
+    params(("id" = String, Path, description = "A batch id", pattern = "^batch_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The batch, cancelling", body = crate::openapi::Batch)))]
 pub async fn cancel(
     State(state): State<AppState>,
@@ -289,7 +289,7 @@ pub async fn cancel(
 /// `DELETE /v1/batches/{id}`: an ended batch's requests, results, output
 /// and error files (records and S3 objects) are deleted.
 #[utoipa::path(delete, path = "/v1/batches/{id}", tag = crate::openapi::NATIVE,
-    params(("id" = String, Path, description = "A batch id")),
+    params(("id" = String, Path, description = "A batch id", pattern = "^batch_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The batch is gone", body = crate::openapi::Deleted)))]
 pub async fn delete(
     State(state): State<AppState>,
@@ -319,7 +319,7 @@ pub async fn delete(
 
 /// `GET /v1/batches/{id}/results`: one JSON line per finished request, in index order.
 #[utoipa::path(get, path = "/v1/batches/{id}/results", tag = crate::openapi::NATIVE,
-    params(("id" = String, Path, description = "A batch id")),
+    params(("id" = String, Path, description = "A batch id", pattern = "^batch_[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "One line per finished request, in index order", content_type = "application/jsonl", body = crate::openapi::ResultLine)))]
 pub async fn results(
     State(state): State<AppState>,

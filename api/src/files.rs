@@ -415,7 +415,7 @@ pub fn expires_after(anchor: Option<&str>, seconds: Option<&str>, param: &str) -
 
 /// `GET /v1/files?purpose&limit&after`: newest first.
 #[utoipa::path(get, path = "/v1/files", tag = crate::openapi::OPENAI,
-    params(("purpose" = Option<String>, Query, description = "Only files of this purpose"), ("limit" = Option<u32>, Query, description = "Page size"), ("after" = Option<String>, Query, description = "The last id of the page before")),
+    params(("purpose" = Option<String>, Query, description = "Only files of this purpose"), ("limit" = Option<u32>, Query, description = "Page size, 1–10,000 (100)", minimum = 1, maximum = 10000), ("after" = Option<String>, Query, description = "The last file id of the page before", pattern = "^file-[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "Files, newest first", body = crate::openapi::FileList)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -439,7 +439,7 @@ pub async fn list(
 
 /// `GET /v1/files/{id}`.
 #[utoipa::path(get, path = "/v1/files/{id}", tag = crate::openapi::OPENAI,
-    params(("id" = String, Path, description = "A file id")),
+    params(("id" = String, Path, description = "A file id", pattern = "^file-[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The file", body = crate::openapi::FileObject)))]
 pub async fn show(
     State(state): State<AppState>,
@@ -451,7 +451,7 @@ pub async fn show(
 
 /// `GET /v1/files/{id}/content`.
 #[utoipa::path(get, path = "/v1/files/{id}/content", tag = crate::openapi::OPENAI,
-    params(("id" = String, Path, description = "A file id")),
+    params(("id" = String, Path, description = "A file id", pattern = "^file-[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The file's bytes", content_type = "application/jsonl", body = String)))]
 pub async fn content(
     State(state): State<AppState>,
@@ -470,7 +470,7 @@ pub async fn content(
 
 /// `DELETE /v1/files/{id}`: the record first, then the bytes.
 #[utoipa::path(delete, path = "/v1/files/{id}", tag = crate::openapi::OPENAI,
-    params(("id" = String, Path, description = "A file id")),
+    params(("id" = String, Path, description = "A file id", pattern = "^file-[0-9a-fA-F]{32}$")),
     responses((status = 200, description = "The file is gone", body = crate::openapi::Deleted)))]
 pub async fn delete(
     State(state): State<AppState>,

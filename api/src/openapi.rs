@@ -141,6 +141,7 @@ pub struct ModelInput {
     /// A prompt.
     prompt: Option<String>,
     /// A chat, rendered with the model's chat template.
+    #[schema(min_items = 1)]
     messages: Option<Vec<Message>>,
     /// Embedding models: the texts; `@lorry/echo`: the prompt.
     text: Option<Texts>,
@@ -218,6 +219,7 @@ pub struct NativeBatch {
     #[schema(example = "@lorry/echo")]
     model: String,
     /// 1 to 50,000 requests (`LORRY_MAX_BATCH_REQUESTS`).
+    #[schema(min_items = 1)]
     requests: Vec<BatchItem>,
     /// `30s`, `15m`, `24h`, `7d`; 1 s to 7 d (default `24h`).
     completion_window: Option<String>,
@@ -234,6 +236,7 @@ pub struct NativeBatch {
 #[serde(deny_unknown_fields)]
 pub struct ExpiresAfter {
     /// `created_at`.
+    #[schema(pattern = "^created_at$")]
     anchor: String,
     /// 3,600 to 2,592,000.
     #[schema(minimum = 3600, maximum = 2592000)]
@@ -245,8 +248,10 @@ pub struct ExpiresAfter {
 #[serde(deny_unknown_fields)]
 pub struct FileBatch {
     /// A file uploaded with purpose `batch`.
+    #[schema(pattern = "^file-[0-9a-fA-F]{32}$")]
     input_file_id: String,
     /// `/v1/chat/completions`, `/v1/completions` or `/v1/embeddings`: every line must target it.
+    #[schema(pattern = "^/v1/(chat/completions|completions|embeddings)$")]
     endpoint: String,
     completion_window: String,
     metadata: Option<BTreeMap<String, String>>,
@@ -424,25 +429,58 @@ pub struct ServerSentEvent {
 #[derive(ToSchema, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `developer`, `user`, `assistant`, `tool`.
+    #[schema(pattern = "^(system|developer|user|assistant|tool)$")]
     role: String,
-    #[schema(value_type = Object)]
-    content: Value,
+    content: ChatContent,
+    name: Option<String>,
+}
+
+/// A chat message's content: a string, or text parts joined in order.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum ChatContent {
+    Text(String),
+    Parts(Vec<TextPart>),
+}
+
+/// A part of a chat message's content: only text.
+#[derive(ToSchema, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextPart {
+    /// `text`.
+    #[serde(rename = "type")]
+    #[schema(pattern = "^text$")]
+    kind: String,
+    text: String,
 }
 
 /// Sampling, stopping and streaming, as both OpenAI generation routes take them.
 #[derive(ToSchema, Deserialize)]
 pub struct OpenAiSampling {
+    /// 1–32,768 (cut to the model's context).
+    #[schema(minimum = 1, maximum = 32768)]
     max_tokens: Option<u32>,
+    /// 0–5; 0 is greedy.
+    #[schema(minimum = 0, maximum = 5)]
     temperature: Option<f64>,
+    /// (0, 1].
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f64>,
     top_k: Option<u32>,
     seed: Option<u64>,
     stop: Option<Stop>,
+    /// Up to 32 token ids that also end generation.
+    #[schema(max_items = 32)]
     stop_token_ids: Option<Vec<u32>>,
     ignore_eos: Option<bool>,
     /// 1 only.
+    #[schema(minimum = 1, maximum = 1)]
     n: Option<u32>,
+    /// −2–2.
+    #[schema(minimum = -2, maximum = 2)]
     frequency_penalty: Option<f64>,
+    /// −2–2.
+    #[schema(minimum = -2, maximum = 2)]
     presence_penalty: Option<f64>,
     user: Option<String>,
     stream: Option<bool>,
@@ -457,8 +495,10 @@ pub struct ChatRequest {
     /// `<model>` or `<model>:<adapter>`.
     #[schema(example = "@lorry/echo")]
     model: String,
+    #[schema(min_items = 1)]
     messages: Vec<ChatMessage>,
-    /// `max_tokens` by its newer name.
+    /// `max_tokens` by its newer name (not both).
+    #[schema(minimum = 1, maximum = 32768)]
     max_completion_tokens: Option<u32>,
     #[serde(flatten)]
     sampling: OpenAiSampling,
