@@ -202,6 +202,23 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The header that tells OpenAI's SDKs whether to retry an answer; they
+/// retry every 409 (and 408, 429, 5xx) without it.
+pub const SHOULD_RETRY: &str = "x-should-retry";
+
+/// Whether the same request might succeed later. False for the conflicts
+/// that are final (the name is taken, the batch has ended, the key was used
+/// for another body, the account exists): those answers carry
+/// `x-should-retry: false`. Other codes leave retrying to the client's
+/// rules (409s that pass, like an adapter still loading, included).
+pub fn should_retry(code: ErrorCode) -> bool {
+    use ErrorCode::*;
+    !matches!(
+        code,
+        AdapterNameTaken | BatchNotCancellable | IdempotencyKeyReused | AccountExists
+    )
+}
+
 /// The error behind a response in the plain shape, for [`cloudflare_envelope`].
 #[derive(Clone)]
 struct Plain(ApiError);
@@ -234,6 +251,11 @@ impl ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if !should_retry(self.code) {
+            response
+                .headers_mut()
+                .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
         }
         response
     }
@@ -432,5 +454,30 @@ mod tests {
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
         let response = CloudflareError(ApiError::new(ErrorCode::BatchNotFound, "no")).into_response();
         assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    }
+
+    #[test]
+    fn only_the_final_conflicts_tell_sdks_not_to_retry() {
+        let mut told = Vec::new();
+        for &code in ErrorCode::ALL {
+            let response = ApiError::new(code, "x").into_response();
+            match response.headers().get(SHOULD_RETRY) {
+                Some(value) => {
+                    assert_eq!(value, "false");
+                    assert_eq!(response.status(), StatusCode::CONFLICT, "{code}");
+                    told.push(code.as_str());
+                }
+                None => assert!(should_retry(code)),
+            }
+        }
+        assert_eq!(
+            told,
+            [
+                "adapter_name_taken",
+                "batch_not_cancellable",
+                "idempotency_key_reused",
+                "account_exists"
+            ]
+        );
     }
 }

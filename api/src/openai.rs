@@ -351,10 +351,43 @@ fn model_json(spec: &lorry_protocol::ModelSpec) -> Value {
 /// `GET /v1/models`.
 #[utoipa::path(get, path = "/v1/models", tag = crate::openapi::OPENAI,
     responses((status = 200, description = "Every served model", body = crate::openapi::ModelList)))]
-pub async fn models(State(state): State<AppState>, _account: Authenticated) -> Json<Value> {
+pub async fn models(
+    State(state): State<AppState>,
+    Authenticated(account): Authenticated,
+) -> Result<Json<Value>, ApiError> {
     let mut data: Vec<Value> = state.catalog.iter().map(model_json).collect();
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
-    Json(json!({"object": "list", "data": data}))
+    // Then the account's own adapters, ready to use, as OpenAI lists
+    // fine-tuned models: `base:adapter`, newest first.
+    let (adapters, _) = state
+        .store
+        .list_adapters(&account.id, MAX_LISTED_ADAPTERS, None)
+        .await?;
+    data.extend(
+        adapters
+            .iter()
+            .filter(|a| a.ready && state.catalog.get(&a.model).is_some())
+            .map(adapter_model_json),
+    );
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// The most adapters `GET /v1/models` lists (the default adapter quota);
+/// `GET /v1/adapters` pages through any number.
+const MAX_LISTED_ADAPTERS: i64 = 1000;
+
+/// An account's adapter as a model of OpenAI's list: `base:adapter`, owned by the account.
+fn adapter_model_json(adapter: &lorry_batcher::store::AdapterRecord) -> Value {
+    json!({
+        "id": format!("{}:{}", adapter.model, adapter.name),
+        "object": "model",
+        "created": adapter.created_at.timestamp(),
+        "owned_by": adapter.account_id.to_string(),
+        "task": "text-generation",
+        "adapters": false,
+        "parent": adapter.model,
+        "adapter": adapter.id.as_str(),
+    })
 }
 
 /// `GET /v1/models/{model}` (the name may hold slashes).
@@ -363,9 +396,18 @@ pub async fn models(State(state): State<AppState>, _account: Authenticated) -> J
     responses((status = 200, description = "The model", body = crate::openapi::Model)))]
 pub async fn model(
     State(state): State<AppState>,
-    _account: Authenticated,
+    Authenticated(account): Authenticated,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    if let (base, Some(adapter)) = submit::split_model(&state.catalog, &name) {
+        let found = state.store.find_adapter(&account.id, adapter).await?;
+        return match found {
+            Some(record) if record.ready && record.model == base => Ok(Json(adapter_model_json(&record))),
+            _ => Err(
+                ApiError::new(ErrorCode::ModelNotFound, format!("model {name} is not served here")).with_param("model"),
+            ),
+        };
+    }
     Ok(Json(model_json(submit::model(&state.catalog, &name, "model")?)))
 }
 

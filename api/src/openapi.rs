@@ -563,6 +563,10 @@ pub struct Model {
     task: String,
     /// Whether it takes LoRA adapters.
     adapters: bool,
+    /// An account's adapter, listed as `base:adapter`: its base model.
+    parent: Option<String>,
+    /// An account's adapter: its id.
+    adapter: Option<String>,
 }
 
 /// Every served model.

@@ -511,3 +511,69 @@ async fn a_batch_is_written_with_one_outbox_message_per_chunk(pool: PgPool) {
             .unwrap();
     assert_eq!(ranges, vec![(0, 64), (64, 128), (128, 130)]);
 }
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn every_answer_carries_a_request_id_of_its_own(pool: PgPool) {
+    let state = state(pool).await;
+    let long_query = format!("/v1/batches?{}", "a".repeat(9000));
+    let cases: &[(&str, &str, Option<&str>, StatusCode)] = &[
+        ("GET", "/healthz", None, StatusCode::OK),
+        ("GET", "/v1/account", Some(TOKEN), StatusCode::OK),
+        ("GET", "/v1/account", None, StatusCode::UNAUTHORIZED),
+        ("GET", "/no/such/route", Some(TOKEN), StatusCode::NOT_FOUND),
+        ("PATCH", "/v1/batches", Some(TOKEN), StatusCode::METHOD_NOT_ALLOWED),
+        ("GET", &long_query, Some(TOKEN), StatusCode::URI_TOO_LONG),
+        (
+            "GET",
+            "/client/v4/accounts/default/ai/finetunes",
+            None,
+            StatusCode::UNAUTHORIZED,
+        ),
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for &(method, uri, token, want) in cases {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("x-request-id", "client-chosen");
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        let response = router(state.clone())
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), want, "{method} {uri}");
+        let id = response.headers()["x-request-id"].to_str().unwrap().to_string();
+        assert!(
+            id.len() == 36 && id.starts_with("req_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{method} {uri}: {id}"
+        );
+        assert!(seen.insert(id), "one id per request");
+    }
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_final_conflict_tells_the_sdks_not_to_retry_it(pool: PgPool) {
+    let state = state(pool).await;
+    let body = serde_json::to_vec(&batch(json!([{"body": {"prompt": "x"}}]))).unwrap();
+    let send = |body: Vec<u8>| {
+        let request = Request::builder()
+            .method("POST")
+            .uri("/v1/batches")
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("idempotency-key", "the-key")
+            .body(Body::from(body))
+            .unwrap();
+        router(state.clone()).oneshot(request)
+    };
+    let first = send(body).await.unwrap();
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    assert!(first.headers().get("x-should-retry").is_none());
+    // The same key with another body: final.
+    let other = serde_json::to_vec(&batch(json!([{"body": {"prompt": "y"}}]))).unwrap();
+    let reused = send(other).await.unwrap();
+    assert_eq!(reused.status(), StatusCode::CONFLICT);
+    assert_eq!(reused.headers()["x-should-retry"], "false");
+}

@@ -115,7 +115,16 @@ impl Finaliser {
             account_id: None,
             traceparent: crate::trace::traceparent(&tracing::Span::current()),
         };
-        let webhook = json!({"type": event_type, "timestamp": at.to_rfc3339(), "data": data});
+        // OpenAI's event shape (`id`, `object`, `created_at`, `type`, `data`),
+        // which its SDKs' `webhooks.unwrap()` parses, with Lorry's `timestamp`.
+        let webhook = json!({
+            "id": format!("evt_{}", uuid::Uuid::now_v7().simple()),
+            "object": "event",
+            "created_at": at.timestamp(),
+            "type": event_type,
+            "timestamp": at.to_rfc3339(),
+            "data": data,
+        });
         (event, (event_type.to_string(), webhook))
     }
 

@@ -633,6 +633,31 @@ async fn another_account_can_neither_see_nor_use_an_adapter() {
         .await
         .unwrap();
     assert_eq!(finetunes["result"], json!([]));
+    // The owner's model list holds it as OpenAI lists fine-tuned models; the other's does not.
+    let listed_as = format!("{MODEL}:private");
+    let models = app.get_json("/v1/models").await;
+    let entry = crate::common::listed_model(&models, &listed_as);
+    assert_eq!(
+        (&entry["owned_by"], &entry["parent"], &entry["adapter"]),
+        (&json!("default"), &json!(MODEL), &json!(id))
+    );
+    assert_eq!(app.get_json(&format!("/v1/models/{listed_as}")).await, entry);
+    let theirs: Value = as_other(reqwest::Method::GET, "/v1/models")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        theirs["data"].as_array().unwrap().iter().all(|m| m["parent"].is_null()),
+        "{theirs}"
+    );
+    let shown = as_other(reqwest::Method::GET, &format!("/v1/models/{listed_as}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(shown.status(), 404);
     // Another account's path is not this account's.
     let foreign = as_other(reqwest::Method::GET, FINETUNES).send().await.unwrap();
     assert_eq!(foreign.status(), 404);

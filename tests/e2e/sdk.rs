@@ -1,6 +1,9 @@
 //! The official `openai` Python SDK against Lorry, base_url only: models,
-//! chat (whole and streamed), completions, embeddings, errors, and files +
-//! batches to completion and output download. `scripts/test` installs the SDK
+//! chat (whole and streamed), completions, embeddings, errors, files +
+//! batches to completion and output download, `x-request-id` (the SDK's
+//! `_request_id`), a final 409 sent once by a client that retries 409s
+//! (`x-should-retry: false`), and the completion webhook verified and parsed
+//! by `client.webhooks.unwrap()`. `scripts/test` installs the SDK
 //! in a virtual environment and names its interpreter in
 //! `LORRY_TEST_OPENAI_PYTHON`.
 
@@ -62,6 +65,7 @@ async fn the_official_openai_sdk_runs_every_flow() {
     )
     .await;
     assert_eq!(report["completion"], completion["response"]);
+    assert_eq!(report["webhook"], "batch.completed");
     let embedded = answer(json!({"text": ["a first text", "second"]}), "@lorry/demo-bge").await;
     assert_eq!(report["embedding"], embedded["data"][1]);
     app.stop().await;

@@ -5,11 +5,14 @@ LORRY_TOKEN set; prints one JSON object with what the Rust side checks
 against the engine's own answers, and exits non-zero on any failure.
 """
 
+import http.server
 import json
 import os
 import sys
+import threading
 import time
 
+import httpx
 import openai
 from openai import OpenAI
 
@@ -18,8 +21,29 @@ BGE = "@lorry/demo-bge"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
+def webhook_receiver():
+    """A receiver on a free loopback port: its URL and the calls it got (headers, body)."""
+    calls = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["content-length"]))
+            calls.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/hook", calls
+
+
 def main() -> None:
-    client = OpenAI(base_url=os.environ["LORRY_BASE_URL"] + "/v1", api_key=os.environ["LORRY_TOKEN"], max_retries=0)
+    base_url = os.environ["LORRY_BASE_URL"] + "/v1"
+    client = OpenAI(base_url=base_url, api_key=os.environ["LORRY_TOKEN"], max_retries=0)
     report = {}
 
     models = {m.id: m for m in client.models.list().data}
@@ -33,6 +57,8 @@ def main() -> None:
     assert chat.object == "chat.completion", chat
     assert chat.choices[0].finish_reason == "length", chat
     assert chat.usage.completion_tokens == 6, chat.usage
+    # The SDK reads the answer's `x-request-id` into `_request_id`.
+    assert chat._request_id and chat._request_id.startswith("req_"), chat._request_id
     report["chat"] = chat.choices[0].message.content
 
     chunks = list(
@@ -75,9 +101,37 @@ def main() -> None:
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(data), uploaded
+    hook_url, hook_calls = webhook_receiver()
     batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "sdk"}
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "sdk"},
+        extra_headers={"Idempotency-Key": "sdk-batch"},
+        extra_body={"webhook": {"url": hook_url}},
     )
+    # The same key with another body is a final conflict: a client that
+    # retries 409s (the SDK's default) sends it once.
+    sent = []
+    retrying = OpenAI(
+        base_url=base_url,
+        api_key=os.environ["LORRY_TOKEN"],
+        max_retries=2,
+        http_client=httpx.Client(event_hooks={"request": [sent.append]}),
+    )
+    try:
+        retrying.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"job": "another"},
+            extra_headers={"Idempotency-Key": "sdk-batch"},
+        )
+        raise AssertionError("a reused key with another body was accepted")
+    except openai.ConflictError as e:
+        assert e.code == "idempotency_key_reused", e
+        assert e.response.headers["x-should-retry"] == "false", e.response.headers
+    assert len(sent) == 1, f"a final conflict was sent {len(sent)} times"
     deadline = time.time() + 120
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
         assert time.time() < deadline, batch
@@ -91,6 +145,19 @@ def main() -> None:
     report["batch"] = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
     assert any(b.id == batch.id for b in client.batches.list().data)
     assert client.files.delete(uploaded.id).deleted
+
+    # Its completion webhook, verified and parsed by the SDK with the account's secret.
+    secret = httpx.get(
+        base_url + "/account", headers={"Authorization": "Bearer " + os.environ["LORRY_TOKEN"]}
+    ).json()["webhook_secret"]
+    while not any(json.loads(body)["type"] == "batch.completed" for _, body in hook_calls):
+        assert time.time() < deadline, hook_calls
+        time.sleep(0.1)
+    headers, body = next((h, b) for h, b in hook_calls if json.loads(b)["type"] == "batch.completed")
+    event = client.webhooks.unwrap(body, headers, secret=secret)
+    assert event.type == "batch.completed" and event.object == "event", event
+    assert event.data.id == batch.id and event.id.startswith("evt_"), event
+    report["webhook"] = event.type
 
     print(json.dumps(report))
 
