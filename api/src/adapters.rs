@@ -426,6 +426,15 @@ pub async fn create_finetune(
     let model: String = f.required("model", "a string")?;
     let name: String = f.required("name", "a string")?;
     let description: String = f.optional("description", "a string")?.unwrap_or_default();
+    // Cloudflare's SDK sends `public`; a finetune here is its account's alone.
+    if f.optional::<bool>("public", "a boolean")? == Some(true) {
+        return Err(ApiError::invalid(
+            ErrorCode::UnsupportedParameter,
+            "public",
+            "public finetunes are not offered: a finetune is its account's alone",
+        )
+        .into());
+    }
     f.deny_unknown()?;
     let new = new_adapter(&state, &account.id, model, name, description)?;
     let limit = crate::quota::limits(&state, &account).adapters;
@@ -506,7 +515,13 @@ pub async fn upload_asset(
         AdapterAsset::Weights { .. } => record.weights_key,
     };
     forget_objects(&state, [replaced]).await;
+    // Cloudflare's asset reply, with the finetune's status.
+    let uploaded_at = updated.modified_at.to_rfc3339();
     Ok(envelope(json!({
+        "id": uuid::Uuid::now_v7().to_string(),
+        "bucket_name": state.objects.bucket(),
+        "created_at": uploaded_at,
+        "modified_at": uploaded_at,
         "finetune_id": updated.id,
         "file_name": file_name,
         "status": updated.status(),

@@ -679,6 +679,8 @@ pub struct FinetuneCreate {
     model: String,
     name: String,
     description: Option<String>,
+    /// Only `false`: a finetune is its account's alone (`true`: `400 unsupported_parameter`).
+    public: Option<bool>,
 }
 
 /// `POST …/finetunes/{finetune_id}/finetune-assets`: one of the two files.

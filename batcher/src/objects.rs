@@ -74,6 +74,11 @@ impl ObjectStore {
         }
     }
 
+    /// The bucket's name.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
     /// Create the bucket unless it exists.
     pub async fn ensure_bucket(&self) -> Result<()> {
         if self.ping().await.is_ok() {

@@ -132,8 +132,22 @@ async fn uploaded_adapters_serve_mixed_batches_with_the_engines_answers() {
     assert_eq!(a["targets"].as_array().unwrap().len(), 7, "{a}");
 
     // Workers AI: an empty finetune, then one file at a time (weights first).
+    // Cloudflare's SDK sends `public`: false is taken, true refused.
+    let public = app
+        .post(FINETUNES, &json!({"model": MODEL, "name": "open", "public": true}))
+        .await;
+    assert_eq!(public.status(), 400);
+    let public: Value = public.json().await.unwrap();
+    assert_eq!(
+        (&public["success"], error_of(&public)),
+        (&json!(false), ("unsupported_parameter".into(), "public".into())),
+        "{public}"
+    );
     let created: Value = app
-        .post(FINETUNES, &json!({"model": MODEL, "name": "beta", "description": "b"}))
+        .post(
+            FINETUNES,
+            &json!({"model": MODEL, "name": "beta", "description": "b", "public": false}),
+        )
         .await
         .json()
         .await
@@ -156,6 +170,18 @@ async fn uploaded_adapters_serve_mixed_batches_with_the_engines_answers() {
         (200, Some("pending")),
         "{body}"
     );
+    // Cloudflare's asset reply.
+    let asset = &body["result"];
+    assert_eq!(asset["bucket_name"], json!(app.settings.services.s3_bucket), "{body}");
+    assert_eq!(asset["finetune_id"], json!(beta), "{body}");
+    assert_eq!(asset["file_name"], "adapter_model.safetensors", "{body}");
+    assert!(asset["id"].as_str().is_some_and(|id| id.len() == 36), "{body}");
+    for stamp in ["created_at", "modified_at"] {
+        assert!(
+            chrono::DateTime::parse_from_rfc3339(asset[stamp].as_str().unwrap_or("")).is_ok(),
+            "{stamp}: {body}"
+        );
+    }
     let (status, body) = upload_asset(
         &app,
         &beta,
