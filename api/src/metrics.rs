@@ -185,7 +185,11 @@ pub async fn track(State(metrics): State<Arc<ApiMetrics>>, request: Request, nex
         http.request.method = method,
         http.route = %route,
         http.response.status_code = tracing::field::Empty,
+        http.request_id = tracing::field::Empty,
     );
+    if let Some(id) = request.headers().get(crate::REQUEST_ID).and_then(|v| v.to_str().ok()) {
+        span.record("http.request_id", id);
+    }
     let traceparent = request
         .headers()
         .get(lorry_batcher::trace::TRACEPARENT)
