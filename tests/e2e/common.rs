@@ -388,6 +388,29 @@ async fn delete_topology(url: &str, prefix: &str) {
     let _ = connection.close(200, "cleanup").await;
 }
 
+/// An echo batch of `total` requests (`prompt {i}` each) has ended within
+/// `limit`, `completed`, with every request's own answer exactly once in its
+/// output and one `batch.completed` event: what must hold after any fault.
+pub async fn assert_echo_batch_ended_once(app: &TestApp, id: &str, total: usize, limit: Duration) {
+    let done = app.wait_until_ended(id, limit).await;
+    assert_eq!(done["status"], "completed", "{done:#}");
+    assert_eq!(done["request_counts"]["succeeded"], json!(total), "{done:#}");
+    let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
+    assert_each_index_once(&lines, total);
+    for line in &lines {
+        let i = line["index"].as_i64().unwrap();
+        assert_eq!(line["response"]["body"]["response"], format!("prompt {i}"));
+    }
+    let completions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1",
+    )
+    .bind(id)
+    .fetch_one(app.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(completions, 1, "the batch completed exactly once");
+}
+
 /// Every request of an ended batch appears exactly once in `output.jsonl`, in index order.
 pub fn assert_each_index_once(lines: &[Value], total: usize) {
     assert_eq!(lines.len(), total, "output.jsonl holds one line per request");

@@ -6,27 +6,11 @@ use std::time::Duration;
 use lorry::Role;
 use serde_json::json;
 
-use crate::common::{assert_each_index_once, spawn_app_with, Proxy, TestApp};
+use crate::common::{assert_echo_batch_ended_once, spawn_app_with, Proxy, TestApp};
 
 /// Checks that hold after any crash: one result per request, one completion.
 async fn assert_exactly_once(app: &TestApp, id: &str, total: usize) {
-    let done = app.wait_until_ended(id, Duration::from_secs(120)).await;
-    assert_eq!(done["status"], "completed");
-    assert_eq!(done["request_counts"]["succeeded"], json!(total));
-    let lines = app.fetch_jsonl(done["output_url"].as_str().unwrap()).await;
-    assert_each_index_once(&lines, total);
-    for line in &lines {
-        let i = line["index"].as_i64().unwrap();
-        assert_eq!(line["response"]["body"]["response"], format!("prompt {i}"));
-    }
-    let completions: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox WHERE routing_key = 'batch.completed' AND payload->>'subject' = $1",
-    )
-    .bind(id)
-    .fetch_one(app.store.pool())
-    .await
-    .unwrap();
-    assert_eq!(completions, 1, "the batch completed exactly once");
+    assert_echo_batch_ended_once(app, id, total, Duration::from_secs(120)).await;
 }
 
 async fn redelivered(app: &TestApp, id: &str) -> i64 {

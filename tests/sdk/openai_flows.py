@@ -22,13 +22,17 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 def webhook_receiver():
-    """A receiver on a free loopback port: its URL and the calls it got (headers, body)."""
+    """A receiver on a free loopback port: its URL, the calls it got (headers,
+    body), and an event set once a `batch.completed` call has come."""
     calls = []
+    completed = threading.Event()
 
     class Hook(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers["content-length"]))
             calls.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            if json.loads(body).get("type") == "batch.completed":
+                completed.set()
             self.send_response(200)
             self.send_header("content-length", "0")
             self.end_headers()
@@ -38,7 +42,7 @@ def webhook_receiver():
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/hook", calls
+    return f"http://127.0.0.1:{server.server_address[1]}/hook", calls, completed
 
 
 def main() -> None:
@@ -101,7 +105,7 @@ def main() -> None:
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(data), uploaded
-    hook_url, hook_calls = webhook_receiver()
+    hook_url, hook_calls, hook_completed = webhook_receiver()
     batch = client.batches.create(
         input_file_id=uploaded.id,
         endpoint="/v1/chat/completions",
@@ -150,9 +154,7 @@ def main() -> None:
     secret = httpx.get(
         base_url + "/account", headers={"Authorization": "Bearer " + os.environ["LORRY_TOKEN"]}
     ).json()["webhook_secret"]
-    while not any(json.loads(body)["type"] == "batch.completed" for _, body in hook_calls):
-        assert time.time() < deadline, hook_calls
-        time.sleep(0.1)
+    assert hook_completed.wait(timeout=60), hook_calls
     headers, body = next((h, b) for h, b in hook_calls if json.loads(b)["type"] == "batch.completed")
     event = client.webhooks.unwrap(body, headers, secret=secret)
     assert event.type == "batch.completed" and event.object == "event", event
