@@ -13,7 +13,7 @@
 
 use std::process::Child;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
@@ -30,8 +30,8 @@ const N: usize = 10_000;
 /// How long a batch may take to end after its fault, on a busy machine.
 const END_LIMIT: Duration = Duration::from_secs(300);
 
-/// A webhook receiver that answers 500 to every call from the first
-/// `batch.completed` call until `fail_for` has passed, and 200 otherwise.
+/// A webhook receiver that answers 500 to its first `failures`
+/// `batch.completed` calls, and 200 to every other call.
 #[derive(Clone)]
 struct Hook {
     url: String,
@@ -40,18 +40,22 @@ struct Hook {
 }
 
 impl Hook {
-    async fn start(fail_for: Duration) -> Hook {
+    async fn start(failures: usize) -> Hook {
         let calls: Arc<Mutex<Vec<(HeaderMap, axum::body::Bytes, u16)>>> = Arc::default();
-        let first_completion: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let (seen, first) = (calls.clone(), first_completion.clone());
+        let completions_failed: Arc<Mutex<usize>> = Arc::default();
+        let (seen, failed) = (calls.clone(), completions_failed.clone());
         let app = Router::new().route(
             "/hook",
             post(move |headers: HeaderMap, body: axum::body::Bytes| {
-                let (seen, first) = (seen.clone(), first.clone());
+                let (seen, failed) = (seen.clone(), failed.clone());
                 async move {
                     let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                    let failing = event["type"] == "batch.completed"
-                        && first.lock().unwrap().get_or_insert_with(Instant::now).elapsed() < fail_for;
+                    let failing = event["type"] == "batch.completed" && {
+                        let mut failed = failed.lock().unwrap();
+                        let fail = *failed < failures;
+                        *failed += usize::from(fail);
+                        fail
+                    };
                     let status = if failing {
                         StatusCode::INTERNAL_SERVER_ERROR
                     } else {
@@ -249,7 +253,7 @@ impl Case {
 
 #[tokio::test]
 async fn fault_matrix_a_worker_killed_mid_batch() {
-    let hook = Hook::start(Duration::ZERO).await;
+    let hook = Hook::start(0).await;
     let mut case = Case::start(Services::default(), 2, &[("LORRY_ECHO_DELAY_MS", "2")], hook, 2000).await;
     case.assert_under_way().await;
     let mut killed = case.workers.remove(0);
@@ -268,7 +272,7 @@ async fn fault_matrix_a_worker_killed_mid_batch() {
 
 #[tokio::test]
 async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
-    let hook = Hook::start(Duration::ZERO).await;
+    let hook = Hook::start(0).await;
     let mut case = Case::start(Services::default(), 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
     case.assert_under_way().await;
     let requests: Vec<Value> = (0..N)
@@ -330,7 +334,7 @@ async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
 /// killed), wait until the API's `/readyz` has seen it gone, start it again,
 /// and check the batch through.
 async fn restarted(service: &OwnService, check: &str, how: &str, services: Services) {
-    let hook = Hook::start(Duration::ZERO).await;
+    let hook = Hook::start(0).await;
     let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
     case.assert_under_way().await;
     service.run(how).await;
@@ -389,7 +393,7 @@ async fn fault_matrix_s3_unreachable_while_the_batch_ends() {
     let endpoint = std::env::var("LORRY_S3_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:9310".into());
     let upstream = endpoint.trim_start_matches("http://").trim_end_matches('/').to_string();
     let proxy = Proxy::start(upstream).await;
-    let hook = Hook::start(Duration::ZERO).await;
+    let hook = Hook::start(0).await;
     let services = Services {
         s3: Some(format!("http://127.0.0.1:{}", proxy.port)),
         ..Services::default()
@@ -414,16 +418,18 @@ async fn fault_matrix_s3_unreachable_while_the_batch_ends() {
 
 #[tokio::test]
 async fn fault_matrix_the_webhook_receiver_failing() {
-    // Five minutes of failures against the default backoff (1 s doubling),
-    // scaled down a hundredfold: 3 s against 10 ms.
-    let hook = Hook::start(Duration::from_secs(3)).await;
+    // Eight failed attempts: against the default backoff (1 s doubling,
+    // with jitter) they span 4¼ to 8½ minutes, the five minutes;
+    // here the first backoff is 10 ms, the same attempts a hundredfold faster.
+    let hook = Hook::start(8).await;
     let env = [("LORRY_ECHO_DELAY_MS", "1"), ("LORRY_WEBHOOK_MIN_BACKOFF_MS", "10")];
     let case = Case::start(Services::default(), 1, &env, hook, 2000).await;
     let batch = case.batch.clone();
     case.assert_exactly_once(&batch, N).await;
     let calls = case.hook.completions(&batch);
     let failed = calls.iter().filter(|(_, status)| *status == 500).count();
-    assert!(failed >= 5, "the receiver failed for a while first: {calls:?}");
+    assert_eq!(failed, 8, "the receiver failed eight times first: {calls:?}");
+    assert_eq!(calls.last().map(|(_, status)| *status), Some(200), "{calls:?}");
     assert_eq!(
         calls.iter().filter(|(_, status)| *status == 200).count(),
         1,
