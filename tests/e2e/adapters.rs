@@ -668,22 +668,13 @@ async fn another_account_can_neither_see_nor_use_an_adapter() {
         (&json!("default"), &json!(MODEL), &json!(id))
     );
     assert_eq!(app.get_json(&format!("/v1/models/{listed_as}")).await, entry);
-    let theirs: Value = as_other(reqwest::Method::GET, "/v1/models")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, theirs) = app.get_json_as("other-token", "/v1/models").await;
     assert!(
         theirs["data"].as_array().unwrap().iter().all(|m| m["parent"].is_null()),
         "{theirs}"
     );
-    let shown = as_other(reqwest::Method::GET, &format!("/v1/models/{listed_as}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(shown.status(), 404);
+    let (shown, _) = app.get_json_as("other-token", &format!("/v1/models/{listed_as}")).await;
+    assert_eq!(shown, 404);
     // Another account's path is not this account's.
     let foreign = as_other(reqwest::Method::GET, FINETUNES).send().await.unwrap();
     assert_eq!(foreign.status(), 404);

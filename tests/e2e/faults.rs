@@ -330,19 +330,31 @@ async fn fault_matrix_the_api_killed_mid_post_of_a_second_batch() {
     case.finish().await;
 }
 
-/// Stop `service` mid-batch the way `how` says (`stop`: cleanly; `crash`:
-/// killed), wait until the API's `/readyz` has seen it gone, start it again,
-/// and check the batch through.
-async fn restarted(service: &OwnService, check: &str, how: &str, services: Services) {
+/// Start a `kind` (`postgres` or `rabbitmq`, also the name of its check in
+/// `/readyz`) of the case's own, stop it mid-batch the way `how` says
+/// (`stop`: cleanly; `crash`: killed), wait until the API's `/readyz` has
+/// seen it gone, start it again, and check the batch through.
+async fn restarted(kind: &'static str, how: &str) {
+    let service = OwnService::start(kind).await;
+    let services = match kind {
+        "postgres" => Services {
+            database: service.url(),
+            ..Services::default()
+        },
+        _ => Services {
+            amqp: Some(service.url()),
+            ..Services::default()
+        },
+    };
     let hook = Hook::start(0).await;
     let case = Case::start(services, 1, &[("LORRY_ECHO_DELAY_MS", "1")], hook, 2000).await;
     case.assert_under_way().await;
     service.run(how).await;
-    case.wait_until_ready_says(check, false).await;
+    case.wait_until_ready_says(kind, false).await;
     service.run("start").await;
-    case.wait_until_ready_says(check, true).await;
+    case.wait_until_ready_says(kind, true).await;
     eprintln!(
-        "{check} {how}: requests delivered more than once: {}",
+        "{kind} {how}: requests delivered more than once: {}",
         case.redelivered().await
     );
     case.finish().await;
@@ -350,42 +362,22 @@ async fn restarted(service: &OwnService, check: &str, how: &str, services: Servi
 
 #[tokio::test]
 async fn fault_matrix_rabbitmq_restarted() {
-    let broker = OwnService::start("rabbitmq").await;
-    let services = Services {
-        amqp: Some(broker.url()),
-        ..Services::default()
-    };
-    restarted(&broker, "rabbitmq", "stop", services).await;
+    restarted("rabbitmq", "stop").await;
 }
 
 #[tokio::test]
 async fn fault_matrix_rabbitmq_killed_and_restarted() {
-    let broker = OwnService::start("rabbitmq").await;
-    let services = Services {
-        amqp: Some(broker.url()),
-        ..Services::default()
-    };
-    restarted(&broker, "rabbitmq", "crash", services).await;
+    restarted("rabbitmq", "crash").await;
 }
 
 #[tokio::test]
 async fn fault_matrix_postgres_restarted() {
-    let database = OwnService::start("postgres").await;
-    let services = Services {
-        database: database.url(),
-        ..Services::default()
-    };
-    restarted(&database, "postgres", "stop", services).await;
+    restarted("postgres", "stop").await;
 }
 
 #[tokio::test]
 async fn fault_matrix_postgres_crashed_and_restarted() {
-    let database = OwnService::start("postgres").await;
-    let services = Services {
-        database: database.url(),
-        ..Services::default()
-    };
-    restarted(&database, "postgres", "crash", services).await;
+    restarted("postgres", "crash").await;
 }
 
 #[tokio::test]
