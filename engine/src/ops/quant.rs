@@ -37,17 +37,19 @@
 //! weights: one half-precision scale (and minimum) for all of it, and a
 //! small integer scale (and minimum) for each of its sub-blocks, of 32
 //! weights (`Q4_K`, `Q5_K`: 6 bits each, packed in 12 bytes) or 16
-//! (`Q6_K`: 8-bit signed). Each 32-weight sub-block is a block as above,
-//! its scale `d·s_j` and minimum `−dmin·m_j` (exact in f32: an 11-bit
-//! mantissa times a small integer), so the token rows' 8-bit blocks serve
-//! them too and a projection may mix K-quants with the others. At load a
-//! group of [`WR`] rows holds per super-block the rows' scales, their
+//! (`Q6_K`: 8-bit signed). Their token rows are quantized in blocks of
+//! [`QKK`] (llama.cpp's `q8_K`): one scale a super-block, so that the
+//! sub-block scales and minimums apply in the integer sums — per
+//! super-block `Σ_j s_j·Σ q_w·q_x` and `Σ_j m_j·Σ q_x`, exact — and f32
+//! arithmetic comes once a super-block: `acc = (d·d_x)·Σ + acc`, then `acc
+//! = (−dmin·d_x)·Σ_m + acc` (fused multiply-adds). At load a group of
+//! [`WR`] rows holds per super-block the rows' scales, their
 //! sub-block scales and minimums as bytes, then each sub-block as the
 //! 32-weight formats lay theirs (nibbles, and `Q5_K`'s fifth bits apart;
 //! `Q6_K`'s two high bits of two sub-blocks four to a byte, laid as the
 //! nibbles are, so that a mask and a shift put them in place): 148, 180 and
 //! 210 bytes a row where the file takes 144, 176 and 210. `Q6_K`'s two halves of a sub-block keep their
-//! own integer sums, each a scale of its own; its weights are `q − 32`,
+//! own integer sums, each times its own scale; its weights are `q − 32`,
 //! taken as `Σ q·x − 32·Σx` over each half with the token rows' half sums.
 
 use std::sync::Arc;
@@ -908,10 +910,21 @@ impl QuantMatrix {
             return;
         }
         let kernel = kernel.resolve();
-        let rows = QuantizedRows::new(x, m, self.k);
+        // The token rows in blocks of 32 for the 32-weight formats, of 256
+        // for the K-quants: each only where a part takes it.
+        let quantized = |k_quants: bool| {
+            self.parts
+                .iter()
+                .any(|p| p.ty.is_k() == k_quants)
+                .then(|| QuantizedRows::new(x, m, self.k, if k_quants { QKK } else { QK }))
+        };
+        let (small, large) = (quantized(false), quantized(true));
         let target = OutPtr(out.as_mut_ptr());
         let threads = rayon::current_num_threads();
         for part in self.parts.iter() {
+            let rows = if part.ty.is_k() { &large } else { &small }
+                .as_ref()
+                .expect("quantized for every format among the parts");
             let groups = part.groups();
             // A few tasks per thread, each a contiguous run of groups, so that
             // the threads stream disjoint stretches of the weights.
@@ -921,75 +934,154 @@ impl QuantMatrix {
                 // SAFETY: this task alone writes the columns of its groups, all
                 // inside `out` (`m × n`), and nothing reads `out` until every
                 // task is done.
-                unsafe { part_product(part, groups, &rows, self.n, target, kernel) };
+                unsafe { part_product(part, groups, rows, self.n, target, kernel) };
             });
         }
     }
 }
 
-/// Token rows quantized to 8-bit blocks: `q` (`m × k`), per block the
-/// scale `d` and `d·Σq` (`m × k/QK` each), and the integer sums of each
-/// block's two halves (`h`, `m × 2k/QK`; `Q6_K`'s offset).
+/// Token rows quantized to 8-bit blocks: `q` (`m × k`), each block of
+/// `block` values ([`QK`] for the 32-weight formats, [`QKK`] for the
+/// K-quants) with one scale `d` (`m × k/block`), the integer sums of every
+/// 16 values (`h`, `m × k/16`: `Q6_K`'s offset, the K-quants' minimums),
+/// and, per [`QK`] block, `d·Σq` (`s`: the 32-weight formats' minimums) or,
+/// per two [`QK`] blocks, their sums as a pair of `i16` (`p`: the
+/// K-quants' minimums, two sub-blocks in one `vpmaddwd`).
 pub(crate) struct QuantizedRows {
     k: usize,
+    block: usize,
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
     h: Vec<i32>,
+    p: Vec<i32>,
 }
 
 impl QuantizedRows {
-    /// Quantize `m` rows of `k` values (`k` a multiple of [`QK`]): per
-    /// block `d = max|x| / 127`, `q = round(x / d)` (halves away from zero).
-    pub(crate) fn new(x: &[f32], m: usize, k: usize) -> Self {
-        assert!(k.is_multiple_of(QK) && x.len() == m * k, "quantized rows' shape");
-        let blocks = m * k / QK;
+    /// Quantize `m` rows of `k` values (`k` a multiple of `block`, which is
+    /// [`QK`] or [`QKK`]): per block `d = max|x| / 127`, `q = round(x / d)`
+    /// (halves away from zero).
+    pub(crate) fn new(x: &[f32], m: usize, k: usize, block: usize) -> Self {
+        assert!(
+            (block == QK || block == QKK) && k.is_multiple_of(block) && x.len() == m * k,
+            "quantized rows' shape"
+        );
         let mut rows = QuantizedRows {
             k,
+            block,
             q: vec![0; m * k],
-            d: vec![0.0; blocks],
-            s: vec![0.0; blocks],
-            h: vec![0; 2 * blocks],
+            d: vec![0.0; m * k / block],
+            s: vec![0.0; if block == QK { m * k / QK } else { 0 }],
+            h: vec![0; m * k / (QK / 2)],
+            p: vec![0; if block == QKK { m * k / (2 * QK) } else { 0 }],
         };
-        for ((((x, q), d), s), h) in x
-            .chunks_exact(QK)
-            .zip(rows.q.chunks_exact_mut(QK))
+        #[cfg(target_arch = "x86_64")]
+        let simd = std::is_x86_feature_detected!("avx2");
+        let per = block / QK;
+        for (((x, q), d), h) in x
+            .chunks_exact(block)
+            .zip(rows.q.chunks_exact_mut(block))
             .zip(&mut rows.d)
-            .zip(&mut rows.s)
-            .zip(rows.h.chunks_exact_mut(2))
+            .zip(rows.h.chunks_exact_mut(2 * per))
         {
-            *d = quantize_q8(x, q);
-            let sum = |q: &[i8]| q.iter().map(|&q| q as i32).sum::<i32>();
-            (h[0], h[1]) = (sum(&q[..QK / 2]), sum(&q[QK / 2..]));
-            *s = *d * (h[0] + h[1]) as f32;
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: the CPU has AVX2; `x`, `q` and `h` hold a block's
+                // values, quants and half sums.
+                *d = unsafe { x86::quantize_block(x, q, h) };
+                continue;
+            }
+            *d = quantize_block_reference(x, q, h);
+        }
+        if block == QK {
+            for ((s, d), h) in rows.s.iter_mut().zip(&rows.d).zip(rows.h.chunks_exact(2)) {
+                *s = *d * (h[0] + h[1]) as f32;
+            }
+        } else {
+            for (p, h) in rows.p.iter_mut().zip(rows.h.chunks_exact(4)) {
+                *p = ((h[0] + h[1]) & 0xffff) | ((h[2] + h[3]) << 16);
+            }
         }
         rows
     }
 
+    /// [`QK`] blocks a row.
     fn blocks(&self) -> usize {
         self.k / QK
     }
+
+    /// Row `r`'s scale of the block holding [`QK`] block `b`.
+    fn scale(&self, r: usize, b: usize) -> f32 {
+        self.d[(r * self.k + b * QK) / self.block]
+    }
+}
+
+/// A token row's block (of [`QK`] or [`QKK`] values) as 8-bit integers
+/// (`d = max|x| / 127`, `q = round(x / d)`, halves away from zero, as
+/// [`quantize_q8`]): its scale returned, the integer sums of every 16
+/// quants in `h`.
+fn quantize_block_reference(x: &[f32], q: &mut [i8], h: &mut [i32]) -> f32 {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
+    }
+    for (h, q) in h.iter_mut().zip(q.chunks_exact(QK / 2)) {
+        *h = q.iter().map(|&q| q as i32).sum();
+    }
+    d
 }
 
 /// One output: weight row `row` of a part times token row `r` of `x`, in
 /// the arithmetic the module comment gives, written out plainly. The
 /// portable kernel; the reference the SIMD kernels are held to, bit for bit.
 ///
-/// `Q6_K`'s two halves of a block are two such terms, each with its scale.
+/// The K-quants take `x` in blocks of [`QKK`]: per super-block, the
+/// integer sums of its sub-blocks times their integer scales, summed
+/// exactly, then `acc = (d·d_x)·Σ + acc`; `Q4_K` and `Q5_K` then `acc =
+/// (−dmin·d_x)·Σ_j m_j·Σ_{x∈j} q_x + acc`; `Q6_K` takes each half-block's
+/// `Σ (q − 32)·q_x` as `Σ q·q_x − 32·Σ q_x`.
 fn dot_reference(part: &Part, row: usize, x: &QuantizedRows, r: usize) -> f32 {
     let (mut acc, mut min) = (0f32, 0f32);
     let (nb, subs) = (x.blocks(), part.ty.sub_blocks());
+    if part.ty.is_k() {
+        for fb in 0..nb / subs {
+            let group = part.group(row / WR, fb, nb / subs);
+            let (l, xd) = (row % WR, x.scale(r, fb * subs));
+            let half = |at: usize| f16::from_bits(u16::from_le_bytes([group[at], group[at + 1]])).to_f32();
+            let (mut sum, mut minimum) = (0i32, 0i32);
+            for j in 0..subs {
+                let b = fb * subs + j;
+                let block = group_row(part.ty, group, l, j);
+                let xq = &x.q[r * x.k + b * QK..][..QK];
+                // Exact integers: `Q6_K`'s `Σ (q − 32)·q_x` is `Σ q·q_x − 32·Σ q_x`.
+                let dot = |range: std::ops::Range<usize>| -> i32 { range.map(|i| block.w[i] * xq[i] as i32).sum() };
+                let xh = &x.h[r * 2 * nb + 2 * b..][..2];
+                if part.ty == QuantType::Q6K {
+                    let scale = |h: usize| group[part.ty.k_scales() + WR * (2 * j + h) + l] as i8 as i32;
+                    sum += scale(0) * dot(0..QK / 2) + scale(1) * dot(QK / 2..QK);
+                } else {
+                    let k = part.ty.k_scales();
+                    sum += group[k + WR * j + l] as i32 * dot(0..QK);
+                    minimum += group[part.ty.k_minimums() + WR * j + l] as i32 * (xh[0] + xh[1]);
+                }
+            }
+            acc = (half(2 * l) * xd).mul_add(sum as f32, acc);
+            if part.ty != QuantType::Q6K {
+                let minus_dmin = -half(part.ty.group_minimums() + 2 * l);
+                acc = (minus_dmin * xd).mul_add(minimum as f32, acc);
+            }
+        }
+        // `+ 0.0` as the kernels' sum of their two accumulators gives it.
+        return acc + min;
+    }
     for b in 0..nb {
-        let block = group_row(part.ty, part.group(row / WR, b / subs, nb / subs), row % WR, b % subs);
+        let block = group_row(part.ty, part.group(row / WR, b, nb), row % WR, 0);
         let xq = &x.q[r * x.k + b * QK..][..QK];
         let sum = |range: std::ops::Range<usize>| -> i32 { range.map(|i| block.w[i] * xq[i] as i32).sum() };
         let xd = x.d[r * nb + b];
-        if part.ty == QuantType::Q6K {
-            acc = (block.d[0] * xd).mul_add(sum(0..QK / 2) as f32, acc);
-            acc = (block.d[1] * xd).mul_add(sum(QK / 2..QK) as f32, acc);
-        } else {
-            acc = (block.d[0] * xd).mul_add(sum(0..QK) as f32, acc);
-        }
+        acc = (block.d[0] * xd).mul_add(sum(0..QK) as f32, acc);
         if part.ty.has_offset() {
             min = block.m.mul_add(x.s[r * nb + b], min);
         }
@@ -1022,7 +1114,7 @@ unsafe fn part_product(
 ) {
     let nb = x.blocks();
     let (gb, file_blocks) = (part.ty.group_bytes(), nb / part.ty.sub_blocks());
-    let m = x.d.len() / nb;
+    let m = x.q.len() / x.k;
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
@@ -1111,19 +1203,6 @@ mod x86 {
         }
     }
 
-    /// Eight bytes (one per row of a group) as f32s, unsigned or signed.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn bytes_ps<const SIGNED: bool>(p: *const u8) -> __m256 {
-        // SAFETY: the caller's: eight bytes at `p`.
-        let v = unsafe { _mm_loadl_epi64(p as *const __m128i) };
-        _mm256_cvtepi32_ps(if SIGNED {
-            _mm256_cvtepi8_epi32(v)
-        } else {
-            _mm256_cvtepu8_epi32(v)
-        })
-    }
-
     /// `acc + Σ_{i=4l}^{4l+3} u[i]·s[i]` in each lane `l` (`u` unsigned, `s`
     /// signed bytes, each pair's sum within i16 as the callers keep them).
     #[inline]
@@ -1144,6 +1223,64 @@ mod x86 {
     #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
     fn dot_avx512_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, u, s)
+    }
+
+    /// [`super::quantize_block_reference`] on AVX2, bit for bit for finite
+    /// values: the same maximum, scale and products, and rounding half away
+    /// from zero (the truncation, plus one away from zero where the fraction
+    /// left is at least a half; `x − trunc(x)` is exact).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `x` and `q` must hold the same multiple of
+    /// [`QK`] values, `h` one sum for every 16 of them.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8], h: &mut [i32]) -> f32 {
+        debug_assert!(x.len().is_multiple_of(QK) && q.len() == x.len() && h.len() == x.len() / (QK / 2));
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let mut m = _mm256_setzero_ps();
+        for eight in x.chunks_exact(8) {
+            // SAFETY: eight floats.
+            m = _mm256_max_ps(m, _mm256_and_ps(unsafe { _mm256_loadu_ps(eight.as_ptr()) }, abs));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        let d = _mm_cvtss_f32(m) / 127.0;
+        let inverse = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let sign = _mm256_set1_ps(-0.0);
+        let (low, high) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        for ((x, q), h) in x
+            .chunks_exact(QK)
+            .zip(q.chunks_exact_mut(QK))
+            .zip(h.chunks_exact_mut(2))
+        {
+            let ints: [__m256i; 4] = std::array::from_fn(|i| {
+                // SAFETY: eight of the block's 32 floats.
+                let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) }, inverse);
+                let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                let fraction = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
+                let up = _mm256_and_ps(_mm256_cmp_ps(fraction, half, _CMP_GE_OQ), one);
+                let r = _mm256_add_ps(t, _mm256_or_ps(up, _mm256_and_ps(y, sign)));
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), high))
+            });
+            // Four vectors of eight i32 into 32 bytes, in order.
+            let words = _mm256_packs_epi32(ints[0], ints[1]);
+            let words2 = _mm256_packs_epi32(ints[2], ints[3]);
+            let bytes = _mm256_packs_epi16(words, words2);
+            let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // SAFETY: the block's 32 bytes.
+            unsafe { _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes) };
+            let sum = |a: __m256i, b: __m256i| {
+                let s = _mm256_add_epi32(a, b);
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+                _mm_cvtsi128_si32(s)
+            };
+            (h[0], h[1]) = (sum(ints[0], ints[1]), sum(ints[2], ints[3]));
+        }
+        d
     }
 
     /// The fifth bits of weights `from..from + 4` of each row (`bits`: a
@@ -1233,8 +1370,25 @@ mod x86 {
                 // second.
                 let chains = if TY == Q6K { (4 / X).max(2) } else { (4 / X).max(1) };
                 let xq: [*const u8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr() as *const u8);
-                let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * nb..][..nb]);
-                let xs: [&[f32]; X] = std::array::from_fn(|r| &x.s[(row + r) * nb..][..nb]);
+                // The K-quants' token rows come in blocks of 256: a scale per
+                // super-block, and sums of two sub-blocks' quants as `i16` pairs.
+                let is_k = TY == Q4K || TY == Q5K || TY == Q6K;
+                let scales = nb / subs;
+                let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * scales..][..scales]);
+                let xs: [&[f32]; X] = std::array::from_fn(|r| {
+                    if is_k {
+                        &[][..]
+                    } else {
+                        &x.s[(row + r) * nb..][..nb]
+                    }
+                });
+                let xp: [&[i32]; X] = std::array::from_fn(|r| {
+                    if is_k {
+                        &x.p[(row + r) * nb / 2..][..nb / 2]
+                    } else {
+                        &[][..]
+                    }
+                });
                 let xh: [&[i32]; X] = std::array::from_fn(|r| &x.h[2 * (row + r) * nb..][..2 * nb]);
                 let nibble = _mm256_set1_epi8(0x0f);
                 for fb in 0..nb / subs {
@@ -1243,12 +1397,8 @@ mod x86 {
                     unsafe {
                         let p = blocks.add(fb * gb);
                         let d_file = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                        let minus_dmin = if TY == Q4K || TY == Q5K {
-                            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(ty.group_minimums()) as *const __m128i));
-                            _mm256_mul_ps(dmin, _mm256_set1_ps(-1.0))
-                        } else {
-                            _mm256_setzero_ps()
-                        };
+                        // A K-quant super-block's exact sum, its sub-block scales applied.
+                        let mut whole = [_mm256_setzero_si256(); X];
                         for j in 0..subs {
                             let b = fb * subs + j;
                             let sub = p.add(ty.sub_block_at(j));
@@ -1318,27 +1468,32 @@ mod x86 {
                                 }
                             }
                             if TY == Q6K {
-                                let scale = |s: usize| bytes_ps::<true>(p.add(ty.k_scales() + 8 * s));
-                                let (d0, d1) = (
-                                    _mm256_mul_ps(d_file, scale(2 * j)),
-                                    _mm256_mul_ps(d_file, scale(2 * j + 1)),
-                                );
+                                // Each half-block's `Σ q·q_x − 32·Σ q_x` times its scale.
+                                let scale = |s: usize| {
+                                    _mm256_cvtepi8_epi32(
+                                        _mm_loadl_epi64(p.add(ty.k_scales() + 8 * s) as *const __m128i),
+                                    )
+                                };
+                                let (s0, s1) = (scale(2 * j), scale(2 * j + 1));
                                 for r in 0..X {
                                     let offset = |h: usize| _mm256_set1_epi32(32 * xh[r][2 * b + h]);
-                                    let first = _mm256_sub_epi32(sums[0][r], offset(0));
-                                    let second = _mm256_sub_epi32(sums[1][r], offset(1));
-                                    let xd = _mm256_set1_ps(xd[r][b]);
-                                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xd), _mm256_cvtepi32_ps(first), acc[r]);
-                                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xd), _mm256_cvtepi32_ps(second), acc[r]);
+                                    let first = _mm256_mullo_epi32(_mm256_sub_epi32(sums[0][r], offset(0)), s0);
+                                    let second = _mm256_mullo_epi32(_mm256_sub_epi32(sums[1][r], offset(1)), s1);
+                                    whole[r] = _mm256_add_epi32(whole[r], _mm256_add_epi32(first, second));
                                 }
                                 continue;
                             }
                             let sums = sums[0];
+                            if is_k {
+                                let scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    p.add(ty.k_scales() + 8 * j) as *const __m128i
+                                ));
+                                for r in 0..X {
+                                    whole[r] = _mm256_add_epi32(whole[r], _mm256_mullo_epi32(sums[r], scale));
+                                }
+                                continue;
+                            }
                             let (d, m) = match TY {
-                                Q4K | Q5K => (
-                                    _mm256_mul_ps(d_file, bytes_ps::<false>(p.add(ty.k_scales() + 8 * j))),
-                                    _mm256_mul_ps(minus_dmin, bytes_ps::<false>(p.add(ty.k_minimums() + 8 * j))),
-                                ),
                                 Q4_1 | Q5_1 => (
                                     d_file,
                                     _mm256_cvtph_ps(_mm_loadu_si128(p.add(ty.group_minimums()) as *const __m128i)),
@@ -1352,6 +1507,38 @@ mod x86 {
                                 if TY != Q8_0 {
                                     min[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), min[r]);
                                 }
+                            }
+                        }
+                        if !is_k {
+                            continue;
+                        }
+                        // The super-block's sums into the f32 accumulators; `Q4_K`'s
+                        // and `Q5_K`'s minimums as `Σ_j m_j·Σ q_x`, two sub-blocks
+                        // a `vpmaddwd` (the rows' `m_j` and `m_{j+1}` as `i16` pairs).
+                        let minimums: [__m256i; 4] = std::array::from_fn(|pair| {
+                            if TY == Q6K {
+                                return _mm256_setzero_si256();
+                            }
+                            let at = |j: usize| _mm_loadl_epi64(p.add(ty.k_minimums() + 8 * j) as *const __m128i);
+                            _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(at(2 * pair), at(2 * pair + 1)))
+                        });
+                        let minus_dmin = if TY == Q6K {
+                            _mm256_setzero_ps()
+                        } else {
+                            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(ty.group_minimums()) as *const __m128i));
+                            _mm256_mul_ps(dmin, _mm256_set1_ps(-1.0))
+                        };
+                        for r in 0..X {
+                            let xd = _mm256_set1_ps(xd[r][fb]);
+                            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_file, xd), _mm256_cvtepi32_ps(whole[r]), acc[r]);
+                            if TY != Q6K {
+                                let pairs = &xp[r][4 * fb..][..4];
+                                let mut sum = _mm256_madd_epi16(minimums[0], _mm256_set1_epi32(pairs[0]));
+                                for (m, &x) in minimums[1..].iter().zip(&pairs[1..]) {
+                                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(*m, _mm256_set1_epi32(x)));
+                                }
+                                acc[r] =
+                                    _mm256_fmadd_ps(_mm256_mul_ps(minus_dmin, xd), _mm256_cvtepi32_ps(sum), acc[r]);
                             }
                         }
                     }
@@ -1505,12 +1692,14 @@ mod tests {
             let stacked = QuantMatrix::stack(&parts).unwrap();
             for m in [1, 2, 3, 5, 64] {
                 let x = values(m * k, 99 + m as u32);
-                let rows = QuantizedRows::new(&x, m, k);
+                let small = QuantizedRows::new(&x, m, k, QK);
+                let large = k.is_multiple_of(QKK).then(|| QuantizedRows::new(&x, m, k, QKK));
                 let want: Vec<f32> = (0..m)
                     .flat_map(|r| {
-                        let rows = &rows;
+                        let (small, large) = (&small, &large);
                         parts.iter().flat_map(move |p| {
                             let part = &p.parts[0];
+                            let rows = if part.ty.is_k() { large.as_ref().unwrap() } else { small };
                             (0..n).map(move |c| dot_reference(part, c, rows, r))
                         })
                     })
@@ -1524,6 +1713,41 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The AVX2 row quantizer gives the reference's bytes, scales and sums,
+    /// halves included (rounded away from zero), and all-zero blocks, in
+    /// blocks of 32 and of 256.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_simd_row_quantizer_matches_the_reference() {
+        if !std::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut blocks: Vec<Vec<f32>> = (0..100).map(|i| values(QK, 500 + i)).collect();
+        blocks.extend((0..20).map(|i| values(QKK, 700 + i)));
+        // Exact halves after scaling: max 127 makes the scale 1.
+        blocks.push(
+            (0..QK)
+                .map(|i| if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 })
+                .collect(),
+        );
+        blocks.push(
+            (0..QK)
+                .map(|i| if i == 0 { -127.0 } else { -(i as f32) - 0.5 })
+                .collect(),
+        );
+        blocks.push(vec![0.0; QK]);
+        blocks.push((0..QKK).map(|i| 1e-30 * i as f32).collect());
+        for x in &blocks {
+            let (mut want, mut got) = (vec![0i8; x.len()], vec![0i8; x.len()]);
+            let (mut want_h, mut got_h) = (vec![0; x.len() / 16], vec![0; x.len() / 16]);
+            let d = quantize_block_reference(x, &mut want, &mut want_h);
+            // SAFETY: AVX2 checked above; one block each.
+            let simd = unsafe { x86::quantize_block(x, &mut got, &mut got_h) };
+            assert_eq!((got, got_h), (want, want_h), "{x:?}");
+            assert_eq!(simd.to_bits(), d.to_bits());
         }
     }
 
@@ -1558,7 +1782,7 @@ mod tests {
             let w = QuantMatrix::from_blocks(ty, &blocks, n, k, None).unwrap();
             let x = values(m * k, 22);
             let got = w.matmul(&x, m);
-            let rows = QuantizedRows::new(&x, m, k);
+            let rows = QuantizedRows::new(&x, m, k, ty.block_weights());
             for r in 0..m {
                 for c in 0..n {
                     let wr = &weights[c * k..][..k];
@@ -1569,7 +1793,7 @@ mod tests {
                         .sum();
                     let bound: f64 = (0..k / QK)
                         .map(|b| {
-                            rows.d[r * (k / QK) + b] as f64 / 2.0
+                            rows.scale(r, b) as f64 / 2.0
                                 * wr[b * QK..][..QK].iter().map(|v| v.abs() as f64).sum::<f64>()
                         })
                         .sum::<f64>()
