@@ -755,15 +755,25 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 }
                 compared.push(row);
             }
-            let rate = batch as f64 * steps / decode;
             let memory_roof = batch as f64 * ceilings.bandwidth / weight_bytes;
             let compute_roof = compute_roof / (2.0 * params);
             let roof = memory_roof.min(compute_roof);
-            let speedup = rate / *batch_one.get_or_insert(rate);
+            // With a few steps of decoding (`--new-tokens 2`, for the prompt's
+            // rate) the two runs' difference is mostly noise, or nothing: no
+            // decode figures then.
+            let decoded = if decode > 0.0 && steps >= 8.0 {
+                let rate = batch as f64 * steps / decode;
+                let speedup = rate / *batch_one.get_or_insert(rate);
+                format!(
+                    "{rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x",
+                    1e3 * decode / steps,
+                    100.0 * rate / roof
+                )
+            } else {
+                format!("– | – | {memory_roof:.1} | {compute_roof:.1} | – | –")
+            };
             println!(
-                "| {name} | {batch} | {rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x | {:.1} |",
-                1e3 * decode / steps,
-                100.0 * rate / roof,
+                "| {name} | {batch} | {decoded} | {:.1} |",
                 (batch * args.prompt_tokens) as f64 / prefill.as_secs_f64()
             );
         }
