@@ -1,5 +1,6 @@
 //! The vector kernels attention runs on: the dot products of a group of query
-//! heads with one key, and the weighted sums of values into them. AVX2 and
+//! heads with one key, softmax's exponentials, and the weighted sums of
+//! values into them. AVX2 and
 //! FMA when the CPU has them (checked at run time), portable loops otherwise.
 //! The matrix products of the projections are in [`crate::ops::gemm`].
 
@@ -150,6 +151,67 @@ unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out
     }
 }
 
+/// `x = eˣ` for every value: softmax's exponentials. With AVX2 and FMA,
+/// eight at a time (Cephes' `expf`: `2ⁿ·p(r)` with `n = round(x·log₂e)`,
+/// `r = x − n·ln 2` in two parts, a degree-7 polynomial; within 2 units in
+/// the last place of the correctly rounded value, exactly 1 at 0; below
+/// −87.33 the smallest normal power of two, where the true value is
+/// smaller still), the last few through a padded vector, so that a value's
+/// result never depends on where it lies; `f32::exp` elsewhere.
+pub(crate) fn exp_in_place(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        let whole = x.len() / 8 * 8;
+        let (body, tail) = x.split_at_mut(whole);
+        for eight in body.chunks_exact_mut(8) {
+            // SAFETY: AVX2 and FMA checked above; eight floats.
+            unsafe { exp8_avx2(eight) };
+        }
+        if !tail.is_empty() {
+            let mut padded = [0f32; 8];
+            padded[..tail.len()].copy_from_slice(tail);
+            // SAFETY: as above.
+            unsafe { exp8_avx2(&mut padded) };
+            tail.copy_from_slice(&padded[..tail.len()]);
+        }
+        return;
+    }
+    for v in x.iter_mut() {
+        *v = v.exp();
+    }
+}
+
+/// [`exp_in_place`] on eight floats.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` must hold eight floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp8_avx2(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(x.len(), 8);
+    // SAFETY: the caller's: eight floats.
+    let v = unsafe { _mm256_loadu_ps(x.as_ptr()) };
+    let v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.33)), _mm256_set1_ps(88.37));
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), v);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let power = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    ));
+    // SAFETY: as above.
+    unsafe { _mm256_storeu_ps(x.as_mut_ptr(), _mm256_mul_ps(p, power)) };
+}
+
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -168,6 +230,28 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
     use crate::runtime::rng::SplitMix;
+
+    /// Within two units in the last place of `f64`'s exponential (rounded),
+    /// over softmax's range and a little past it, in any position of a
+    /// slice; exactly 1 at 0; tiny (not 0, not negative) far below.
+    #[test]
+    fn exponentials_stay_within_two_units_in_the_last_place() {
+        let values: Vec<f32> = (0..20_011).map(|i| -87.0 + i as f32 * 0.0045).collect();
+        for len in [values.len(), 7, 8, 13] {
+            let mut got = values[..len].to_vec();
+            exp_in_place(&mut got);
+            for (x, y) in values.iter().zip(&got) {
+                let want = (*x as f64).exp() as f32;
+                let ulp = (want.to_bits() as i64 - y.to_bits() as i64).abs();
+                assert!(ulp <= 2, "e^{x}: {y} against {want} ({ulp} units)");
+            }
+        }
+        let mut edges = [0.0f32, -100.0, -1e30, -0.0];
+        exp_in_place(&mut edges);
+        assert_eq!(edges[0], 1.0);
+        assert!(edges[1] >= 0.0 && edges[1] < 1e-37 && edges[2] >= 0.0 && edges[2] < 1e-37);
+        assert_eq!(edges[3], 1.0);
+    }
 
     #[test]
     fn gathered_scores_and_weighted_sums_match_plain_loops() {

@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::BlockId;
-use crate::ops::attention::{scores, weighted_sum, Gathered};
+use crate::ops::attention::{exp_in_place, scores, weighted_sum, Gathered};
 
 /// The shape of one token's cached keys (or values) in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,10 +154,15 @@ impl KvCache {
                             *m = m.max(*s * scale);
                         }
                     }
-                    let mut total = vec![0f32; groups];
                     for score in weights.chunks_exact_mut(groups) {
-                        for ((s, m), t) in score.iter_mut().zip(&max).zip(total.iter_mut()) {
-                            *s = (*s * scale - m).exp();
+                        for (s, m) in score.iter_mut().zip(&max) {
+                            *s = *s * scale - m;
+                        }
+                    }
+                    exp_in_place(&mut weights);
+                    let mut total = vec![0f32; groups];
+                    for score in weights.chunks_exact(groups) {
+                        for (s, t) in score.iter().zip(total.iter_mut()) {
                             *t += *s;
                         }
                     }
