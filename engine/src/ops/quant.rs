@@ -1017,16 +1017,10 @@ impl QuantizedRows {
 }
 
 /// A token row's block (of [`QK`] or [`QKK`] values) as 8-bit integers
-/// (`d = max|x| / 127`, `q = round(x / d)`, halves away from zero, as
-/// [`quantize_q8`]): its scale returned, the integer sums of every 16
+/// ([`quantize_q8`]): its scale returned, the integer sums of every 16
 /// quants in `h`.
 fn quantize_block_reference(x: &[f32], q: &mut [i8], h: &mut [i32]) -> f32 {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in q.iter_mut().zip(x) {
-        *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
-    }
+    let d = quantize_q8(x, q);
     for (h, q) in h.iter_mut().zip(q.chunks_exact(QK / 2)) {
         *h = q.iter().map(|&q| q as i32).sum();
     }
