@@ -233,7 +233,7 @@ mod tests {
 
     /// Within two units in the last place of `f64`'s exponential (rounded),
     /// over softmax's range and a little past it, in any position of a
-    /// slice; exactly 1 at 0; tiny (not 0, not negative) far below.
+    /// slice; exactly 1 at 0; tiny and not negative far below.
     #[test]
     fn exponentials_stay_within_two_units_in_the_last_place() {
         let values: Vec<f32> = (0..20_011).map(|i| -87.0 + i as f32 * 0.0045).collect();
