@@ -1397,9 +1397,13 @@ mod x86 {
                             let b = fb * subs + j;
                             let sub = p.add(ty.sub_block_at(j));
                             let q = sub.add(ty.quants_in());
-                            let four = |r: usize, at: usize| {
-                                _mm256_set1_epi32((xq[r].add(b * QK + at) as *const i32).read_unaligned())
-                            };
+                            // Four of token row `r`'s quants from `at` of block `b`, in every lane
+                            // (a macro rather than a closure, so that it is always inlined).
+                            macro_rules! four {
+                                ($r:expr, $at:expr) => {
+                                    _mm256_set1_epi32((xq[$r].add(b * QK + $at) as *const i32).read_unaligned())
+                                };
+                            }
                             let mut sums = [[_mm256_setzero_si256(); X]; 4];
                             if TY == Q8_0 {
                                 for c in 0..QK / 4 {
@@ -1407,7 +1411,7 @@ mod x86 {
                                     let u = _mm256_abs_epi8(w);
                                     let sums = &mut sums[c % chains];
                                     for r in 0..X {
-                                        sums[r] = $dot(sums[r], u, _mm256_sign_epi8(four(r, 4 * c), w));
+                                        sums[r] = $dot(sums[r], u, _mm256_sign_epi8(four!(r, 4 * c), w));
                                     }
                                 }
                             } else {
@@ -1450,8 +1454,8 @@ mod x86 {
                                     }
                                     let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
                                     for r in 0..X {
-                                        sums[first][r] = $dot(sums[first][r], low, four(r, 4 * c));
-                                        sums[second][r] = $dot(sums[second][r], high, four(r, QK / 2 + 4 * c));
+                                        sums[first][r] = $dot(sums[first][r], low, four!(r, 4 * c));
+                                        sums[second][r] = $dot(sums[second][r], high, four!(r, QK / 2 + 4 * c));
                                     }
                                 }
                             }
@@ -1463,16 +1467,14 @@ mod x86 {
                             }
                             if TY == Q6K {
                                 // Each half-block's `Σ q·q_x − 32·Σ q_x` times its scale.
-                                let scale = |s: usize| {
-                                    _mm256_cvtepi8_epi32(
-                                        _mm_loadl_epi64(p.add(ty.k_scales() + 8 * s) as *const __m128i),
-                                    )
-                                };
-                                let (s0, s1) = (scale(2 * j), scale(2 * j + 1));
+                                let scales = p.add(ty.k_scales() + 16 * j);
+                                let s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scales as *const __m128i));
+                                let s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scales.add(8) as *const __m128i));
                                 for r in 0..X {
-                                    let offset = |h: usize| _mm256_set1_epi32(32 * xh[r][2 * b + h]);
-                                    let first = _mm256_mullo_epi32(_mm256_sub_epi32(sums[0][r], offset(0)), s0);
-                                    let second = _mm256_mullo_epi32(_mm256_sub_epi32(sums[1][r], offset(1)), s1);
+                                    let offset0 = _mm256_set1_epi32(32 * xh[r][2 * b]);
+                                    let offset1 = _mm256_set1_epi32(32 * xh[r][2 * b + 1]);
+                                    let first = _mm256_mullo_epi32(_mm256_sub_epi32(sums[0][r], offset0), s0);
+                                    let second = _mm256_mullo_epi32(_mm256_sub_epi32(sums[1][r], offset1), s1);
                                     whole[r] = _mm256_add_epi32(whole[r], _mm256_add_epi32(first, second));
                                 }
                                 continue;
@@ -1509,13 +1511,15 @@ mod x86 {
                         // The super-block's sums into the f32 accumulators; `Q4_K`'s
                         // and `Q5_K`'s minimums as `Σ_j m_j·Σ q_x`, two sub-blocks
                         // a `vpmaddwd` (the rows' `m_j` and `m_{j+1}` as `i16` pairs).
-                        let minimums: [__m256i; 4] = std::array::from_fn(|pair| {
-                            if TY == Q6K {
-                                return _mm256_setzero_si256();
+                        let mut minimums = [_mm256_setzero_si256(); 4];
+                        if TY != Q6K {
+                            let at = p.add(ty.k_minimums());
+                            for (pair, m) in minimums.iter_mut().enumerate() {
+                                let even = _mm_loadl_epi64(at.add(16 * pair) as *const __m128i);
+                                let odd = _mm_loadl_epi64(at.add(16 * pair + 8) as *const __m128i);
+                                *m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(even, odd));
                             }
-                            let at = |j: usize| _mm_loadl_epi64(p.add(ty.k_minimums() + 8 * j) as *const __m128i);
-                            _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(at(2 * pair), at(2 * pair + 1)))
-                        });
+                        }
                         let minus_dmin = if TY == Q6K {
                             _mm256_setzero_ps()
                         } else {

@@ -122,69 +122,105 @@ impl KvCache {
     /// keys and values, which must already include the new tokens.
     pub(crate) fn attend(&self, layer: usize, seqs: &[AttentionSeq<'_>], heads: usize, queries: &[f32]) -> Vec<f32> {
         let d = self.layout.head_dim;
-        let groups = heads / self.layout.kv_heads;
-        let scale = 1.0 / (d as f32).sqrt();
-        let rows: Vec<(&AttentionSeq<'_>, usize)> = seqs
+        // Where each visible position's keys and values start, found once per
+        // sequence: a row at position `p` sees the first `p + 1` of them.
+        let slots: Vec<Vec<usize>> = seqs
             .iter()
-            .flat_map(|seq| (seq.start..seq.start + seq.len).map(move |p| (seq, p)))
+            .map(|seq| self.slot_offsets(seq.blocks, seq.start + seq.len))
+            .collect();
+        let rows: Vec<(&[usize], usize)> = seqs
+            .iter()
+            .zip(&slots)
+            .flat_map(|(seq, slots)| (seq.start..seq.start + seq.len).map(move |p| (&slots[..p + 1], p)))
             .collect();
         let stored = &self.layers[layer];
         let mut out = vec![0f32; queries.len()];
         out.par_chunks_mut(heads * d)
             .zip(queries.par_chunks(heads * d))
             .zip(rows.par_iter())
-            .for_each(|((out, query), &(seq, position))| {
-                // Where each visible position's keys and values start, found once per row.
-                let slots = self.slot_offsets(seq.blocks, position + 1);
-                // Scores `[position][query head of the group]`: each key and value
-                // is read once for all the query heads that share it.
-                let mut weights = vec![0f32; slots.len() * groups];
-                for kv_head in 0..self.layout.kv_heads {
-                    let span = kv_head * groups * d..(kv_head + 1) * groups * d;
-                    let gathered = |data| Gathered {
-                        data,
-                        offsets: &slots,
-                        shift: kv_head * d,
-                        d,
-                    };
-                    scores(&query[span.clone()], gathered(&stored.keys), &mut weights);
-                    let mut max = vec![f32::NEG_INFINITY; groups];
-                    for score in weights.chunks_exact(groups) {
-                        for (m, s) in max.iter_mut().zip(score) {
-                            *m = m.max(*s * scale);
-                        }
-                    }
-                    for score in weights.chunks_exact_mut(groups) {
-                        for (s, m) in score.iter_mut().zip(&max) {
-                            *s = *s * scale - m;
-                        }
-                    }
-                    exp_in_place(&mut weights);
-                    let mut total = vec![0f32; groups];
-                    for score in weights.chunks_exact(groups) {
-                        for (s, t) in score.iter().zip(total.iter_mut()) {
-                            *t += *s;
-                        }
-                    }
-                    let o = &mut out[span];
-                    weighted_sum(&weights, gathered(&stored.values), o);
-                    for (o, t) in o.chunks_exact_mut(d).zip(&total) {
-                        o.iter_mut().for_each(|v| *v /= t);
-                    }
-                }
+            .for_each_init(Scratch::default, |scratch, ((out, query), &(slots, _))| {
+                self.attend_row(stored, slots, heads, query, out, scratch);
             });
         out
+    }
+
+    /// One query row's attention over the positions at `slots`, every head.
+    fn attend_row(
+        &self,
+        stored: &LayerKv,
+        slots: &[usize],
+        heads: usize,
+        query: &[f32],
+        out: &mut [f32],
+        scratch: &mut Scratch,
+    ) {
+        let d = self.layout.head_dim;
+        let groups = heads / self.layout.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        // Scores `[position][query head of the group]`: each key and value
+        // is read once for all the query heads that share it.
+        let Scratch { weights, max, total } = scratch;
+        weights.clear();
+        weights.resize(slots.len() * groups, 0.0);
+        for kv_head in 0..self.layout.kv_heads {
+            let span = kv_head * groups * d..(kv_head + 1) * groups * d;
+            let gathered = |data| Gathered {
+                data,
+                offsets: slots,
+                shift: kv_head * d,
+                d,
+            };
+            scores(&query[span.clone()], gathered(&stored.keys), weights);
+            max.clear();
+            max.resize(groups, f32::NEG_INFINITY);
+            for score in weights.chunks_exact(groups) {
+                for (m, s) in max.iter_mut().zip(score) {
+                    *m = m.max(*s * scale);
+                }
+            }
+            for score in weights.chunks_exact_mut(groups) {
+                for (s, m) in score.iter_mut().zip(max.iter()) {
+                    *s = *s * scale - m;
+                }
+            }
+            exp_in_place(weights);
+            total.clear();
+            total.resize(groups, 0.0);
+            for score in weights.chunks_exact(groups) {
+                for (s, t) in score.iter().zip(total.iter_mut()) {
+                    *t += *s;
+                }
+            }
+            let o = &mut out[span];
+            weighted_sum(weights, gathered(&stored.values), o);
+            for (o, t) in o.chunks_exact_mut(d).zip(total.iter()) {
+                o.iter_mut().for_each(|v| *v /= t);
+            }
+        }
     }
 
     /// The offsets of positions `0..len` of a sequence, block by block.
     fn slot_offsets(&self, blocks: &[BlockId], len: usize) -> Vec<usize> {
         let (bs, width) = (self.layout.block_size, self.layout.token_width());
-        blocks
-            .iter()
-            .flat_map(|block| (0..bs).map(move |slot| (block.0 as usize * bs + slot) * width))
-            .take(len)
-            .collect()
+        let mut offsets = Vec::with_capacity(len);
+        for block in blocks {
+            let first = block.0 as usize * bs;
+            let take = bs.min(len - offsets.len());
+            offsets.extend((first..first + take).map(|slot| slot * width));
+            if offsets.len() == len {
+                break;
+            }
+        }
+        offsets
     }
+}
+
+/// A worker's buffers for [`KvCache::attend_row`], kept across the rows it takes.
+#[derive(Default)]
+struct Scratch {
+    weights: Vec<f32>,
+    max: Vec<f32>,
+    total: Vec<f32>,
 }
 
 #[cfg(test)]
@@ -245,6 +281,66 @@ mod tests {
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() < 1e-5, "step {step}: {got:?} vs {want:?}");
                 }
+            }
+        }
+    }
+
+    /// A pre-fill's rows (several sequences, several rows each, spanning
+    /// blocks) attend exactly as each row does alone: the offsets found
+    /// once per sequence are each row's own.
+    #[test]
+    fn a_prefills_rows_attend_bit_for_bit_as_each_row_alone() {
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 16,
+            block_size: 4,
+        };
+        let (heads, width) = (6, 2 * 16);
+        let mut pool = BlockPool::new(32, 4);
+        let mut cache = KvCache::new(layout, 32);
+        let mut rng = SplitMix::new(9);
+        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
+        // Interleaved appends, so that neither sequence's blocks are contiguous.
+        for _ in 0..4 {
+            a.append(&mut pool, 3).unwrap();
+            b.append(&mut pool, 4).unwrap();
+        }
+        let seqs = [
+            AttentionSeq {
+                blocks: a.blocks(),
+                start: 0,
+                len: 12,
+            },
+            AttentionSeq {
+                blocks: b.blocks(),
+                start: 5,
+                len: 11,
+            },
+        ];
+        // `b`'s first five positions were cached before this pass.
+        let earlier = AttentionSeq {
+            blocks: b.blocks(),
+            start: 0,
+            len: 5,
+        };
+        cache.write(0, &[earlier], &random(5 * width, &mut rng), &random(5 * width, &mut rng));
+        let tokens = 12 + 11;
+        cache.write(0, &seqs, &random(tokens * width, &mut rng), &random(tokens * width, &mut rng));
+        let queries = random(tokens * heads * 16, &mut rng);
+        let together = cache.attend(0, &seqs, heads, &queries);
+        let mut row = 0;
+        for seq in &seqs {
+            for position in seq.start..seq.start + seq.len {
+                let alone = AttentionSeq {
+                    blocks: seq.blocks,
+                    start: position,
+                    len: 1,
+                };
+                let q = &queries[row * heads * 16..(row + 1) * heads * 16];
+                let got = cache.attend(0, &[alone], heads, q);
+                assert_eq!(got, together[row * heads * 16..(row + 1) * heads * 16], "row {row}");
+                row += 1;
             }
         }
     }
