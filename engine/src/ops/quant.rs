@@ -1363,27 +1363,26 @@ mod x86 {
                 // apart: its even chains take the first half, its odd ones the
                 // second.
                 let chains = if TY == Q6K { (4 / X).max(2) } else { (4 / X).max(1) };
-                let xq: [*const u8; X] = std::array::from_fn(|r| x.q[(row + r) * x.k..].as_ptr() as *const u8);
                 // The K-quants' token rows come in blocks of 256: a scale per
                 // super-block, and sums of two sub-blocks' quants as `i16` pairs.
                 let is_k = TY == Q4K || TY == Q5K || TY == Q6K;
                 let scales = nb / subs;
-                let xd: [&[f32]; X] = std::array::from_fn(|r| &x.d[(row + r) * scales..][..scales]);
-                let xs: [&[f32]; X] = std::array::from_fn(|r| {
+                // Each token row's quants, scales and sums (filled in a plain loop:
+                // `array::from_fn`'s closures are not inlined here, and a tile is
+                // small enough for their calls to show).
+                let mut xq: [*const u8; X] = [std::ptr::null(); X];
+                let (mut xd, mut xs): ([&[f32]; X], [&[f32]; X]) = ([&[][..]; X], [&[][..]; X]);
+                let (mut xp, mut xh): ([&[i32]; X], [&[i32]; X]) = ([&[][..]; X], [&[][..]; X]);
+                for r in 0..X {
+                    xq[r] = x.q[(row + r) * x.k..].as_ptr() as *const u8;
+                    xd[r] = &x.d[(row + r) * scales..][..scales];
                     if is_k {
-                        &[][..]
+                        xp[r] = &x.p[(row + r) * nb / 2..][..nb / 2];
                     } else {
-                        &x.s[(row + r) * nb..][..nb]
+                        xs[r] = &x.s[(row + r) * nb..][..nb];
                     }
-                });
-                let xp: [&[i32]; X] = std::array::from_fn(|r| {
-                    if is_k {
-                        &x.p[(row + r) * nb / 2..][..nb / 2]
-                    } else {
-                        &[][..]
-                    }
-                });
-                let xh: [&[i32]; X] = std::array::from_fn(|r| &x.h[2 * (row + r) * nb..][..2 * nb]);
+                    xh[r] = &x.h[2 * (row + r) * nb..][..2 * nb];
+                }
                 let nibble = _mm256_set1_epi8(0x0f);
                 for fb in 0..nb / subs {
                     // SAFETY: the caller's contract: group block `fb` and the

@@ -324,9 +324,19 @@ mod tests {
             start: 0,
             len: 5,
         };
-        cache.write(0, &[earlier], &random(5 * width, &mut rng), &random(5 * width, &mut rng));
+        cache.write(
+            0,
+            &[earlier],
+            &random(5 * width, &mut rng),
+            &random(5 * width, &mut rng),
+        );
         let tokens = 12 + 11;
-        cache.write(0, &seqs, &random(tokens * width, &mut rng), &random(tokens * width, &mut rng));
+        cache.write(
+            0,
+            &seqs,
+            &random(tokens * width, &mut rng),
+            &random(tokens * width, &mut rng),
+        );
         let queries = random(tokens * heads * 16, &mut rng);
         let together = cache.attend(0, &seqs, heads, &queries);
         let mut row = 0;
