@@ -128,17 +128,17 @@ impl KvCache {
             .iter()
             .map(|seq| self.slot_offsets(seq.blocks, seq.start + seq.len))
             .collect();
-        let rows: Vec<(&[usize], usize)> = seqs
+        let rows: Vec<&[usize]> = seqs
             .iter()
             .zip(&slots)
-            .flat_map(|(seq, slots)| (seq.start..seq.start + seq.len).map(move |p| (&slots[..p + 1], p)))
+            .flat_map(|(seq, slots)| (seq.start..seq.start + seq.len).map(move |p| &slots[..p + 1]))
             .collect();
         let stored = &self.layers[layer];
         let mut out = vec![0f32; queries.len()];
         out.par_chunks_mut(heads * d)
             .zip(queries.par_chunks(heads * d))
             .zip(rows.par_iter())
-            .for_each_init(Scratch::default, |scratch, ((out, query), &(slots, _))| {
+            .for_each_init(Scratch::default, |scratch, ((out, query), &slots)| {
                 self.attend_row(stored, slots, heads, query, out, scratch);
             });
         out
