@@ -593,3 +593,90 @@ fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
     assert!(CpuSgmv.apply_rows(&x, inputs, &mut y, outputs, &clash).is_err());
     assert_eq!(y, w.matmul(&x, tokens), "a refused pass wrote");
 }
+
+#[test]
+fn the_expand_fused_into_a_quantized_product_adds_what_the_separate_pass_adds() {
+    use lorry_engine::lora::PackedLora;
+    use lorry_engine::ops::gemm::PackedMatrix;
+    use lorry_engine::ops::quant::{QuantMatrix, QuantType};
+    use lorry_engine::ops::sgmv::{CpuSgmv, Segment};
+    use lorry_engine::runtime::rng::SplitMix;
+    if !PackedMatrix::rows_direct() {
+        return; // no AVX2 here: the separate pass is the only one.
+    }
+    let mut rng = SplitMix::new(11);
+    let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.uniform() as f32 - 0.5).collect() };
+    // Stacked q/k/v-like projections in three formats, over 256 inputs:
+    // 64 rows of Q4_K, 48 of Q6_K, 24 of Q4_1 (the last panel half full).
+    let inputs = 256;
+    let parts = [(QuantType::Q4K, 64), (QuantType::Q6K, 48), (QuantType::Q4_1, 24)];
+    let matrices: Vec<QuantMatrix> = parts
+        .iter()
+        .map(|&(ty, rows)| QuantMatrix::quantize(ty, &random(rows * inputs), rows, inputs).unwrap())
+        .collect();
+    let w = QuantMatrix::stack(&matrices).unwrap();
+    let outputs = w.outputs();
+    assert!(w.panels_whole());
+    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| PackedLora {
+        a: PackedMatrix::from_f32(&random(rank * inputs), rank, inputs),
+        b: PackedMatrix::from_f32(&random(out * rank), out, rank),
+        scale,
+    };
+    let q = module(8, 64, 2.0, &mut random);
+    let k = module(16, 48, 0.5, &mut random);
+    let v = module(4, 24, 1.0, &mut random);
+    // 1 row, a tile's worth, and more than a chunk of rows (64): one adapter
+    // on many rows (tiles), others on a few each (one by one), some rows none.
+    for tokens in [1usize, 20, 70] {
+        let many: Vec<usize> = (0..tokens).filter(|r| r % 3 == 1).collect();
+        let few: Vec<usize> = (0..tokens).filter(|r| r % 3 == 0).take(5).collect();
+        let other: Vec<usize> = (0..tokens).filter(|r| r % 3 == 2).take(3).collect();
+        let mut segments = vec![
+            Segment {
+                module: &q,
+                rows: &few,
+                offset: 0,
+            },
+            Segment {
+                module: &v,
+                rows: &few,
+                offset: 112,
+            },
+            Segment {
+                module: &k,
+                rows: &other,
+                offset: 64,
+            },
+        ];
+        if many.len() >= 8 {
+            segments.push(Segment {
+                module: &k,
+                rows: &many,
+                offset: 64,
+            });
+        }
+        let x = random(tokens * inputs);
+        let fused = CpuSgmv.apply_fused(&w, &x, tokens, &segments).unwrap();
+        let mut separate = w.matmul(&x, tokens);
+        CpuSgmv
+            .apply_rows(&x, inputs, &mut separate, outputs, &segments)
+            .unwrap();
+        assert_eq!(fused, separate, "{tokens} rows");
+        assert_ne!(fused, w.matmul(&x, tokens), "the adapters changed nothing");
+    }
+    // Parts that do not start on panels (40 rows, then 24) are refused.
+    let uneven = QuantMatrix::stack(&[
+        QuantMatrix::quantize(QuantType::Q8_0, &random(40 * inputs), 40, inputs).unwrap(),
+        QuantMatrix::quantize(QuantType::Q4_0, &random(24 * inputs), 24, inputs).unwrap(),
+    ])
+    .unwrap();
+    assert!(!uneven.panels_whole());
+    let x = random(inputs);
+    let rows = [0usize];
+    let one = [Segment {
+        module: &q,
+        rows: &rows,
+        offset: 0,
+    }];
+    assert!(CpuSgmv.apply_fused(&uneven, &x, 1, &one).is_err());
+}

@@ -622,7 +622,18 @@ impl Linear {
                 }
                 (w.matmul(rows, tokens), w.outputs())
             }
-            Weight::Quant(q) => (q.matmul(rows, tokens), q.outputs()),
+            Weight::Quant(q) => {
+                // The same on quantized blocks whose formats' parts start on panels.
+                if let Some(segments) = segments
+                    .as_ref()
+                    .filter(|s| self.bias.is_none() && q.panels_whole() && CpuSgmv::fusable(s))
+                {
+                    let product = CpuSgmv.apply_fused(q, rows, tokens, segments)?;
+                    drop(storage);
+                    return Ok(Tensor::from_vec(product, (tokens, q.outputs()), x.device())?);
+                }
+                (q.matmul(rows, tokens), q.outputs())
+            }
             Weight::Tensor(_) => unreachable!("handled above"),
         };
         if let Some(bias) = &self.bias {

@@ -452,24 +452,13 @@ impl PackedMatrix {
     /// # Panics
     /// On a misplaced part, or on a CPU without [`PackedMatrix::rows_direct`].
     pub(crate) fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
-        assert!(expand.is_empty() || expand.len() == m, "one expand list per row");
-        assert!(
-            expand.is_empty() || Self::rows_direct(),
-            "the fused expand needs AVX2, FMA and F16C"
-        );
-        for part in expand.iter().flat_map(|parts| parts.iter()) {
-            assert!(
-                part.first_column % NR == 0 && part.first_column + part.b.n <= self.n && part.shrunk.len() == part.b.k,
-                "expand part out of place"
-            );
-        }
+        let expand = Fused::checked(expand, m, self.n);
         let mut out = vec![0f32; m * self.n];
         assert_eq!(x.len(), m * self.k, "input shape");
         if out.is_empty() {
             return out;
         }
         let kernel = Kernel::Auto.resolve();
-        let expand = Fused { expand };
         match &*self.panels {
             Panels::F32(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
             Panels::F16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
@@ -712,14 +701,43 @@ pub(crate) struct Expand<'a> {
     pub scale: f32,
 }
 
-/// The expand lists of a product's rows (none at all for a plain product).
+/// The expand lists of a product's rows (none at all for a plain product):
+/// what [`PackedMatrix::matmul_expand`] and
+/// [`crate::ops::quant::QuantMatrix::matmul_expand`] add panel by panel.
 #[derive(Clone, Copy)]
-struct Fused<'e, 'a> {
+pub(crate) struct Fused<'e, 'a> {
     expand: &'e [&'e [Expand<'a>]],
 }
 
-impl Fused<'_, '_> {
-    const NONE: Fused<'static, 'static> = Fused { expand: &[] };
+impl<'e, 'a> Fused<'e, 'a> {
+    pub(crate) const NONE: Fused<'static, 'static> = Fused { expand: &[] };
+
+    /// `expand` (empty, or one list per row of a product with `outputs`
+    /// columns) checked: each part starts on a panel boundary ([`NR`]) and
+    /// lies inside the outputs, and the CPU has
+    /// [`PackedMatrix::rows_direct`].
+    ///
+    /// # Panics
+    /// Where it does not.
+    pub(crate) fn checked(expand: &'e [&'e [Expand<'a>]], rows: usize, outputs: usize) -> Self {
+        assert!(expand.is_empty() || expand.len() == rows, "one expand list per row");
+        assert!(
+            expand.is_empty() || PackedMatrix::rows_direct(),
+            "the fused expand needs AVX2, FMA and F16C"
+        );
+        for part in expand.iter().flat_map(|parts| parts.iter()) {
+            assert!(
+                part.first_column % NR == 0 && part.first_column + part.b.n <= outputs && part.shrunk.len() == part.b.k,
+                "expand part out of place"
+            );
+        }
+        Fused { expand }
+    }
+
+    /// Whether there is nothing to add.
+    pub(crate) fn is_none(self) -> bool {
+        self.expand.is_empty()
+    }
 
     /// The part of `parts` whose columns panel `p` of the product holds, and
     /// the panel of its `B` that holds them.
@@ -734,7 +752,7 @@ impl Fused<'_, '_> {
 
     /// The cache lines of every `B` panel that panel `p`'s expand reads for
     /// `rows`, onto `lines`.
-    fn lines(self, rows: std::ops::Range<usize>, p: usize, lines: &mut Vec<*const u8>) {
+    pub(crate) fn lines(self, rows: std::ops::Range<usize>, p: usize, lines: &mut Vec<*const u8>) {
         for parts in self.expand.get(rows).unwrap_or_default() {
             if let Some((part, q)) = Self::part(parts, p) {
                 let bytes = part.b.k * NR * part.b.precision().bytes();
@@ -750,7 +768,7 @@ impl Fused<'_, '_> {
     ///
     /// # Safety
     /// The caller alone writes panel `p`'s columns of those rows of `out`.
-    unsafe fn add(self, rows: std::ops::Range<usize>, p: usize, out: *mut f32, ldo: usize) {
+    pub(crate) unsafe fn add(self, rows: std::ops::Range<usize>, p: usize, out: *mut f32, ldo: usize) {
         let mut batch = PanelBatch::default();
         for (r, parts) in rows.clone().zip(self.expand.get(rows).unwrap_or_default()) {
             if let Some((part, q)) = Self::part(parts, p) {

@@ -58,6 +58,8 @@ use candle_core::quantized::GgmlDType;
 use half::f16;
 use rayon::prelude::*;
 
+use crate::ops::gemm::{Expand, Fused, NR};
+
 /// Weights (and inputs) per block.
 pub const QK: usize = 32;
 
@@ -899,17 +901,56 @@ impl QuantMatrix {
 
     /// [`QuantMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel) {
+        self.run(x, m, out, kernel, Fused::NONE);
+    }
+
+    /// Whether [`QuantMatrix::matmul_expand`] can take this matrix: every
+    /// part (a format's rows, stacked projections) starts on a panel of
+    /// [`NR`] outputs, so that each panel's columns come from one part.
+    pub fn panels_whole(&self) -> bool {
+        self.parts.iter().all(|p| p.first.is_multiple_of(NR))
+    }
+
+    /// [`QuantMatrix::matmul`] with a LoRA expand fused into it, as
+    /// [`crate::ops::gemm::PackedMatrix::matmul_expand`] does for float
+    /// panels: for each row `r` and each of `expand[r]`, `out[r][cols] +=
+    /// scale · shrunk·Bᵀ`, added to each panel of [`NR`] outputs by the task
+    /// that has just computed it (two groups), the next panel's `B` lines
+    /// asked for while this one's tiles run. The same sums as the product
+    /// followed by [`crate::ops::gemm::PackedMatrix::row_add`], bit for
+    /// bit.
+    ///
+    /// # Panics
+    /// On a misplaced part, on a matrix not [`QuantMatrix::panels_whole`],
+    /// or on a CPU without [`crate::ops::gemm::PackedMatrix::rows_direct`].
+    pub(crate) fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
+        let expand = Fused::checked(expand, m, self.n);
+        assert!(expand.is_none() || self.panels_whole(), "a panel across two parts");
+        let mut out = vec![0f32; m * self.n];
+        self.run(x, m, &mut out, QuantKernel::Auto, expand);
+        out
+    }
+
+    fn run(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel, expand: Fused<'_, '_>) {
         assert_eq!(x.len(), m * self.k, "input shape");
         assert_eq!(out.len(), m * self.n, "output shape");
         if self.k == 0 {
             // No inputs: every output is an empty sum.
             out.fill(0.0);
+            if !out.is_empty() && !expand.is_none() {
+                // SAFETY: `out` is `m × n`, written by nothing else here.
+                unsafe { (0..self.n.div_ceil(NR)).for_each(|p| expand.add(0..m, p, out.as_mut_ptr(), self.n)) };
+            }
             return;
         }
         if out.is_empty() {
             return;
         }
-        let kernel = kernel.resolve();
+        let mut kernel = kernel.resolve();
+        if !expand.is_none() && kernel == QuantKernel::Portable {
+            // The expand's panels run on AVX2 (checked): so do the tiles.
+            kernel = QuantKernel::best();
+        }
         // The token rows in blocks of 32 for the 32-weight formats, of 256
         // for the K-quants: each only where a part takes it.
         let quantized = |k_quants: bool| {
@@ -926,15 +967,16 @@ impl QuantMatrix {
                 .as_ref()
                 .expect("quantized for every format among the parts");
             let groups = part.groups();
-            // A few tasks per thread, each a contiguous run of groups, so that
-            // the threads stream disjoint stretches of the weights.
-            let per_task = groups.div_ceil(4 * threads).max(1);
+            // A few tasks per thread, each a contiguous run of groups (whole
+            // panels of `NR` outputs), so that the threads stream disjoint
+            // stretches of the weights.
+            let per_task = groups.div_ceil(4 * threads).max(1).next_multiple_of(NR / WR);
             (0..groups.div_ceil(per_task)).into_par_iter().for_each(|t| {
                 let groups = t * per_task..((t + 1) * per_task).min(groups);
                 // SAFETY: this task alone writes the columns of its groups, all
                 // inside `out` (`m × n`), and nothing reads `out` until every
                 // task is done.
-                unsafe { part_product(part, groups, rows, self.n, target, kernel) };
+                unsafe { part_product(part, groups, rows, self.n, target, kernel, expand) };
             });
         }
     }
@@ -1093,11 +1135,13 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// Every token row of `x` times the part's `groups`, into their columns of
-/// `out` (`m × n`).
+/// `out` (`m × n`), and `expand` added to each panel of [`NR`] columns once
+/// its groups are done.
 ///
 /// # Safety
 /// Nothing else may touch those columns meanwhile; the CPU must have
-/// `kernel` (resolved).
+/// `kernel` (resolved); `groups` must start on a panel and, where `expand`
+/// is not empty, the part too, and the kernel must not be portable.
 unsafe fn part_product(
     part: &Part,
     groups: std::ops::Range<usize>,
@@ -1105,15 +1149,20 @@ unsafe fn part_product(
     n: usize,
     out: OutPtr,
     kernel: QuantKernel,
+    expand: Fused<'_, '_>,
 ) {
     let nb = x.blocks();
     let (gb, file_blocks) = (part.ty.group_bytes(), nb / part.ty.sub_blocks());
     let m = x.q.len() / x.k;
+    let per_panel = NR / WR;
+    // The lines of the adapters' `B` that the next panel's expand reads.
+    let mut lines = Vec::new();
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
             let cols = WR.min(part.rows - g * WR);
             let first_col = part.first + g * WR;
+            let panel = first_col / NR;
             if kernel == QuantKernel::Portable {
                 for r in chunk.clone() {
                     for j in 0..cols {
@@ -1126,12 +1175,32 @@ unsafe fn part_product(
             }
             #[cfg(target_arch = "x86_64")]
             {
+                let in_panel = (g - groups.start) % per_panel;
+                if !expand.is_none() && in_panel == 0 {
+                    lines.clear();
+                    if g + per_panel < groups.end {
+                        expand.lines(chunk.clone(), panel + 1, &mut lines);
+                    }
+                }
                 let blocks = part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
-                let mut r = chunk.start;
+                // This group's share of the next panel's lines, a slice before
+                // each of its tiles.
+                let tiles = chunk.len().div_ceil(height);
+                let share = lines.len().div_ceil(per_panel);
+                let mine = &lines[(in_panel * share).min(lines.len())..((in_panel + 1) * share).min(lines.len())];
+                let (mut r, mut tile_index) = (chunk.start, 0);
                 while r < chunk.end {
                     // Tiles of a power of two rows: 3 rows are 2 and 1.
                     let rows = 1 << height.min(chunk.end - r).ilog2();
+                    let ask = &mine[(tile_index * mine.len() / tiles).min(mine.len())
+                        ..((tile_index + 1) * mine.len() / tiles).min(mine.len())];
+                    for &line in ask {
+                        // SAFETY: a prefetch only; the line lies in a `B`.
+                        unsafe {
+                            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line as *const i8)
+                        };
+                    }
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
                     unsafe {
@@ -1147,7 +1216,12 @@ unsafe fn part_product(
                         x86::tile(kernel, part.ty, rows, &tile);
                     }
                     r += rows;
+                    tile_index += 1;
                 }
+            }
+            if !expand.is_none() && (((g + 1) * WR).is_multiple_of(NR) || g + 1 == part.groups()) {
+                // SAFETY: the caller's contract: this task's panel, all written.
+                unsafe { expand.add(chunk.clone(), panel, out.0, n) };
             }
         }
     }

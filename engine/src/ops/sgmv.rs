@@ -18,6 +18,60 @@ use candle_core::Tensor;
 
 use crate::lora::PackedLora;
 use crate::ops::gemm::{Expand, PackedMatrix, RowProduct};
+use crate::ops::quant::QuantMatrix;
+
+/// A base product the adapters' expand can run inside
+/// ([`CpuSgmv::apply_fused`]): float panels or quantized blocks.
+#[derive(Debug, Clone, Copy)]
+pub enum Base<'w> {
+    Packed(&'w PackedMatrix),
+    Quant(&'w QuantMatrix),
+}
+
+impl<'w> From<&'w PackedMatrix> for Base<'w> {
+    fn from(w: &'w PackedMatrix) -> Self {
+        Base::Packed(w)
+    }
+}
+
+impl<'w> From<&'w QuantMatrix> for Base<'w> {
+    fn from(w: &'w QuantMatrix) -> Self {
+        Base::Quant(w)
+    }
+}
+
+impl Base<'_> {
+    fn inputs(self) -> usize {
+        match self {
+            Base::Packed(w) => w.inputs(),
+            Base::Quant(w) => w.inputs(),
+        }
+    }
+
+    fn outputs(self) -> usize {
+        match self {
+            Base::Packed(w) => w.outputs(),
+            Base::Quant(w) => w.outputs(),
+        }
+    }
+
+    /// Whether every panel of the product's outputs comes from one piece of
+    /// its weights (always for float panels; for quantized blocks, where the
+    /// formats' parts start on panels).
+    pub fn fusable(self) -> bool {
+        match self {
+            Base::Packed(_) => true,
+            Base::Quant(w) => w.panels_whole(),
+        }
+    }
+
+    fn matmul_expand(self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
+        match self {
+            Base::Packed(w) => w.matmul_expand(x, m, expand),
+            Base::Quant(w) => w.matmul_expand(x, m, expand),
+        }
+    }
+}
 
 /// One segment of a segmented LoRA product: the rows of the batch that use
 /// `module`, and the first column of `y` its projection writes.
@@ -149,20 +203,26 @@ impl CpuSgmv {
             && segments.iter().any(|s| s.rows.len() < FEW_ROWS)
     }
 
-    /// The base product `x·Wᵀ` (`w`) with every segment added, the expand
-    /// fused into the product ([`PackedMatrix::matmul_expand`]): first each
-    /// segment's shrink `x[rows]·Aᵀ`, side by side on the cores, then one
-    /// product whose tasks add each row's `scale · shrunk·Bᵀ` to the panels
-    /// they have just computed. The same sums as the product followed by
-    /// [`CpuSgmv::apply_rows`], bit for bit. Needs [`CpuSgmv::fusable`].
-    pub fn apply_fused(
+    /// The base product `x·Wᵀ` (`w`, float panels or quantized blocks) with
+    /// every segment added, the expand fused into the product
+    /// ([`PackedMatrix::matmul_expand`], [`QuantMatrix::matmul_expand`]):
+    /// first each segment's shrink `x[rows]·Aᵀ`, side by side on the cores,
+    /// then one product whose tasks add each row's `scale · shrunk·Bᵀ` to
+    /// the panels they have just computed. The same sums as the product
+    /// followed by [`CpuSgmv::apply_rows`], bit for bit. Needs
+    /// [`CpuSgmv::fusable`] and [`Base::fusable`].
+    pub fn apply_fused<'w>(
         &self,
-        w: &PackedMatrix,
+        w: impl Into<Base<'w>>,
         x: &[f32],
         tokens: usize,
         segments: &[Segment<'_>],
     ) -> candle_core::Result<Vec<f32>> {
         use rayon::prelude::*;
+        let w = w.into();
+        if !w.fusable() {
+            candle_core::bail!("sgmv: the base's quantized parts do not start on panels");
+        }
         let inputs = w.inputs();
         let mut rows_seen = vec![None; tokens];
         for (i, segment) in segments.iter().enumerate() {
