@@ -294,6 +294,7 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let publisher = broker::Publisher::open(&connection).await.unwrap();
     let channel = publisher.channel();
     lane.topology.declare(channel, [MODEL]).await.unwrap();
+    let declared = std::time::Instant::now();
     let request = RtRequest {
         model: MODEL.into(),
         request: ValidRequest::parse(Task::Echo, &json!({"prompt": "ok:expired"})).unwrap(),
@@ -345,6 +346,10 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let tally = lane.store.tally(&lane.batch).await.unwrap();
     assert_eq!(tally.count(RequestStatus::Pending), 1);
     assert_eq!(lane.status().await, before);
+    // Not before the queues' dead-letter workers have surely started: on
+    // RabbitMQ 3.10 a quorum queue deleted while its worker starts can take
+    // down the node's supervisor of them (see tests/e2e/common.rs).
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(declared.elapsed())).await;
     for queue in [
         lane.topology.rt_queue(MODEL),
         lane.topology.batch_queue(MODEL),
