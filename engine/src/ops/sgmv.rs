@@ -6,8 +6,9 @@
 //! is the device seam; [`CpuSgmv`] runs on the packed product kernels.
 //!
 //! On the CPU, where some adapter of a product has few rows (decoding: one
-//! row each), the expand runs inside the base product
-//! ([`CpuSgmv::apply_fused`], [`PackedMatrix::matmul_expand`]): the shrinks
+//! row each), the expand runs inside the base product, on float panels or
+//! quantized blocks ([`CpuSgmv::apply_fused`], [`PackedMatrix::matmul_expand`],
+//! [`QuantMatrix::matmul_expand`]): the shrinks
 //! run first, side by side on the cores, and the product's task that has
 //! just computed a panel of outputs adds each row's `scale · shrunk·Bᵀ` for
 //! those columns, so the adapters' `B` bytes are read while the cores
