@@ -294,7 +294,6 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let publisher = broker::Publisher::open(&connection).await.unwrap();
     let channel = publisher.channel();
     lane.topology.declare(channel, [MODEL]).await.unwrap();
-    let declared = std::time::Instant::now();
     let request = RtRequest {
         model: MODEL.into(),
         request: ValidRequest::parse(Task::Echo, &json!({"prompt": "ok:expired"})).unwrap(),
@@ -346,10 +345,18 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     let tally = lane.store.tally(&lane.batch).await.unwrap();
     assert_eq!(tally.count(RequestStatus::Pending), 1);
     assert_eq!(lane.status().await, before);
-    // Not before the queues' dead-letter workers have surely started: on
-    // RabbitMQ 3.10 a quorum queue deleted while its worker starts can take
-    // down the node's supervisor of them (see tests/e2e/common.rs).
-    tokio::time::sleep(Duration::from_secs(5).saturating_sub(declared.elapsed())).await;
+    // Not before the queues' dead-letter workers have started: on RabbitMQ
+    // 3.10 a quorum queue deleted while its worker starts can take down the
+    // node's supervisor of them (`dead_letter_workers_started` in
+    // tests/e2e/common.rs says how, and waits the same way).
+    let _ = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "eval",
+            "[catch sys:get_state(P, 30000) || {_, P, _, _} <- supervisor:which_children(rabbit_fifo_dlx_sup), is_pid(P)], ok.",
+        ])
+        .output()
+        .await;
     for queue in [
         lane.topology.rt_queue(MODEL),
         lane.topology.batch_queue(MODEL),

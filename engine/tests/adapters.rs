@@ -519,24 +519,41 @@ fn a_half_precision_adapter_is_served_in_its_own_precision_with_the_same_results
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
-    use lorry_engine::lora::PackedLora;
+/// Values uniform in [−0.5, 0.5), from `seed`.
+fn uniform_values(seed: u64) -> impl FnMut(usize) -> Vec<f32> {
+    let mut rng = lorry_engine::runtime::rng::SplitMix::new(seed);
+    move |len| (0..len).map(|_| rng.uniform() as f32 - 0.5).collect()
+}
+
+/// A rank-`rank` projection of `inputs` to `out` outputs with weights from `random`.
+fn random_module(
+    inputs: usize,
+    rank: usize,
+    out: usize,
+    scale: f32,
+    random: &mut dyn FnMut(usize) -> Vec<f32>,
+) -> lorry_engine::lora::PackedLora {
     use lorry_engine::ops::gemm::PackedMatrix;
-    use lorry_engine::ops::sgmv::{CpuSgmv, Segment};
-    use lorry_engine::runtime::rng::SplitMix;
-    if !PackedMatrix::rows_direct() {
-        return; // no AVX2 here: the separate pass is the only one.
-    }
-    let mut rng = SplitMix::new(7);
-    let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.uniform() as f32 - 0.5).collect() };
-    // A q/k/v-like product: 64 + 32 + 32 outputs over 48 inputs.
-    let (inputs, outputs, tokens) = (48, 128, 20);
-    let w = PackedMatrix::from_f32(&random(outputs * inputs), outputs, inputs);
-    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| PackedLora {
+    lorry_engine::lora::PackedLora {
         a: PackedMatrix::from_f32(&random(rank * inputs), rank, inputs),
         b: PackedMatrix::from_f32(&random(out * rank), out, rank),
         scale,
+    }
+}
+
+#[test]
+fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
+    use lorry_engine::ops::gemm::PackedMatrix;
+    use lorry_engine::ops::sgmv::{CpuSgmv, Segment};
+    if !PackedMatrix::rows_direct() {
+        return; // no AVX2 here: the separate pass is the only one.
+    }
+    let mut random = uniform_values(7);
+    // A q/k/v-like product: 64 + 32 + 32 outputs over 48 inputs.
+    let (inputs, outputs, tokens) = (48, 128, 20);
+    let w = PackedMatrix::from_f32(&random(outputs * inputs), outputs, inputs);
+    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| {
+        random_module(inputs, rank, out, scale, random)
     };
     let (q, v) = (module(8, 64, 2.0, &mut random), module(8, 32, 2.0, &mut random));
     let k = module(16, 32, 0.5, &mut random);
@@ -596,16 +613,13 @@ fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
 
 #[test]
 fn the_expand_fused_into_a_quantized_product_adds_what_the_separate_pass_adds() {
-    use lorry_engine::lora::PackedLora;
     use lorry_engine::ops::gemm::PackedMatrix;
     use lorry_engine::ops::quant::{QuantMatrix, QuantType};
     use lorry_engine::ops::sgmv::{CpuSgmv, Segment};
-    use lorry_engine::runtime::rng::SplitMix;
     if !PackedMatrix::rows_direct() {
         return; // no AVX2 here: the separate pass is the only one.
     }
-    let mut rng = SplitMix::new(11);
-    let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.uniform() as f32 - 0.5).collect() };
+    let mut random = uniform_values(11);
     // Stacked q/k/v-like projections in three formats, over 256 inputs:
     // 64 rows of Q4_K, 48 of Q6_K, 24 of Q4_1 (the last panel half full).
     let inputs = 256;
@@ -617,10 +631,8 @@ fn the_expand_fused_into_a_quantized_product_adds_what_the_separate_pass_adds() 
     let w = QuantMatrix::stack(&matrices).unwrap();
     let outputs = w.outputs();
     assert!(w.panels_whole());
-    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| PackedLora {
-        a: PackedMatrix::from_f32(&random(rank * inputs), rank, inputs),
-        b: PackedMatrix::from_f32(&random(out * rank), out, rank),
-        scale,
+    let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| {
+        random_module(inputs, rank, out, scale, random)
     };
     let q = module(8, 64, 2.0, &mut random);
     let k = module(16, 48, 0.5, &mut random);

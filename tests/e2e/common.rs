@@ -111,19 +111,28 @@ pub struct TestApp {
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// The text-generation engines of this process's worker.
     pub text_engines: Vec<lorry_engine::runtime::text_engine::TextEngine>,
-    /// When the deployment (and so its queues) came up.
-    started: Instant,
 }
 
-/// How long a test deployment's queues live at least before its cleanup
-/// deletes them. RabbitMQ 3.10 starts a dead-letter worker for each quorum
-/// queue with at-least-once dead-lettering as the queue comes up; a queue
-/// deleted while its worker is still starting crashes that worker twice,
-/// and two crashes within 5 s take down the node's supervisor of all such
-/// workers, after which every declare of such a queue, in every test, fails
-/// with INTERNAL_ERROR until the node restarts. A worker starts in
-/// milliseconds on an idle node, in up to a few seconds with every core busy.
-const QUEUES_SETTLE: Duration = Duration::from_secs(5);
+/// Wait until every dead-letter worker of the machine's broker node has
+/// finished starting. RabbitMQ 3.10 starts one for each quorum queue with
+/// at-least-once dead-lettering as the queue comes up; a queue deleted while
+/// its worker is still starting crashes that worker twice, and two crashes
+/// within 5 s take down the node's supervisor of all such workers, after
+/// which every declare of such a queue, in every test, fails with
+/// INTERNAL_ERROR until the node restarts. `sys:get_state` is answered only
+/// once a worker's start (its checkout on the queue) is done. Where the CLI
+/// cannot reach the node, nothing is waited for.
+pub fn dead_letter_workers_started() {
+    let _ = Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "eval",
+            "[catch sys:get_state(P, 30000) || {_, P, _, _} <- supervisor:which_children(rabbit_fifo_dlx_sup), is_pid(P)], ok.",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
 
 /// Start Lorry in this process with `role` and settings adjusted by `tweak`.
 pub async fn spawn_app_with(role: Role, tweak: impl FnOnce(&mut Settings)) -> TestApp {
@@ -159,7 +168,6 @@ pub async fn start(settings: Settings, role: Role) -> TestApp {
         stop,
         handle: Some(handle),
         text_engines,
-        started: Instant::now(),
     }
 }
 
@@ -177,7 +185,6 @@ impl TestApp {
             stop: CancellationToken::new(),
             handle: None,
             text_engines: Vec::new(),
-            started: Instant::now(),
         }
     }
 
@@ -365,9 +372,8 @@ impl Drop for TestApp {
         // Quorum queues outlive their test unless deleted.
         let prefix = self.settings.services.queue_prefix.clone();
         let url = self.broker_url.clone();
-        let settle = QUEUES_SETTLE.saturating_sub(self.started.elapsed());
         let _ = std::thread::spawn(move || {
-            std::thread::sleep(settle);
+            dead_letter_workers_started();
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
