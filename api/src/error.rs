@@ -36,6 +36,9 @@ pub fn status(code: ErrorCode) -> StatusCode {
         | InvalidMultipart
         | DuplicateField
         | InvalidRequest
+        | InvalidSchema
+        | InvalidGrammar
+        | ConstraintTooComplex
         | ModelTaskMismatch
         | AdaptersNotSupported
         | AdapterModelMismatch

@@ -217,7 +217,10 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
         "top_k",
         "ignore_eos",
         "stop_token_ids",
-    ] {
+    ]
+    .into_iter()
+    .chain(lorry_protocol::constraint::FIELDS)
+    {
         if let Some(value) = f.raw(name) {
             draft.input.insert(name.into(), value.clone());
         }

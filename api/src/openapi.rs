@@ -180,6 +180,25 @@ pub struct ModelInput {
     /// −2–2.
     #[schema(minimum = -2, maximum = 2)]
     presence_penalty: Option<f64>,
+    /// Structured outputs: `{"type": "text" | "json_object" | "json_schema"}`;
+    /// `json_schema` is OpenAI's `{"name", "schema", "strict"?, "description"?}`
+    /// or, as Workers AI sends it, the schema itself. At most one of this and
+    /// the `guided_*` and `structured_outputs` fields.
+    #[schema(value_type = Option<Object>)]
+    response_format: Option<Value>,
+    /// vLLM's structured outputs: one of `json` (a schema), `regex`, `choice`, `grammar` (Lark).
+    #[schema(value_type = Option<Object>)]
+    structured_outputs: Option<Value>,
+    /// A JSON schema the output follows (or a string holding one).
+    #[schema(value_type = Option<Object>)]
+    guided_json: Option<Value>,
+    /// A regular expression the whole output matches.
+    guided_regex: Option<String>,
+    /// The output is exactly one of these strings (1–1,024).
+    #[schema(min_items = 1, max_items = 1024)]
+    guided_choice: Option<Vec<String>>,
+    /// A Lark grammar (llguidance's dialect) the output follows.
+    guided_grammar: Option<String>,
     /// In a queued Workers AI batch: the client's id for the request, unique in the batch.
     external_reference: Option<String>,
 }
@@ -487,6 +506,25 @@ pub struct OpenAiSampling {
     /// `{"include_usage": true}`: a last chunk with the usage.
     #[schema(value_type = Option<Object>)]
     stream_options: Option<Value>,
+    /// Structured outputs: `{"type": "text" | "json_object" | "json_schema"}`;
+    /// `json_schema` is OpenAI's `{"name", "schema", "strict"?, "description"?}`
+    /// or, as Workers AI sends it, the schema itself. At most one of this and
+    /// the `guided_*` and `structured_outputs` fields.
+    #[schema(value_type = Option<Object>)]
+    response_format: Option<Value>,
+    /// vLLM's structured outputs: one of `json` (a schema), `regex`, `choice`, `grammar` (Lark).
+    #[schema(value_type = Option<Object>)]
+    structured_outputs: Option<Value>,
+    /// A JSON schema the output follows (or a string holding one).
+    #[schema(value_type = Option<Object>)]
+    guided_json: Option<Value>,
+    /// A regular expression the whole output matches.
+    guided_regex: Option<String>,
+    /// The output is exactly one of these strings (1–1,024).
+    #[schema(min_items = 1, max_items = 1024)]
+    guided_choice: Option<Vec<String>>,
+    /// A Lark grammar (llguidance's dialect) the output follows.
+    guided_grammar: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.

@@ -6,3 +6,4 @@ pub mod bench;
 pub mod fairness;
 pub mod isolation;
 pub mod speedups;
+pub mod structured;

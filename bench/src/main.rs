@@ -5,6 +5,7 @@ use lorry_bench::bench::{self, EngineBenchArgs, LoraBenchArgs, PipelineArgs};
 use lorry_bench::fairness::{self, FairnessArgs};
 use lorry_bench::isolation::{self, IsolationArgs};
 use lorry_bench::speedups::{self, PrefixBenchArgs, SpeculativeBenchArgs};
+use lorry_bench::structured::{self, StructuredBenchArgs};
 
 #[derive(Parser)]
 #[command(name = "lorry-bench", version, about = "Lorry's benchmarks; each prints a table")]
@@ -23,6 +24,8 @@ enum Bench {
     Prefix(PrefixBenchArgs),
     /// Another account's small batch alone, then behind a large batch, against a running stack.
     Fairness(FairnessArgs),
+    /// Tokens/s with every row under a JSON schema against unconstrained, and schema compile times.
+    Structured(StructuredBenchArgs),
 }
 
 #[tokio::main]
@@ -36,5 +39,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Speculative(args) => speedups::speculative(&args).await,
         Bench::Prefix(args) => speedups::prefix(&args).await,
         Bench::Fairness(args) => fairness::fairness(&args).await,
+        Bench::Structured(args) => structured::structured(&args).await,
     }
 }

@@ -159,7 +159,7 @@ fn engine_config(max_seqs: usize, speculation: SpecConfig, prefix_cache: bool) -
     }
 }
 
-fn scratch(what: &str, fixture: Fixture) -> anyhow::Result<PathBuf> {
+pub(crate) fn scratch(what: &str, fixture: Fixture) -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("lorry-bench-{what}-{}", std::process::id()));
     if !dir.join("config.json").exists() {
         eprintln!("writing the {what} fixture to {}", dir.display());

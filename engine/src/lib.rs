@@ -27,7 +27,7 @@ pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output,
+    constraint, input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output,
     Task, Usage, ValidRequest,
 };
 

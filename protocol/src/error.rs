@@ -72,6 +72,12 @@ error_codes! {
     NulCharacter = "nul_character",
     /// A request of a kind this version does not know (a code from a newer peer).
     InvalidRequest = "invalid_request",
+    /// A JSON schema (of `response_format` or a guided field) that cannot be served.
+    InvalidSchema = "invalid_schema",
+    /// A regular expression, choice or grammar that cannot be served.
+    InvalidGrammar = "invalid_grammar",
+    /// A constraint whose token masks ran past their limits while generating.
+    ConstraintTooComplex = "constraint_too_complex",
 
     // Models and adapters.
     /// No model of that name is served.

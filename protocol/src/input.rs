@@ -7,6 +7,7 @@
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
+pub use crate::constraint::Constraint;
 use crate::error::ErrorCode;
 use crate::Task;
 
@@ -287,6 +288,9 @@ pub struct ValidRequest {
     /// How token vectors become one embedding (embedding models; their default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pooling: Option<Pooling>,
+    /// What the generated text must match (structured outputs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<Constraint>,
 }
 
 impl Sampling {
@@ -328,6 +332,16 @@ impl ValidRequest {
         let stream = f.optional("stream", "a boolean")?.unwrap_or(false);
         let (lora, adapter_field) = parse_adapter(&mut f)?;
         let sampling = parse_sampling(&mut f)?;
+        let constraint = match crate::constraint::parse(&mut f)? {
+            Some((_, field)) if task == Task::Echo => {
+                return Err(InputError::new(
+                    ErrorCode::UnsupportedParameter,
+                    field,
+                    "the echo model returns its input; it takes no constraint on its output",
+                ))
+            }
+            found => found.map(|(constraint, _)| constraint),
+        };
         f.deny_unknown()?;
         let prompt = match (prompt_text, messages, text) {
             (Some(p), None, None) => Prompt::Text(p),
@@ -356,6 +370,7 @@ impl ValidRequest {
             adapter_field,
             sampling,
             pooling: None,
+            constraint,
         })
     }
 
@@ -413,6 +428,7 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
         adapter_field: AdapterField::Lora,
         sampling: Sampling::default(),
         pooling,
+        constraint: None,
     })
 }
 

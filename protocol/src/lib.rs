@@ -7,6 +7,7 @@
 //! database, no network, so the API can check a request or an adapter before
 //! it accepts it without linking the engine.
 
+pub mod constraint;
 pub mod error;
 pub mod input;
 pub mod json;

@@ -19,6 +19,7 @@ mod openapi;
 mod realtime;
 mod retention;
 mod sdk;
+mod structured;
 mod traces;
 mod webhooks;
 mod workers_ai;

@@ -3,7 +3,8 @@
 //! batches to completion and output download, `x-request-id` (the SDK's
 //! `_request_id`), a final 409 sent once by a client that retries 409s
 //! (`x-should-retry: false`), and the completion webhook verified and parsed
-//! by `client.webhooks.unwrap()`. `scripts/test` installs the SDK
+//! by `client.webhooks.unwrap()`, and structured outputs through
+//! `client.beta.chat.completions.parse` with a Pydantic model. `scripts/test` installs the SDK
 //! in a virtual environment and names its interpreter in
 //! `LORRY_TEST_OPENAI_PYTHON`.
 
@@ -66,6 +67,10 @@ async fn the_official_openai_sdk_runs_every_flow() {
     .await;
     assert_eq!(report["completion"], completion["response"]);
     assert_eq!(report["webhook"], "batch.completed");
+    // The parse helper's Pydantic model, filled from a constrained answer.
+    let parsed = &report["parsed"];
+    assert!(["spam", "ham"].contains(&parsed["label"].as_str().unwrap()), "{parsed}");
+    assert!(parsed["score"].as_u64().unwrap() <= 9, "{parsed}");
     let embedded = answer(json!({"text": ["a first text", "second"]}), "@lorry/demo-bge").await;
     assert_eq!(report["embedding"], embedded["data"][1]);
     app.stop().await;

@@ -11,14 +11,21 @@ import os
 import sys
 import threading
 import time
+from typing import Literal
 
 import httpx
 import openai
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 LLAMA = "@lorry/demo-llama"
 BGE = "@lorry/demo-bge"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+class Verdict(BaseModel):
+    label: Literal["spam", "ham"]
+    score: int = Field(ge=0, le=9)
 
 
 def webhook_receiver():
@@ -149,6 +156,15 @@ def main() -> None:
     report["batch"] = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
     assert any(b.id == batch.id for b in client.batches.list().data)
     assert client.files.delete(uploaded.id).deleted
+
+    # Structured outputs: the parse helper with a Pydantic model (strict JSON schema).
+    parsed = client.beta.chat.completions.parse(
+        model=LLAMA, messages=MESSAGES, response_format=Verdict, max_tokens=64, temperature=1, seed=5
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, Verdict), choice.message
+    report["parsed"] = choice.message.parsed.model_dump()
 
     # Its completion webhook, verified and parsed by the SDK with the account's secret.
     secret = httpx.get(

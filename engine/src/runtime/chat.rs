@@ -13,7 +13,9 @@
 //! could still become a stop string), the same whether the request runs
 //! alone ([`TextModel::generate`], the tests' reference) or in a batch.
 
+use std::borrow::Cow;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::Device;
 use minijinja::{context, Environment, ErrorKind};
@@ -24,6 +26,7 @@ use crate::input::{InputError, Message, Prompt};
 use crate::lora::PackedAdapter;
 use crate::models::llama::{Llama, Products};
 use crate::models::ModelError;
+use crate::runtime::guide::{Grammars, Guide};
 use crate::runtime::sampling::{Sampler, SamplingParams};
 use crate::EngineError;
 use crate::ErrorCode;
@@ -42,6 +45,8 @@ pub struct TextModel {
     stop_ids: Vec<u32>,
     /// Sampling defaults from `generation_config.json`.
     defaults: GenerationDefaults,
+    /// Constrained decoding's compiler and recent grammars, shared by clones.
+    grammars: Arc<Grammars>,
 }
 
 /// Sampling defaults a checkpoint ships (`generation_config.json`), for
@@ -148,6 +153,7 @@ impl TextModel {
             _ => None,
         };
         let model = Llama::from_gguf(&file, device, products)?;
+        let grammars = Grammars::new(tokenizer.clone(), specials.stop_ids.clone(), model.config().vocab_size);
         Ok(TextModel {
             model,
             tokenizer,
@@ -156,6 +162,7 @@ impl TextModel {
             eos_token: specials.eos_token,
             stop_ids: specials.stop_ids,
             defaults: GenerationDefaults::default(),
+            grammars: Arc::new(grammars),
         })
     }
 
@@ -194,6 +201,7 @@ impl TextModel {
             }
         }
         let defaults = GenerationDefaults::read(&generation);
+        let grammars = Grammars::new(tokenizer.clone(), stop_ids.clone(), model.config().vocab_size);
         Ok(TextModel {
             model,
             tokenizer,
@@ -202,7 +210,13 @@ impl TextModel {
             eos_token,
             stop_ids,
             defaults,
+            grammars: Arc::new(grammars),
         })
+    }
+
+    /// The model's grammar compiler (constrained decoding), shared by its clones.
+    pub fn grammars(&self) -> Arc<Grammars> {
+        Arc::clone(&self.grammars)
     }
 
     /// Tokens that end generation.
@@ -333,12 +347,29 @@ pub struct Decoding {
     /// Bytes of `text` already streamed.
     streamed: usize,
     finished: Option<FinishReason>,
+    /// The grammar the output must follow (structured outputs).
+    guide: Option<Guide>,
 }
 
 impl TextModel {
     /// Render and tokenise a request and set up its decoding, within `context`
     /// tokens in all (prompt and generated).
     pub fn start(&self, request: &crate::ValidRequest, context: usize) -> Result<Decoding, EngineError> {
+        let guide = request
+            .constraint
+            .as_ref()
+            .map(|c| self.grammars.guide(c))
+            .transpose()?;
+        self.start_guided(request, context, guide)
+    }
+
+    /// [`TextModel::start`] with the request's constraint already compiled (`None` without one).
+    pub(crate) fn start_guided(
+        &self,
+        request: &crate::ValidRequest,
+        context: usize,
+        guide: Option<Guide>,
+    ) -> Result<Decoding, EngineError> {
         let prompt = match &request.prompt {
             Prompt::Tokens(ids) => {
                 let vocab = self.model.config().vocab_size;
@@ -394,6 +425,7 @@ impl TextModel {
             text: String::new(),
             streamed: 0,
             finished: None,
+            guide,
         })
     }
 
@@ -442,10 +474,37 @@ impl Decoding {
         self.finished
     }
 
-    /// Sample the next token from `logits` and apply the stop rules.
+    /// Sample the next token from `logits` (those the constraint allows,
+    /// if there is one) and apply the stop rules.
     pub fn push(&mut self, logits: &[f32], model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
-        let next = self.sampler.sample(logits);
+        let next = match &mut self.guide {
+            Some(guide) => self.sampler.sample(&guide.masked(logits)?),
+            None => self.sampler.sample(logits),
+        };
         self.push_token(next, model)
+    }
+
+    /// The request's grammar, if it has one.
+    pub(crate) fn guide_mut(&mut self) -> Option<&mut Guide> {
+        self.guide.as_mut()
+    }
+
+    /// Take the grammar out (to compute its next mask elsewhere); [`Decoding::restore_guide`] puts it back.
+    pub(crate) fn take_guide(&mut self) -> Option<Guide> {
+        self.guide.take()
+    }
+
+    /// Put back what [`Decoding::take_guide`] took.
+    pub(crate) fn restore_guide(&mut self, guide: Guide) {
+        self.guide = Some(guide);
+    }
+
+    /// How many of `guesses`, in order, the constraint would take (all of them without one).
+    pub(crate) fn admissible(&mut self, guesses: &[u32]) -> usize {
+        match &mut self.guide {
+            Some(guide) => guide.admissible(guesses),
+            None => guesses.len(),
+        }
     }
 
     /// Tokens that may still be generated.
@@ -469,17 +528,56 @@ impl Decoding {
         (self.sampler.draw(&q), Some(q))
     }
 
-    /// Verify `drafts` against the target's logits (see [`Sampler::verify`]).
-    pub fn verify(&mut self, drafts: &[u32], q: Option<&[Vec<(u32, f64)>]>, logits: &[&[f32]]) -> (Vec<u32>, usize) {
-        self.sampler.verify(drafts, q, logits)
+    /// Verify `drafts` against the target's logits (see [`Sampler::verify`]);
+    /// under a constraint each row is masked by the grammar's state after
+    /// the drafts before it, so the tokens are those decoding one at a time
+    /// would give.
+    pub fn verify(
+        &mut self,
+        drafts: &[u32],
+        q: Option<&[Vec<(u32, f64)>]>,
+        logits: &[&[f32]],
+    ) -> Result<(Vec<u32>, usize), EngineError> {
+        let Some(guide) = &mut self.guide else {
+            return Ok(self.sampler.verify(drafts, q, logits));
+        };
+        let mut consumed = 0;
+        let verified = self.sampler.verify_with(drafts, q, |i| {
+            if i > 0 {
+                guide.consume(drafts[i - 1])?;
+                consumed += 1;
+                if guide.is_done() {
+                    // An accepted end: the tokens after it are dropped by the stop rules.
+                    return Ok(Cow::Borrowed(logits[i]));
+                }
+            }
+            guide.masked(logits[i]).map(Cow::Owned)
+        });
+        // The tokens kept are consumed again as they are pushed.
+        guide.rollback(consumed)?;
+        verified
     }
 
     /// Append a token chosen elsewhere (a verified draft) and apply the stop rules.
     pub(crate) fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
+        if let Some(guide) = &mut self.guide {
+            guide.consume(next)?;
+        }
         self.tokens.push(next);
         let generated = self.tokens.len() - self.prompt_len;
         if !self.ignore_eos && self.stop_ids.contains(&next) {
             self.finished = Some(FinishReason::Stop);
+        } else if self.guide.as_ref().is_some_and(Guide::is_done) {
+            // The grammar is complete and takes nothing more.
+            self.finished = Some(FinishReason::Stop);
+            if !self.stop.is_empty() {
+                self.text = model
+                    .decode(self.generated())
+                    .map_err(|e| EngineError::Model(e.to_string()))?;
+                if let Some(cut) = self.stop.iter().filter_map(|stop| self.text.find(stop.as_str())).min() {
+                    self.text.truncate(cut);
+                }
+            }
         } else if !self.stop.is_empty() {
             self.text = model
                 .decode(self.generated())

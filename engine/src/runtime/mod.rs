@@ -1,13 +1,14 @@
 //! The runtime that serves requests on a model: the engine threads behind
 //! [`crate::Backend`] (`text_engine`, and `serial` for the echo and embedding
 //! engines), the scheduler that plans each continuous-batching step, the
-//! paged KV cache with its prefix cache (`kv`), speculation, sampling, and
-//! one request's decoding state (`chat`: a decoder behind its tokenizer and
+//! paged KV cache with its prefix cache (`kv`), speculation, sampling, constrained decoding
+//! (`guide`), and one request's decoding state (`chat`: a decoder behind its tokenizer and
 //! chat template).
 
 pub mod chat;
 pub mod echo;
 pub mod embedding;
+pub mod guide;
 pub mod kv;
 pub(crate) mod pace;
 pub mod rng;

@@ -2,6 +2,8 @@
 //! (nucleus) filtering, drawn from a per-request generator so that a seed gives
 //! the same output whatever else shares the batch.
 
+use std::borrow::Cow;
+
 use crate::runtime::rng::SplitMix;
 
 /// How one request samples, already range-checked at the edge.
@@ -67,9 +69,11 @@ impl Sampler {
             return vec![(argmax(logits), 1.0)];
         }
         let t = self.params.temperature as f64;
+        // A token masked out (−∞, by a constraint) is no candidate at all.
         let mut ranked: Vec<(u32, f64)> = logits
             .iter()
             .enumerate()
+            .filter(|(_, &x)| x != f32::NEG_INFINITY)
             .map(|(i, &x)| (i as u32, x as f64 / t))
             .collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -140,17 +144,34 @@ impl Sampler {
     /// n-gram lookup's).
     pub fn verify(&mut self, drafts: &[u32], q: Option<&[Vec<(u32, f64)>]>, logits: &[&[f32]]) -> (Vec<u32>, usize) {
         assert_eq!(logits.len(), drafts.len() + 1, "one row per draft and one after");
+        let rows = self.verify_with(drafts, q, |i| Ok::<_, std::convert::Infallible>(Cow::Borrowed(logits[i])));
+        match rows {
+            Ok(verified) => verified,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`Sampler::verify`] with each row asked of `row`, in order, only once
+    /// the drafts before it were accepted (a constrained request's row `i`
+    /// is masked by the grammar's state after `drafts[..i]`).
+    pub(crate) fn verify_with<'a, E>(
+        &mut self,
+        drafts: &[u32],
+        q: Option<&[Vec<(u32, f64)>]>,
+        mut row: impl FnMut(usize) -> Result<Cow<'a, [f32]>, E>,
+    ) -> Result<(Vec<u32>, usize), E> {
         let mut out = Vec::with_capacity(drafts.len() + 1);
         for (i, &draft) in drafts.iter().enumerate() {
+            let logits = row(i)?;
             if self.is_greedy() {
-                let best = argmax(logits[i]);
+                let best = argmax(&logits);
                 out.push(best);
                 if best != draft {
-                    return (out, i);
+                    return Ok((out, i));
                 }
                 continue;
             }
-            let p = self.distribution(logits[i]);
+            let p = self.distribution(&logits);
             let prob = |d: &[(u32, f64)], t: u32| d.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1);
             let (p_x, q_x) = match q {
                 Some(q) => (prob(&p, draft), prob(&q[i], draft)),
@@ -179,10 +200,11 @@ impl Sampler {
                 self.draw(&residual)
             };
             out.push(next);
-            return (out, i);
+            return Ok((out, i));
         }
-        out.push(self.sample(logits[drafts.len()]));
-        (out, drafts.len())
+        let last = row(drafts.len())?;
+        out.push(self.sample(&last));
+        Ok((out, drafts.len()))
     }
 }
 

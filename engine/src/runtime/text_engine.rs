@@ -25,6 +25,7 @@ use crate::lora::PackedAdapter;
 use crate::models::llama::Llama;
 use crate::models::llama::SeqChunk;
 use crate::runtime::chat::{Decoding, TextModel};
+use crate::runtime::guide::{Grammars, Guide};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
 use crate::runtime::pace::{Owed, Pace, Share, StepCost};
@@ -193,6 +194,8 @@ struct Job {
     events: Events,
     /// [`Request::span`].
     span: tracing::Span,
+    /// Its constraint, compiled before it reaches the engine thread.
+    guide: Option<Guide>,
 }
 
 /// A handle to a running engine; the engine thread stops once every handle is
@@ -204,6 +207,7 @@ pub struct TextEngine {
     jobs: std_mpsc::Sender<Job>,
     counters: Arc<Counters>,
     adapters: Option<Adapters>,
+    grammars: Arc<Grammars>,
 }
 
 impl TextEngine {
@@ -221,6 +225,7 @@ impl TextEngine {
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let shared = Arc::clone(&counters);
         let shape = model.model.config().adapter_shape();
+        let grammars = model.grammars();
         let thread_name = format!("lorry-engine {name}");
         let served = name.to_string();
         std::thread::Builder::new()
@@ -238,6 +243,7 @@ impl TextEngine {
             jobs,
             counters,
             adapters: None,
+            grammars,
         }
     }
 
@@ -275,7 +281,14 @@ impl Backend for TextEngine {
             account,
             span,
         } = request;
+        // Compiled here, on the caller's thread (cached per model), never on
+        // the engine's: a new schema does not stall the batch.
+        let guide = match &input.constraint {
+            Some(constraint) => Some(self.grammars.guide(constraint)?),
+            None => None,
+        };
         let mut job = Job {
+            guide,
             request: input,
             lane,
             submitted: Instant::now(),
@@ -522,8 +535,8 @@ impl EngineLoop {
             .store(self.scheduler.total_blocks() as u64, Ordering::Relaxed);
     }
 
-    fn accept(&mut self, job: Job) {
-        match self.model.start(&job.request, self.context) {
+    fn accept(&mut self, mut job: Job) {
+        match self.model.start_guided(&job.request, self.context, job.guide.take()) {
             Ok(decoding) => {
                 let id = self.next_id;
                 self.next_id += 1;
@@ -735,6 +748,11 @@ impl EngineLoop {
             match lookup {
                 Some(mut tokens) => {
                     tokens.truncate(k);
+                    // Guesses the constraint would refuse are not worth verifying.
+                    tokens.truncate(active.decoding.admissible(&tokens));
+                    if tokens.is_empty() {
+                        continue;
+                    }
                     self.scheduler.propose(id, tokens.len());
                     active.guess = Some(Guess {
                         tokens,
@@ -760,14 +778,20 @@ impl EngineLoop {
         wants.sort_unstable_by_key(|w| w.0);
         let guesses = draft.propose(&mut wants)?;
         let ids: Vec<SeqId> = wants.iter().map(|w| w.0).collect();
-        for (id, guess) in ids.into_iter().zip(guesses) {
+        for (id, mut guess) in ids.into_iter().zip(guesses) {
+            let Some(active) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let admissible = active.decoding.admissible(&guess.tokens);
+            guess.tokens.truncate(admissible);
+            if let Some(q) = &mut guess.q {
+                q.truncate(admissible);
+            }
             if guess.tokens.is_empty() {
                 continue;
             }
             self.scheduler.propose(id, guess.tokens.len());
-            if let Some(active) = self.active.get_mut(&id) {
-                active.guess = Some(guess);
-            }
+            active.guess = Some(guess);
         }
         Ok(())
     }
@@ -798,8 +822,31 @@ impl EngineLoop {
         // The pass runs on a worker of the compute pool, which then takes part in
         // its own parallel loops instead of waking both workers for each of them.
         let started = Instant::now();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
-            .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+        let mut guides = self.take_unprepared_guides(&plan);
+        let result = std::thread::scope(|scope| {
+            // Constrained rows' masks for their next token, on a thread of
+            // their own while the pass runs.
+            let masks = (!guides.is_empty()).then(|| {
+                scope.spawn(|| {
+                    for (_, guide) in guides.iter_mut() {
+                        guide.prepare();
+                    }
+                })
+            });
+            let result =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
+                    .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+            if let Some(masks) = masks {
+                // A panic inside the grammar engine leaves the mask to be computed when sampling.
+                let _ = masks.join();
+            }
+            result
+        });
+        for (id, guide) in guides {
+            if let Some(active) = self.active.get_mut(&id) {
+                active.decoding.restore_guide(guide);
+            }
+        }
         let took = started.elapsed();
         self.counters.step_seconds.observe_duration(took);
         let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
@@ -847,6 +894,23 @@ impl EngineLoop {
                 }
             }
         }
+    }
+
+    /// The grammars of the plan's sampling chunks whose next mask is not
+    /// known yet, taken out of their sequences while the pass runs.
+    fn take_unprepared_guides(&mut self, plan: &Plan) -> Vec<(SeqId, Guide)> {
+        let mut guides = Vec::new();
+        for chunk in plan.chunks.iter().filter(|c| c.samples) {
+            let Some(active) = self.active.get_mut(&chunk.id) else {
+                continue;
+            };
+            if active.decoding.guide_mut().is_some_and(|g| !g.is_prepared()) {
+                if let Some(guide) = active.decoding.take_guide() {
+                    guides.push((chunk.id, guide));
+                }
+            }
+        }
+        guides
     }
 
     /// Run the plan's chunks as one batch; the logits of each sampling chunk
@@ -907,13 +971,22 @@ impl EngineLoop {
             // Tokens known before this step; the chunk's last `draft` tokens are guesses.
             let known = chunk.start + chunk.len - chunk.draft;
             let guess = active.guess.take();
-            let (tokens, accepted) = match &guess {
+            let verified = match &guess {
                 Some(guess) if chunk.draft > 0 => {
                     let drafts = &guess.tokens[..chunk.draft];
                     let q = guess.q.as_ref().map(|q| &q[..chunk.draft]);
                     active.decoding.verify(drafts, q, &logits)
                 }
-                _ => (Vec::new(), 0),
+                _ => Ok((Vec::new(), 0)),
+            };
+            let (tokens, accepted) = match verified {
+                Ok(verified) => verified,
+                Err(error) => {
+                    if let Some(active) = self.end(chunk.id) {
+                        active.events.send(Event::Failed(error));
+                    }
+                    continue;
+                }
             };
             if let (Some(guess), Some(spec)) = (&guess, &mut active.spec) {
                 if chunk.draft > 0 {
