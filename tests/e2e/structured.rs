@@ -91,7 +91,7 @@ async fn a_constraint_that_cannot_be_served_is_refused_naming_its_field_and_noth
         (
             json!({"prompt": "p", "guided_choice": ["a"], "guided_regex": "a"}),
             "conflicting_fields",
-            "requests[1].body.guided_regex",
+            "requests[1].body.guided_choice",
         ),
     ];
     for (bad, code, param) in cases {

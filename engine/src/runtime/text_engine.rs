@@ -782,10 +782,13 @@ impl EngineLoop {
             let Some(active) = self.active.get_mut(&id) else {
                 continue;
             };
-            let admissible = active.decoding.admissible(&guess.tokens);
-            guess.tokens.truncate(admissible);
-            if let Some(q) = &mut guess.q {
-                q.truncate(admissible);
+            // Deterministic guesses the constraint refuses are cut; guesses drawn
+            // from the draft's distribution are not, since choosing how many to
+            // verify by their values would bias the output (verification
+            // rejects them exactly instead).
+            if guess.q.is_none() {
+                let admissible = active.decoding.admissible(&guess.tokens);
+                guess.tokens.truncate(admissible);
             }
             if guess.tokens.is_empty() {
                 continue;
