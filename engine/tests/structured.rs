@@ -312,3 +312,44 @@ async fn a_schema_too_long_for_max_tokens_ends_at_the_length_and_regexes_and_cho
     assert_eq!(output.completion.unwrap().finish_reason, FinishReason::Stop);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// SmolLM2-135M-Instruct's GGUF, as `scripts/test` fetches it.
+fn smollm2_gguf() -> PathBuf {
+    let path = std::env::var_os("LORRY_TEST_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+            .join(".cache/lorry/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(path.exists(), "no SmolLM2 at {}: run the tests through scripts/test", path.display());
+    path
+}
+
+#[tokio::test]
+async fn smollm2_follows_a_schema_and_a_choice_through_its_own_vocabulary() {
+    let model = TextModel::open(&smollm2_gguf(), &Device::Cpu).unwrap();
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["city", "country", "population_millions"], "additionalProperties": false});
+    let question = json!([{"role": "user", "content": "What is the capital of France? Answer in JSON."}]);
+    let structured = request(json!({"messages": question, "max_tokens": 64,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}}));
+    let chosen = request(json!({"messages": question, "guided_choice": ["Paris", "London", "Rome", "Berlin"]}));
+    let alone: Vec<_> = [&structured, &chosen]
+        .iter()
+        .map(|r| {
+            let g = model.generate(r).unwrap();
+            (g.text, g.finish_reason, g.token_ids)
+        })
+        .collect();
+    assert_eq!(alone[0].1, FinishReason::Stop, "{:?}", alone[0]);
+    let value: Value = serde_json::from_str(&alone[0].0).unwrap();
+    assert!(jsonschema::validator_for(&schema).unwrap().is_valid(&value), "{value}");
+    assert_eq!(alone[1].1, FinishReason::Stop);
+    assert!(["Paris", "London", "Rome", "Berlin"].contains(&alone[1].0.as_str()), "{:?}", alone[1]);
+    assert_eq!(value["city"], "Paris", "{value}");
+    // Speculating in a batch, both give what they gave alone.
+    let engine = TextEngine::start("smollm2", model, config(spec(Proposer::Ngram)));
+    let batched = run(&engine, &[(structured, None), (chosen, None)]).await;
+    assert_eq!(batched, alone);
+}

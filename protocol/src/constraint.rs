@@ -30,6 +30,9 @@ use crate::input::{Fields, InputError};
 pub const MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
 /// The most strings a choice may offer.
 pub const MAX_CHOICES: usize = 1024;
+/// The deepest a schema's objects and arrays may nest: well inside the 128
+/// levels JSON is read to, wherever a request travels wrapped.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
 
 /// What the generated text must match.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -300,7 +303,23 @@ fn schema_value(value: &Value, path: &str) -> Result<Value, InputError> {
             format!("{path} must be a JSON schema (an object)"),
         ));
     }
+    if depth(&schema) > MAX_SCHEMA_DEPTH {
+        return Err(InputError::new(
+            ErrorCode::InvalidSchema,
+            path,
+            format!("{path} is nested deeper than {MAX_SCHEMA_DEPTH} levels"),
+        ));
+    }
     Ok(schema)
+}
+
+/// How deeply a value's arrays and objects nest (a scalar is 0).
+fn depth(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Value::Object(fields) => 1 + fields.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
 }
 
 fn string(value: &Value, path: &str) -> Result<String, InputError> {
@@ -507,6 +526,25 @@ mod tests {
         assert_eq!(travelled, request);
         let plain = ValidRequest::parse(Task::TextGeneration, &json!({"prompt": "p"})).unwrap();
         assert!(!serde_json::to_string(&plain).unwrap().contains("constraint"));
+    }
+
+    #[test]
+    fn hostile_constraints_are_refused_within_the_limits() {
+        // A schema as deep as client JSON may be (serde_json's 128 levels), as an object and as a string.
+        let mut deep = json!({"type": "string"});
+        for _ in 0..120 {
+            deep = json!({"type": "array", "items": deep, "maxItems": 3});
+        }
+        let error = parse(json!({"prompt": "p", "guided_json": deep.to_string()})).unwrap_err();
+        assert_eq!((error.code.as_str(), error.param.as_str()), ("invalid_schema", "guided_json"));
+        let mut within = json!({"type": "string", "maxLength": 2});
+        for _ in 0..30 {
+            within = json!({"type": "array", "items": within, "maxItems": 3});
+        }
+        assert!(parse(json!({"prompt": "p", "guided_json": within})).unwrap().is_some());
+        // Over the size bound.
+        let huge = json!({"prompt": "p", "guided_choice": vec!["x".repeat(1000); 100]});
+        assert_eq!(parse(huge).unwrap_err().code.as_str(), "invalid_value");
     }
 
     #[test]
