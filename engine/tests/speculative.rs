@@ -212,10 +212,11 @@ async fn sampled_requests_speculate_when_asked_and_keep_their_limits() {
     let mut sampled = spec(Proposer::Ngram);
     sampled.sampled = true;
     let engine = TextEngine::start("tiny", model.clone(), config(sampled, true));
+    // Cold enough that the tiny random model's text repeats, so prompt lookup guesses.
     let requests: Vec<_> = (0..6)
         .map(|i| {
             let body = json!({"prompt": "a b c a b c a b c ".repeat(2), "raw": true, "max_tokens": 30 + i,
-                              "ignore_eos": true, "temperature": 0.3, "seed": i});
+                              "ignore_eos": true, "temperature": 0.05, "seed": i});
             (request(body), None)
         })
         .collect();
