@@ -36,7 +36,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub adapter: Vec<String>,
     /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
-    /// "top_p", "top_k", "seed", "stop", "ignore_eos"}` per line.
+    /// "top_p", "top_k", "seed", "stop", "ignore_eos", "response_format" | "guided_json" | "guided_regex" |
+    /// "guided_choice" | "guided_grammar" | "structured_outputs"}` per line.
     #[arg(long)]
     pub input: PathBuf,
     /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage"}` per line, in input order.
