@@ -10,12 +10,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Device;
+use lorry_engine::constraint::Constraint;
 use lorry_engine::fixtures::Fixture;
 use lorry_engine::runtime::chat::TextModel;
 use lorry_engine::runtime::speculative::{Proposer, SpecConfig};
 use lorry_engine::runtime::text_engine::{EngineConfig, TextEngine};
 use lorry_engine::{collect, Backend, Lane, Request, Task, ValidRequest};
-use lorry_engine::constraint::Constraint;
 use serde_json::{json, Value};
 
 /// `lorry bench structured`: what to measure.
@@ -66,7 +66,8 @@ fn request(i: usize, constrained: bool, max_tokens: u32, temperature: f32) -> Va
     let mut body = json!({"prompt": format!("Record {i} as JSON:"), "raw": true, "max_tokens": max_tokens,
                           "temperature": temperature, "seed": i});
     if constrained {
-        body["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "record", "schema": schema(0)}});
+        body["response_format"] =
+            json!({"type": "json_schema", "json_schema": {"name": "record", "schema": schema(0)}});
     } else {
         body["ignore_eos"] = json!(true);
     }
@@ -142,7 +143,11 @@ pub async fn structured(args: &StructuredBenchArgs) -> anyhow::Result<()> {
         for (t, temperature) in [0.0f32, 1.0].into_iter().enumerate() {
             let n = 2 * args.batch;
             let base = round * n;
-            let rows = |constrained| (base..base + n).map(|i| request(i, constrained, args.max_tokens, temperature)).collect();
+            let rows = |constrained| {
+                (base..base + n)
+                    .map(|i| request(i, constrained, args.max_tokens, temperature))
+                    .collect()
+            };
             // Which kind runs first alternates by round, so neither always follows the other.
             let ((plain_tokens, plain_s), (guided_tokens, guided_s)) = if round % 2 == 0 {
                 let plain = serve(&engine, rows(false), args.batch).await?;
@@ -177,17 +182,32 @@ pub async fn structured(args: &StructuredBenchArgs) -> anyhow::Result<()> {
         grammars.guide(c).map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(started.elapsed().as_secs_f64() * 1e3)
     };
-    let mut cold = constraints.iter().map(&mut time).collect::<anyhow::Result<Vec<f64>>>()?;
+    let mut cold = constraints
+        .iter()
+        .map(&mut time)
+        .collect::<anyhow::Result<Vec<f64>>>()?;
     let mut warm = constraints[constraints.len().saturating_sub(32)..]
         .iter()
         .map(&mut time)
         .collect::<anyhow::Result<Vec<f64>>>()?;
     cold.sort_by(f64::total_cmp);
     warm.sort_by(f64::total_cmp);
-    println!("| schema compile ({} schemas, vocabulary of {}) | p50 ms | p99 ms |", cold.len(), model.model.config().vocab_size);
+    println!(
+        "| schema compile ({} schemas, vocabulary of {}) | p50 ms | p99 ms |",
+        cold.len(),
+        model.model.config().vocab_size
+    );
     println!("|---|---:|---:|");
     println!("| first constrained request on the model (its token trie built, once) | {first:.1} | |");
-    println!("| first time | {:.2} | {:.2} |", percentile(&cold, 0.5), percentile(&cold, 0.99));
-    println!("| again (cached) | {:.3} | {:.3} |", percentile(&warm, 0.5), percentile(&warm, 0.99));
+    println!(
+        "| first time | {:.2} | {:.2} |",
+        percentile(&cold, 0.5),
+        percentile(&cold, 0.99)
+    );
+    println!(
+        "| again (cached) | {:.3} | {:.3} |",
+        percentile(&warm, 0.5),
+        percentile(&warm, 0.99)
+    );
     Ok(())
 }

@@ -27,8 +27,8 @@ pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    constraint, input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane, ModelSpec, Output,
-    Task, Usage, ValidRequest,
+    constraint, input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane,
+    ModelSpec, Output, Task, Usage, ValidRequest,
 };
 
 /// What a backend reports while serving one request.

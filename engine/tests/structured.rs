@@ -59,7 +59,14 @@ fn schema(rng: &mut Rng, depth: u32) -> Value {
         }
         2 => json!({"type": "string", "minLength": rng.range(0, 2), "maxLength": rng.range(2, 8)}),
         3 => {
-            let pool = [json!("red"), json!("green"), json!(3), json!(null), json!("a b"), json!(true)];
+            let pool = [
+                json!("red"),
+                json!("green"),
+                json!(3),
+                json!(null),
+                json!("a b"),
+                json!(true),
+            ];
             let n = rng.range(1, 4) as usize;
             let start = rng.below(pool.len() as u64) as usize;
             let values: Vec<Value> = (0..n).map(|i| pool[(start + i) % pool.len()].clone()).collect();
@@ -81,8 +88,10 @@ fn object(rng: &mut Rng, depth: u32) -> Value {
     let n = rng.range(1, 4) as usize;
     let start = rng.below(NAMES.len() as u64) as usize;
     let names: Vec<&str> = (0..n).map(|i| NAMES[(start + i) % NAMES.len()]).collect();
-    let properties: serde_json::Map<String, Value> =
-        names.iter().map(|name| (name.to_string(), schema(rng, depth + 1))).collect();
+    let properties: serde_json::Map<String, Value> = names
+        .iter()
+        .map(|name| (name.to_string(), schema(rng, depth + 1)))
+        .collect();
     let required: Vec<&str> = names.iter().copied().filter(|_| rng.below(3) > 0).collect();
     json!({"type": "object", "properties": properties, "required": required, "additionalProperties": false})
 }
@@ -143,14 +152,20 @@ async fn run(
         .enumerate()
         .map(|(i, (r, a))| {
             let lane = if i % 5 == 4 { Lane::RealTime } else { Lane::Batch };
-            engine.submit(Request::new(r.clone(), lane).with_adapter(a.clone())).unwrap()
+            engine
+                .submit(Request::new(r.clone(), lane).with_adapter(a.clone()))
+                .unwrap()
         })
         .collect();
     let mut out = Vec::new();
     for stream in streams {
         let output = collect(stream).await.unwrap();
         let completion = output.completion.unwrap();
-        out.push((text(&output.content).to_string(), completion.finish_reason, completion.token_ids));
+        out.push((
+            text(&output.content).to_string(),
+            completion.finish_reason,
+            completion.token_ids,
+        ));
     }
     out
 }
@@ -198,7 +213,10 @@ async fn sampled_outputs_under_generated_schemas_parse_and_validate_or_end_at_th
     let engine = TextEngine::start("tiny", model.clone(), config(spec(Proposer::Off)));
     let outputs = run(&engine, &requests).await;
     let finished = check_valid(&schemas, &outputs);
-    assert!(finished >= 180, "only {finished} of 200 outputs finished within 300 tokens");
+    assert!(
+        finished >= 180,
+        "only {finished} of 200 outputs finished within 300 tokens"
+    );
 
     // The first 64 in one mixed-adapter batch with speculation on.
     let (a, _) = lora("adapter-a");
@@ -211,7 +229,10 @@ async fn sampled_outputs_under_generated_schemas_parse_and_validate_or_end_at_th
     let speculating = TextEngine::start("tiny", model, config(spec(Proposer::Ngram)));
     let outputs = run(&speculating, &mixed).await;
     let finished = check_valid(&schemas[..64], &outputs);
-    assert!(finished >= 56, "only {finished} of 64 outputs finished within 300 tokens");
+    assert!(
+        finished >= 56,
+        "only {finished} of 64 outputs finished within 300 tokens"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -259,16 +280,36 @@ async fn greedy_constrained_outputs_are_the_same_alone_batched_and_with_speculat
             _ => {}
         }
     }
-    let by_ref: Vec<(ValidRequest, Option<AdapterRef>)> =
-        requests.iter().map(|(r, a)| (r.clone(), a.as_ref().map(|a| a.0.clone()))).collect();
+    let by_ref: Vec<(ValidRequest, Option<AdapterRef>)> = requests
+        .iter()
+        .map(|(r, a)| (r.clone(), a.as_ref().map(|a| a.0.clone())))
+        .collect();
     let plain = TextEngine::start("tiny", model.clone(), config(spec(Proposer::Off)));
-    assert_eq!(run(&plain, &by_ref).await, alone, "batching changed a constrained output");
+    assert_eq!(
+        run(&plain, &by_ref).await,
+        alone,
+        "batching changed a constrained output"
+    );
     let ngram = TextEngine::start("tiny", model.clone(), config(spec(Proposer::Ngram)));
-    assert_eq!(run(&ngram, &by_ref).await, alone, "prompt lookup changed a constrained output");
-    assert!(ngram.counters().ngram_proposed.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert_eq!(
+        run(&ngram, &by_ref).await,
+        alone,
+        "prompt lookup changed a constrained output"
+    );
+    assert!(
+        ngram
+            .counters()
+            .ngram_proposed
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
     let draft_model = Llama::from_dir(&draft, &Device::Cpu).unwrap();
     let drafted = TextEngine::start_with_draft("tiny", model, Some(draft_model), config(spec(Proposer::Draft)));
-    assert_eq!(run(&drafted, &by_ref).await, alone, "the draft model changed a constrained output");
+    assert_eq!(
+        run(&drafted, &by_ref).await,
+        alone,
+        "the draft model changed a constrained output"
+    );
     for dir in [target, draft] {
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -281,7 +322,9 @@ async fn a_schema_too_long_for_max_tokens_ends_at_the_length_and_regexes_and_cho
     let long = json!({"type": "object", "properties": {"s": {"type": "string", "minLength": 40, "maxLength": 40}},
                       "required": ["s"], "additionalProperties": false});
     let cut = model
-        .generate(&request(json!({"prompt": "x", "raw": true, "max_tokens": 10, "guided_json": long})))
+        .generate(&request(
+            json!({"prompt": "x", "raw": true, "max_tokens": 10, "guided_json": long}),
+        ))
         .unwrap();
     assert_eq!(cut.finish_reason, FinishReason::Length);
     assert_eq!(cut.token_ids.len(), 10);
@@ -293,8 +336,16 @@ async fn a_schema_too_long_for_max_tokens_ends_at_the_length_and_regexes_and_cho
         let g = model.generate(&request(body)).unwrap();
         if g.finish_reason == FinishReason::Stop {
             let t = g.text.as_bytes();
-            assert!(t.len() >= 4 && t[t.len() - 2..].iter().all(u8::is_ascii_digit), "{}", g.text);
-            assert!(t[..t.len() - 2].chunks(2).all(|p| p == b"ab" || p == b"cd"), "{}", g.text);
+            assert!(
+                t.len() >= 4 && t[t.len() - 2..].iter().all(u8::is_ascii_digit),
+                "{}",
+                g.text
+            );
+            assert!(
+                t[..t.len() - 2].chunks(2).all(|p| p == b"ab" || p == b"cd"),
+                "{}",
+                g.text
+            );
         }
         let body = json!({"prompt": "x", "raw": true, "temperature": 1.0, "seed": seed,
                           "structured_outputs": {"choice": ["alpha", "beta", "al"]}});
@@ -315,11 +366,17 @@ async fn a_schema_too_long_for_max_tokens_ends_at_the_length_and_regexes_and_cho
 
 /// SmolLM2-135M-Instruct's GGUF, as `scripts/test` fetches it.
 fn smollm2_gguf() -> PathBuf {
-    let path = std::env::var_os("LORRY_TEST_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/lorry/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(path.exists(), "no SmolLM2 at {}: run the tests through scripts/test", path.display());
+    let path = std::env::var_os("LORRY_TEST_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/lorry/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.exists(),
+        "no SmolLM2 at {}: run the tests through scripts/test",
+        path.display()
+    );
     path
 }
 
@@ -346,7 +403,11 @@ async fn smollm2_follows_a_schema_and_a_choice_through_its_own_vocabulary() {
     let value: Value = serde_json::from_str(&alone[0].0).unwrap();
     assert!(jsonschema::validator_for(&schema).unwrap().is_valid(&value), "{value}");
     assert_eq!(alone[1].1, FinishReason::Stop);
-    assert!(["Paris", "London", "Rome", "Berlin"].contains(&alone[1].0.as_str()), "{:?}", alone[1]);
+    assert!(
+        ["Paris", "London", "Rome", "Berlin"].contains(&alone[1].0.as_str()),
+        "{:?}",
+        alone[1]
+    );
     assert_eq!(value["city"], "Paris", "{value}");
     // Speculating in a batch, both give what they gave alone.
     let engine = TextEngine::start("smollm2", model, config(spec(Proposer::Ngram)));

@@ -229,10 +229,9 @@ fn json_schema(value: &Value, path: &str) -> Result<(Constraint, String), InputE
     }
     let mut f = Fields::new(value, path)?;
     let name: Option<String> = f.optional("name", "a string")?;
-    if name
-        .as_deref()
-        .is_some_and(|n| n.is_empty() || n.len() > 64 || !n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-    {
+    if name.as_deref().is_some_and(|n| {
+        n.is_empty() || n.len() > 64 || !n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    }) {
         let at = f.path_of("name");
         return Err(InputError::new(
             ErrorCode::InvalidValue,
@@ -487,7 +486,11 @@ mod tests {
                 "response_format.json_schema",
             ),
             (json!({"guided_regex": "(unclosed"}), "invalid_grammar", "guided_regex"),
-            (json!({"guided_grammar": "start: undefined_rule"}), "invalid_grammar", "guided_grammar"),
+            (
+                json!({"guided_grammar": "start: undefined_rule"}),
+                "invalid_grammar",
+                "guided_grammar",
+            ),
             (json!({"guided_json": "{not json"}), "invalid_schema", "guided_json"),
             (json!({"guided_choice": []}), "invalid_value", "guided_choice"),
             (
@@ -536,7 +539,10 @@ mod tests {
             deep = json!({"type": "array", "items": deep, "maxItems": 3});
         }
         let error = parse(json!({"prompt": "p", "guided_json": deep.to_string()})).unwrap_err();
-        assert_eq!((error.code.as_str(), error.param.as_str()), ("invalid_schema", "guided_json"));
+        assert_eq!(
+            (error.code.as_str(), error.param.as_str()),
+            ("invalid_schema", "guided_json")
+        );
         let mut within = json!({"type": "string", "maxLength": 2});
         for _ in 0..30 {
             within = json!({"type": "array", "items": within, "maxItems": 3});

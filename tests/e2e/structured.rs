@@ -48,7 +48,9 @@ async fn batch_items_and_real_time_requests_follow_their_constraints() {
     assert!(["yes", "no"].contains(&text(2).as_str()), "{}", text(2));
     let code = text(3);
     assert!(
-        code.len() == 6 && code[..2].bytes().all(|b| b.is_ascii_uppercase()) && code[3..].bytes().all(|b| b.is_ascii_digit()),
+        code.len() == 6
+            && code[..2].bytes().all(|b| b.is_ascii_uppercase())
+            && code[3..].bytes().all(|b| b.is_ascii_digit()),
         "{code}"
     );
 
@@ -56,17 +58,29 @@ async fn batch_items_and_real_time_requests_follow_their_constraints() {
     let run = format!("/client/v4/accounts/default/ai/run/{LLAMA}");
     let answer: Value = app.post(&run, &bodies[1]).await.json().await.unwrap();
     assert_eq!(answer["success"], true, "{answer}");
-    assert_eq!(answer["result"]["response"].as_str().unwrap(), text(1), "the lanes answered differently");
+    assert_eq!(
+        answer["result"]["response"].as_str().unwrap(),
+        text(1),
+        "the lanes answered differently"
+    );
     let chat = json!({"model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
                       "response_format": {"type": "json_object"}});
     let whole: Value = app.post("/v1/chat/completions", &chat).await.json().await.unwrap();
     let content = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
     if whole["choices"][0]["finish_reason"] == "stop" {
-        assert!(serde_json::from_str::<Value>(&content).unwrap().is_object(), "{content}");
+        assert!(
+            serde_json::from_str::<Value>(&content).unwrap().is_object(),
+            "{content}"
+        );
     }
     let mut streamed_body = chat.clone();
     streamed_body["stream"] = json!(true);
-    let events = app.post("/v1/chat/completions", &streamed_body).await.text().await.unwrap();
+    let events = app
+        .post("/v1/chat/completions", &streamed_body)
+        .await
+        .text()
+        .await
+        .unwrap();
     let streamed: String = events
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
@@ -87,7 +101,11 @@ async fn a_constraint_that_cannot_be_served_is_refused_naming_its_field_and_noth
             "invalid_schema",
             "requests[1].body.response_format.json_schema.schema",
         ),
-        (json!({"prompt": "p", "guided_regex": "(a"}), "invalid_grammar", "requests[1].body.guided_regex"),
+        (
+            json!({"prompt": "p", "guided_regex": "(a"}),
+            "invalid_grammar",
+            "requests[1].body.guided_regex",
+        ),
         (
             json!({"prompt": "p", "guided_choice": ["a"], "guided_regex": "a"}),
             "conflicting_fields",
@@ -99,7 +117,11 @@ async fn a_constraint_that_cannot_be_served_is_refused_naming_its_field_and_noth
         let response = app.post("/v1/batches", &body).await;
         assert_eq!(response.status(), 400);
         let error: Value = response.json().await.unwrap();
-        assert_eq!((error["error"]["code"].as_str(), error["error"]["param"].as_str()), (Some(code), Some(param)), "{error}");
+        assert_eq!(
+            (error["error"]["code"].as_str(), error["error"]["param"].as_str()),
+            (Some(code), Some(param)),
+            "{error}"
+        );
     }
     // OpenAI's route names the client's own field.
     let chat = json!({"model": LLAMA, "messages": [{"role": "user", "content": "hi"}],

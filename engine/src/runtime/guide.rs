@@ -18,10 +18,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use lorry_protocol::constraint::{self, Constraint};
 use tokenizers::{DecoderWrapper, Tokenizer};
-use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 use crate::input::InputError;
 use crate::{EngineError, ErrorCode};
@@ -41,7 +41,9 @@ pub struct Grammars {
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammars").field("vocab_size", &self.vocab_size).finish()
+        f.debug_struct("Grammars")
+            .field("vocab_size", &self.vocab_size)
+            .finish()
     }
 }
 
@@ -73,9 +75,8 @@ impl Grammars {
     /// A fresh guide for one request.
     pub fn guide(&self, constraint: &Constraint) -> Result<Guide, EngineError> {
         let key = constraint.key();
-        let refused = |code: ErrorCode, message: String| {
-            EngineError::Input(InputError::new(code, "response_format", message))
-        };
+        let refused =
+            |code: ErrorCode, message: String| EngineError::Input(InputError::new(code, "response_format", message));
         {
             let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(at) = compiled.iter().position(|(k, _)| *k == key) {
@@ -85,9 +86,12 @@ impl Grammars {
                 return Ok(Guide::new(matcher));
             }
         }
-        let factory = self
-            .factory()
-            .map_err(|e| refused(ErrorCode::UnsupportedParameter, format!("this model's tokenizer cannot be constrained: {e}")))?;
+        let factory = self.factory().map_err(|e| {
+            refused(
+                ErrorCode::UnsupportedParameter,
+                format!("this model's tokenizer cannot be constrained: {e}"),
+            )
+        })?;
         let code = match constraint {
             Constraint::JsonObject | Constraint::JsonSchema { .. } => ErrorCode::InvalidSchema,
             _ => ErrorCode::InvalidGrammar,
@@ -177,7 +181,9 @@ impl Guide {
     /// Advance past `token`, which the mask allowed.
     pub(crate) fn consume(&mut self, token: u32) -> Result<(), EngineError> {
         self.mask = None;
-        self.matcher.consume_token(token).map_err(|e| too_complex(&e.to_string()))
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| too_complex(&e.to_string()))
     }
 
     /// Undo the last `tokens` consumed.
@@ -249,7 +255,10 @@ fn spelling(decoder: &DecoderWrapper, found: &mut Spelling) {
             // The pattern is private; its serialised form names it.
             let pattern = serde_json::to_value(r).ok();
             let from = pattern.as_ref().and_then(|v| v["pattern"]["String"].as_str());
-            if let Some(c) = from.and_then(|s| s.chars().next()).filter(|_| from.is_some_and(|s| s.chars().count() == 1)) {
+            if let Some(c) = from
+                .and_then(|s| s.chars().next())
+                .filter(|_| from.is_some_and(|s| s.chars().count() == 1))
+            {
                 found.space = Some(c);
             }
         }

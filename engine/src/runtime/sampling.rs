@@ -154,7 +154,9 @@ impl Sampler {
     /// n-gram lookup's).
     pub fn verify(&mut self, drafts: &[u32], q: Option<&[Vec<(u32, f64)>]>, logits: &[&[f32]]) -> (Vec<u32>, usize) {
         assert_eq!(logits.len(), drafts.len() + 1, "one row per draft and one after");
-        let rows = self.verify_with(drafts, q, |i| Ok::<_, std::convert::Infallible>(Cow::Borrowed(logits[i])));
+        let rows = self.verify_with(drafts, q, |i| {
+            Ok::<_, std::convert::Infallible>(Cow::Borrowed(logits[i]))
+        });
         match rows {
             Ok(verified) => verified,
             Err(never) => match never {},
