@@ -577,8 +577,33 @@ pub async fn spawn_api_process(env: &[(String, String)], port: u16) -> (tokio::p
     (api, format!("http://127.0.0.1:{port}"))
 }
 
-/// A TCP port on loopback that nothing listened on a moment ago.
+/// A TCP port on loopback that nothing listened on a moment ago, below the
+/// kernel's ephemeral range where there is room: a service a test stops and
+/// starts again on it (an API process, a RabbitMQ node, a PostgreSQL server)
+/// cannot find it taken meanwhile as the source port of some connection,
+/// which a port handed out by the kernel can be under a busy suite.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    const FROM: u32 = 10_000;
+    if ephemeral_from > FROM + 1_000 {
+        let span = ephemeral_from - FROM;
+        // Each test process starts somewhere else in the range, and walks on from there.
+        let start = std::process::id().wrapping_mul(2_654_435_761)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+        for _ in 0..span {
+            let port = FROM + start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
