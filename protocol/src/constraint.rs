@@ -93,7 +93,7 @@ impl Constraint {
     }
 
     /// The refusal's code for a constraint llguidance cannot compile.
-    fn invalid_code(&self) -> ErrorCode {
+    pub fn invalid_code(&self) -> ErrorCode {
         match self {
             Constraint::JsonObject | Constraint::JsonSchema { .. } => ErrorCode::InvalidSchema,
             _ => ErrorCode::InvalidGrammar,
@@ -411,7 +411,7 @@ fn compile(constraint: &Constraint) -> Result<(), String> {
 }
 
 /// An error's first line, bounded: what a client reads in a refusal.
-fn first_line(reason: &str) -> String {
+pub fn first_line(reason: &str) -> String {
     let line = reason.lines().next().unwrap_or_default();
     let mut end = line.len().min(300);
     while !line.is_char_boundary(end) {

@@ -10,8 +10,9 @@
 //!
 //! [`Decoding`] is one request's state (tokens, sampler, stop strings,
 //! end-of-sequence, `finish_reason`, text held back from the stream while it
-//! could still become a stop string), the same whether the request runs
-//! alone ([`TextModel::generate`], the tests' reference) or in a batch.
+//! could still become a stop string, the grammar a structured output
+//! follows), the same whether the request runs alone
+//! ([`TextModel::generate`], the tests' reference) or in a batch.
 
 use std::borrow::Cow;
 use std::path::Path;

@@ -92,11 +92,13 @@ impl Grammars {
                 format!("this model's tokenizer cannot be constrained: {e}"),
             )
         })?;
-        let code = match constraint {
-            Constraint::JsonObject | Constraint::JsonSchema { .. } => ErrorCode::InvalidSchema,
-            _ => ErrorCode::InvalidGrammar,
+        let unservable = |e: &dyn std::fmt::Display| {
+            let reason = constraint::first_line(&e.to_string());
+            refused(
+                constraint.invalid_code(),
+                format!("the constraint cannot be served: {reason}"),
+            )
         };
-        let unservable = |e: &dyn std::fmt::Display| refused(code, format!("the constraint cannot be served: {e}"));
         let grammar: TopLevelGrammar = constraint.grammar();
         let parser = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.create_parser(grammar))) {
             Ok(Ok(parser)) => parser,
@@ -207,11 +209,13 @@ impl Guide {
 }
 
 fn too_complex(reason: &str) -> EngineError {
-    let line = reason.lines().next().unwrap_or_default();
     EngineError::Input(InputError::new(
         ErrorCode::ConstraintTooComplex,
         "response_format",
-        format!("the output's constraint could not be followed: {line}"),
+        format!(
+            "the output's constraint could not be followed: {}",
+            constraint::first_line(reason)
+        ),
     ))
 }
 
