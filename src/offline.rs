@@ -37,10 +37,10 @@ pub struct GenerateArgs {
     pub adapter: Vec<String>,
     /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
     /// "top_p", "top_k", "seed", "stop", "ignore_eos", "response_format" | "guided_json" | "guided_regex" |
-    /// "guided_choice" | "guided_grammar" | "structured_outputs"}` per line.
+    /// "guided_choice" | "guided_grammar" | "structured_outputs", "logprobs", "top_logprobs"}` per line.
     #[arg(long)]
     pub input: PathBuf,
-    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage"}` per line, in input order.
+    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage", "logprobs"?}` per line, in input order.
     #[arg(long)]
     pub output: PathBuf,
     #[command(flatten)]
@@ -91,13 +91,16 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     while let Some((id, result)) = pending.next().await {
         let output = result.with_context(|| format!("request {id}"))?;
         let completion = output.completion.context("the engine returned no tokens")?;
-        let line = json!({
+        let mut line = json!({
             "id": id,
             "token_ids": completion.token_ids,
             "text": output.content.text(),
             "finish_reason": completion.finish_reason,
             "usage": {"prompt_tokens": output.usage.prompt_tokens, "completion_tokens": output.usage.completion_tokens},
         });
+        if let Some(logprobs) = &output.logprobs {
+            line["logprobs"] = json!(logprobs);
+        }
         serde_json::to_writer(&mut out, &line)?;
         out.write_all(b"\n")?;
     }

@@ -301,7 +301,7 @@ pub async fn create(
         bytes: size,
         lines: lines as i32,
         object_key: key.clone(),
-        expires_at: expires.map(|secs| chrono::Utc::now() + chrono::Duration::seconds(secs as i64)),
+        expires_after: expires.map(|secs| secs as i64),
     };
     let limit = crate::quota::limits(&state, &account).file_bytes;
     let refusal = match state.store.insert_file(&new, limit).await {

@@ -11,12 +11,12 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, StreamExt};
-use lorry_batcher::openai::{answer, Endpoint, Finished};
+use lorry_batcher::openai::{answer, logprobs_json, Endpoint, Finished};
 use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::Task;
-use lorry_protocol::{Catalog, InputError, Output, ValidRequest};
+use lorry_protocol::{Catalog, InputError, Output, TokenLogprob, ValidRequest};
 use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
@@ -229,9 +229,29 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
         None | Some(1) => {}
         Some(_) => return Err(unsupported("n", "n must be 1")),
     }
-    match f.raw("logprobs") {
-        None | Some(Value::Bool(false)) => {}
-        Some(_) => return Err(unsupported("logprobs", "logprobs are not supported")),
+    if endpoint == Endpoint::Chat {
+        // `logprobs` (a boolean) and `top_logprobs` as the engine takes them.
+        for name in ["logprobs", "top_logprobs"] {
+            if let Some(value) = f.raw(name) {
+                draft.input.insert(name.into(), value.clone());
+            }
+        }
+    } else {
+        // The legacy endpoint's `logprobs`: how many alternatives, 0 to 5.
+        match f.optional::<u32>("logprobs", "an integer from 0 to 5")? {
+            None => {}
+            Some(n) if n <= MAX_LEGACY_LOGPROBS => {
+                draft.input.insert("logprobs".into(), Value::Bool(true));
+                draft.input.insert("top_logprobs".into(), json!(n));
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    ErrorCode::InvalidValue,
+                    "logprobs",
+                    format!("logprobs must be from 0 to {MAX_LEGACY_LOGPROBS}"),
+                ))
+            }
+        }
     }
     draft.stream = f.optional("stream", "a boolean")?.unwrap_or(false);
     if let Some(options) = f.raw("stream_options") {
@@ -249,6 +269,9 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
     f.optional::<String>("user", "a string")?;
     Ok(())
 }
+
+/// The most alternatives `/v1/completions` reports at a position, as OpenAI's.
+const MAX_LEGACY_LOGPROBS: u32 = 5;
 
 fn unsupported(param: &str, message: &str) -> ApiError {
     ApiError::invalid(ErrorCode::UnsupportedParameter, param, message)
@@ -454,6 +477,7 @@ pub async fn embeddings(
         finish_reason: None,
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: 0,
+        logprobs: None,
     };
     Ok(Json(answer(
         Endpoint::Embeddings,
@@ -494,28 +518,32 @@ async fn generate(
         finish_reason: Some(finish_reason(&output)),
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: output.usage.completion_tokens as i64,
+        logprobs: output.logprobs.as_deref(),
     };
     Ok(Json(answer(endpoint, &id, now(), &request.requested, &done, false)).into_response())
 }
 
-/// One streamed chunk: a delta of text, or the end with its finish reason.
+/// One streamed chunk: a delta of text (with its tokens' log-probabilities
+/// where asked), or the end with its finish reason.
 fn chunk(
     endpoint: Endpoint,
     id: &str,
     created: i64,
     request: &Translated,
     text: Option<&str>,
+    logprobs: Option<&[TokenLogprob]>,
     finish: Option<&str>,
 ) -> Value {
+    let logprobs = logprobs_json(endpoint, logprobs);
     let choice = match endpoint {
         Endpoint::Chat => {
             let delta = match text {
                 Some(t) => json!({"content": t}),
                 None => json!({}),
             };
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         }
-        _ => json!({"index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish}),
+        _ => json!({"index": 0, "text": text.unwrap_or_default(), "logprobs": logprobs, "finish_reason": finish}),
     };
     let object = if endpoint == Endpoint::Chat {
         "chat.completion.chunk"
@@ -549,13 +577,24 @@ fn stream_chunks(
     let data = |v: Value| Event::default().data(v.to_string());
     let mut first = Vec::new();
     if endpoint == Endpoint::Chat {
-        let mut opening = chunk(endpoint, &id, created, &request, Some(""), None);
+        let mut opening = chunk(endpoint, &id, created, &request, Some(""), None, None);
         opening["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
         first.push(data(opening));
     }
     let rest = stream::unfold((call, id, request), move |(mut call, id, request)| async move {
         let events = match call.next().await? {
-            Reply::Token { text } => vec![data(chunk(endpoint, &id, created, &request, Some(&text), None))],
+            Reply::Token { text, logprobs } => {
+                let logprobs = request.valid.sampling.logprobs.map(|_| logprobs.as_slice());
+                vec![data(chunk(
+                    endpoint,
+                    &id,
+                    created,
+                    &request,
+                    Some(&text),
+                    logprobs,
+                    None,
+                ))]
+            }
             Reply::Done { output } => {
                 let mut events = vec![data(chunk(
                     endpoint,
@@ -563,10 +602,11 @@ fn stream_chunks(
                     created,
                     &request,
                     None,
+                    None,
                     Some(finish_reason(&output)),
                 ))];
                 if request.include_usage {
-                    let mut last = chunk(endpoint, &id, created, &request, None, None);
+                    let mut last = chunk(endpoint, &id, created, &request, None, None, None);
                     last["choices"] = json!([]);
                     last["usage"] = output.usage.to_json();
                     events.push(data(last));

@@ -199,6 +199,12 @@ pub struct ModelInput {
     guided_choice: Option<Vec<String>>,
     /// A Lark grammar (llguidance's dialect) the output follows.
     guided_grammar: Option<String>,
+    /// Each generated token's log-probability (`"logprobs"` in the result,
+    /// OpenAI's chat items), under the model's own distribution.
+    logprobs: Option<bool>,
+    /// With `logprobs`: the most likely alternatives at each position, 0–20.
+    #[schema(minimum = 0, maximum = 20)]
+    top_logprobs: Option<u32>,
     /// In a queued Workers AI batch: the client's id for the request, unique in the batch.
     external_reference: Option<String>,
 }
@@ -538,6 +544,12 @@ pub struct ChatRequest {
     /// `max_tokens` by its newer name (not both).
     #[schema(minimum = 1, maximum = 32768)]
     max_completion_tokens: Option<u32>,
+    /// Each generated token's log-probability under the model's own
+    /// distribution (before temperature and any filter or constraint).
+    logprobs: Option<bool>,
+    /// With `logprobs: true`: the most likely alternatives at each position, 0–20.
+    #[schema(minimum = 0, maximum = 20)]
+    top_logprobs: Option<u32>,
     #[serde(flatten)]
     sampling: OpenAiSampling,
 }
@@ -550,6 +562,9 @@ pub struct CompletionRequest {
     model: String,
     /// Used as it is: no chat template.
     prompt: String,
+    /// Each generated token's log-probability with this many alternatives, 0–5.
+    #[schema(minimum = 0, maximum = 5)]
+    logprobs: Option<u32>,
     #[serde(flatten)]
     sampling: OpenAiSampling,
 }

@@ -253,7 +253,7 @@ async fn realtime(
     }
     let output = call.output().await?;
     let usage = usage_json(&output);
-    let mut result = output.content.result_body();
+    let mut result = output.result_body();
     if let Some(map) = result.as_object_mut() {
         map.insert("usage".into(), usage);
     }
@@ -264,12 +264,19 @@ fn usage_json(output: &Output) -> Value {
     output.usage.to_json()
 }
 
-/// Workers AI's stream: `data: {"response": "<piece>"}` events, then `data: [DONE]`.
+/// Workers AI's stream: `data: {"response": "<piece>"}` events (with
+/// `"logprobs"`, its tokens', where asked), then `data: [DONE]`.
 /// A client that goes away drops the call, which cancels the request.
 fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let events = stream::unfold(call, |mut call| async move {
         let events = match call.next().await? {
-            Reply::Token { text } => vec![Event::default().data(json!({"response": text}).to_string())],
+            Reply::Token { text, logprobs } => {
+                let mut piece = json!({"response": text});
+                if !logprobs.is_empty() {
+                    piece["logprobs"] = json!(logprobs);
+                }
+                vec![Event::default().data(piece.to_string())]
+            }
             Reply::Done { output } => {
                 let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
                 vec![Event::default().data(usage), Event::default().data("[DONE]")]

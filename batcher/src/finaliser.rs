@@ -380,9 +380,7 @@ fn openai_files(
             bytes: bytes as i64,
             lines,
             object_key: key.into(),
-            expires_at: fields
-                .output_expires_after
-                .map(|secs| Utc::now() + chrono::Duration::seconds(secs.min(i64::MAX as u64) as i64)),
+            expires_after: fields.output_expires_after.map(|secs| secs.min(i64::MAX as u64) as i64),
         };
         let id = file.id.to_string();
         files.push(file);

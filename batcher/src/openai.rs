@@ -4,7 +4,7 @@
 
 use base64::Engine as _;
 use lorry_engine::catalog::Task;
-use lorry_engine::Content;
+use lorry_engine::{Content, TokenLogprob};
 use serde_json::{json, Value};
 
 use crate::ids::BatchId;
@@ -58,6 +58,19 @@ pub struct Finished<'a> {
     pub prompt_tokens: i64,
     /// Tokens written.
     pub completion_tokens: i64,
+    /// Each generated token's log-probability, for requests that asked.
+    pub logprobs: Option<&'a [TokenLogprob]>,
+}
+
+/// A choice's `logprobs` in `endpoint`'s shape: chat's `{"content": [...],
+/// "refusal": null}`, the legacy `{"tokens", "token_logprobs", ...}`, or
+/// `null` where none were asked for.
+pub fn logprobs_json(endpoint: Endpoint, logprobs: Option<&[TokenLogprob]>) -> Value {
+    match (endpoint, logprobs) {
+        (_, None) => Value::Null,
+        (Endpoint::Chat, Some(items)) => json!({"content": items, "refusal": null}),
+        (_, Some(items)) => TokenLogprob::legacy(items),
+    }
 }
 
 /// The OpenAI answer body of a finished request.
@@ -65,6 +78,7 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
     let usage = lorry_engine::Usage::json(done.prompt_tokens, done.completion_tokens);
     let text = done.content.text();
     let finish_reason = done.finish_reason.unwrap_or("stop");
+    let logprobs = logprobs_json(endpoint, done.logprobs);
     match endpoint {
         Endpoint::Chat => json!({
             "id": id,
@@ -74,7 +88,7 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": null},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }],
             "usage": usage,
@@ -84,7 +98,7 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage,
         }),
         Endpoint::Embeddings => {
@@ -127,11 +141,15 @@ pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i6
     match (&request.response, request.status) {
         (Some(body), RequestStatus::Succeeded) => {
             let content = Content::from_result_body(body);
+            let logprobs: Option<Vec<TokenLogprob>> = body
+                .get("logprobs")
+                .and_then(|l| serde_json::from_value(l.clone()).ok());
             let done = Finished {
                 content: &content,
                 finish_reason: request.finish_reason.as_deref(),
                 prompt_tokens: request.prompt_tokens.into(),
                 completion_tokens: request.completion_tokens.into(),
+                logprobs: logprobs.as_deref(),
             };
             let prefix = match endpoint {
                 Endpoint::Chat => "chatcmpl",

@@ -10,7 +10,7 @@ use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use lorry_engine::{EngineError, ErrorCode, Event, EventStream, Output, ValidRequest};
+use lorry_engine::{EngineError, ErrorCode, Event, EventStream, Output, TokenLogprob, ValidRequest};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +39,9 @@ pub enum Reply {
     Token {
         /// The text.
         text: String,
+        /// Its tokens' log-probabilities, for requests that asked.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        logprobs: Vec<TokenLogprob>,
     },
     /// The final result.
     Done {
@@ -133,7 +136,7 @@ pub async fn forward(
         };
         let Some(event) = event else { break };
         let message = match event {
-            Event::Token(text) => Reply::Token { text },
+            Event::Token { text, logprobs } => Reply::Token { text, logprobs },
             Event::Finished(output) => {
                 served = Forwarded::Served(output.usage);
                 Reply::Done { output }
@@ -484,7 +487,10 @@ mod tests {
         let waiters = Waiters::default();
         let (tx, mut rx) = mpsc::channel(MAX_BUFFERED_REPLIES);
         waiters.lock().unwrap().insert("slow".into(), (0, tx));
-        let token = |i: usize| Reply::Token { text: format!("t{i}") };
+        let token = |i: usize| Reply::Token {
+            text: format!("t{i}"),
+            logprobs: Vec::new(),
+        };
         for i in 0..MAX_BUFFERED_REPLIES {
             deliver(&waiters, "slow", token(i));
         }

@@ -597,7 +597,7 @@ fn outcome(index: i32, result: Result<lorry_engine::Output, EngineError>) -> Out
     match result {
         Ok(output) => Outcome {
             index,
-            result: Ok(output.content.result_body()),
+            result: Ok(output.result_body()),
             prompt_tokens: output.usage.prompt_tokens as i32,
             completion_tokens: output.usage.completion_tokens as i32,
             finish_reason: output.completion.as_ref().map(|c| c.finish_reason.as_str()),

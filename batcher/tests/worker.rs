@@ -80,6 +80,7 @@ fn finished(text: &str) -> Event {
             completion_tokens: 1,
         },
         completion: None,
+        logprobs: None,
     })
 }
 

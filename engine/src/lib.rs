@@ -28,14 +28,19 @@ pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
     constraint, input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane,
-    ModelSpec, Output, Task, Usage, ValidRequest,
+    ModelSpec, Output, Task, TokenLogprob, TopLogprob, Usage, ValidRequest,
 };
 
 /// What a backend reports while serving one request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A piece of generated text, in order.
-    Token(String),
+    Token {
+        /// The text.
+        text: String,
+        /// Its tokens' log-probabilities, for requests that asked (else empty).
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The request finished; the last event on a successful stream.
     Finished(Output),
     /// The request failed; the last event on a failed stream.
@@ -254,7 +259,7 @@ pub trait Backend: Send + Sync + 'static {
 pub async fn collect(mut events: EventStream) -> Result<Output, EngineError> {
     while let Some(event) = events.recv().await {
         match event {
-            Event::Token(_) => {}
+            Event::Token { .. } => {}
             Event::Finished(output) => return Ok(output),
             Event::Failed(error) => return Err(error),
         }

@@ -148,7 +148,7 @@ async fn a_dropped_stream_cancels_its_request_and_others_carry_on() {
     let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
     let long = request(json!({"prompt": "a", "raw": true, "max_tokens": 400, "ignore_eos": true, "stream": true}));
     let mut events = engine.submit(Request::new(long, Lane::Batch)).unwrap();
-    assert!(matches!(events.recv().await, Some(Event::Token(_))));
+    assert!(matches!(events.recv().await, Some(Event::Token { .. })));
     drop(events);
     let short = request(json!({"prompt": "b", "raw": true, "max_tokens": 3, "ignore_eos": true}));
     let out = collect(engine.submit(Request::new(short, Lane::Batch)).unwrap())
@@ -186,7 +186,7 @@ async fn a_stream_whose_reader_falls_too_far_behind_is_dropped_with_what_it_was_
     let mut tokens = 0;
     let last = loop {
         match behind.recv().await.expect("the stream ends with an event") {
-            Event::Token(_) => tokens += 1,
+            Event::Token { .. } => tokens += 1,
             other => break other,
         }
     };
@@ -212,7 +212,7 @@ async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
         let mut streamed = String::new();
         let out = loop {
             match events.recv().await.unwrap() {
-                Event::Token(t) => streamed.push_str(&t),
+                Event::Token { text, .. } => streamed.push_str(&text),
                 Event::Finished(out) => break out,
                 Event::Failed(e) => panic!("{e}"),
             }

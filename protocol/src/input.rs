@@ -234,6 +234,10 @@ pub struct Sampling {
     /// See `repetition_penalty`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,
+    /// Report each generated token's log-probability with this many of the
+    /// most likely alternatives (0 to [`MAX_TOP_LOGPROBS`]); `None`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
 }
 
 /// The request field that named the adapter (`lora` in Workers AI's shape,
@@ -309,6 +313,9 @@ pub const MAX_TOKENS_LIMIT: u32 = 32_768;
 /// The longest `stop` string, in bytes.
 pub const MAX_STOP_BYTES: usize = 256;
 
+/// The most alternatives `top_logprobs` may ask for at each position.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// The most ids `stop_token_ids` may hold.
 pub const MAX_STOP_TOKEN_IDS: usize = 32;
 /// The most texts one embeddings request may carry.
@@ -342,6 +349,13 @@ impl ValidRequest {
             }
             found => found.map(|(constraint, _)| constraint),
         };
+        if task == Task::Echo && sampling.logprobs.is_some() {
+            return Err(InputError::new(
+                ErrorCode::UnsupportedParameter,
+                "logprobs",
+                "the echo model returns its input; it has no token probabilities",
+            ));
+        }
         f.deny_unknown()?;
         let prompt = match (prompt_text, messages, text) {
             (Some(p), None, None) => Prompt::Text(p),
@@ -547,7 +561,29 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
         repetition_penalty: ranged(f, "repetition_penalty", 0.0, 2.0)?,
         frequency_penalty: ranged(f, "frequency_penalty", -2.0, 2.0)?,
         presence_penalty: ranged(f, "presence_penalty", -2.0, 2.0)?,
+        logprobs: parse_logprobs(f)?,
     })
+}
+
+/// `logprobs` (a boolean) and `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`],
+/// only with `logprobs: true`), as OpenAI's chat takes them.
+fn parse_logprobs(f: &mut Fields<'_>) -> Result<Option<u32>, InputError> {
+    let wanted: bool = f.optional("logprobs", "a boolean")?.unwrap_or(false);
+    let top: Option<u32> = f.optional("top_logprobs", "an integer from 0 to 20")?;
+    match (wanted, top) {
+        (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(InputError::new(
+            ErrorCode::InvalidValue,
+            "top_logprobs",
+            format!("top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}"),
+        )),
+        (false, Some(_)) => Err(InputError::new(
+            ErrorCode::InvalidValue,
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        )),
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, None) => Ok(None),
+    }
 }
 
 fn ranged<'a>(f: &mut Fields<'a>, name: &'a str, lo: f64, hi: f64) -> Result<Option<f32>, InputError> {

@@ -17,7 +17,7 @@ pub mod model;
 use serde::{Deserialize, Serialize};
 
 pub use error::ErrorCode;
-pub use input::{InputError, ValidRequest};
+pub use input::{InputError, ValidRequest, MAX_TOP_LOGPROBS};
 pub use model::{AdapterShape, Catalog, ModelSpec, ECHO_MODEL};
 
 /// What a model does, which decides the input it accepts.
@@ -130,6 +130,99 @@ pub struct Output {
     /// Generated token ids and why generation ended, from text-generation models.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion: Option<Completion>,
+    /// Each generated token's log-probability, for requests that asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+impl Output {
+    /// The result as a batch stores it: [`Content::result_body`], with
+    /// `"logprobs"` (OpenAI's chat items) for requests that asked.
+    pub fn result_body(&self) -> serde_json::Value {
+        let mut body = self.content.result_body();
+        if let Some(logprobs) = &self.logprobs {
+            body["logprobs"] = serde_json::json!(logprobs);
+        }
+        body
+    }
+}
+
+/// One generated token's log-probability under the model, with the most
+/// likely alternatives at its position: an item of OpenAI's chat
+/// `logprobs.content`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    /// The token's text; a token that is not whole UTF-8 reads `bytes:` and its bytes escaped (`bytes:\xe2\x80`).
+    pub token: String,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// Its natural log-probability.
+    pub logprob: f32,
+    /// The most likely tokens at its position, most likely first.
+    #[serde(default)]
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// One alternative at a position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    /// See [`TokenLogprob::token`].
+    pub token: String,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// Its natural log-probability.
+    pub logprob: f32,
+}
+
+impl TokenLogprob {
+    /// The `token` string of `bytes`: their text where it is UTF-8, else
+    /// `bytes:` and each byte as `\xNN`.
+    pub fn spell(bytes: &[u8]) -> String {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => text.to_string(),
+            Err(_) => {
+                let escaped: String = bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
+                format!("bytes:{escaped}")
+            }
+        }
+    }
+
+    /// A logprob as JSON can carry it: a non-finite one as −9999, as OpenAI reports the unlikeliest.
+    pub fn finite(logprob: f32) -> f32 {
+        if logprob.is_finite() {
+            logprob
+        } else {
+            -9999.0
+        }
+    }
+
+    /// These tokens as the legacy completions endpoint reports them:
+    /// `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, each
+    /// position's alternatives an object from token to logprob.
+    pub fn legacy(items: &[TokenLogprob]) -> serde_json::Value {
+        let mut offset = 0usize;
+        let mut offsets = Vec::with_capacity(items.len());
+        for item in items {
+            offsets.push(offset);
+            offset += item.token.chars().count();
+        }
+        let top: Vec<serde_json::Value> = items
+            .iter()
+            .map(|item| {
+                let mut map = serde_json::Map::new();
+                for alt in &item.top_logprobs {
+                    map.entry(alt.token.clone()).or_insert(serde_json::json!(alt.logprob));
+                }
+                serde_json::Value::Object(map)
+            })
+            .collect();
+        serde_json::json!({
+            "tokens": items.iter().map(|i| i.token.as_str()).collect::<Vec<_>>(),
+            "token_logprobs": items.iter().map(|i| i.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top,
+            "text_offset": offsets,
+        })
+    }
 }
 
 /// The token-level result of a text generation.

@@ -11,6 +11,7 @@ mod durability;
 mod fairness;
 mod faults;
 mod hardening;
+mod logprobs;
 mod metrics;
 mod models;
 mod offline;

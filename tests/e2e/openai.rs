@@ -349,7 +349,7 @@ async fn a_client_that_hangs_up_before_its_answer_frees_its_sequence() {
     app.stop().await;
 }
 
-async fn upload(app: &TestApp, name: &str, body: Vec<u8>) -> reqwest::Response {
+pub(crate) async fn upload(app: &TestApp, name: &str, body: Vec<u8>) -> reqwest::Response {
     let form = reqwest::multipart::Form::new().text("purpose", "batch").part(
         "file",
         reqwest::multipart::Part::bytes(body).file_name(name.to_string()),
@@ -363,7 +363,7 @@ async fn upload(app: &TestApp, name: &str, body: Vec<u8>) -> reqwest::Response {
         .unwrap()
 }
 
-fn jsonl(lines: &[Value]) -> Vec<u8> {
+pub(crate) fn jsonl(lines: &[Value]) -> Vec<u8> {
     lines.iter().map(|l| format!("{l}\n")).collect::<String>().into_bytes()
 }
 

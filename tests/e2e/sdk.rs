@@ -71,6 +71,21 @@ async fn the_official_openai_sdk_runs_every_flow() {
     let parsed = &report["parsed"];
     assert!(["spam", "ham"].contains(&parsed["label"].as_str().unwrap()), "{parsed}");
     assert!(parsed["score"].as_u64().unwrap() <= 9, "{parsed}");
+    // The SDK's logprobs are the engine's for the same request.
+    let scored = answer(
+        json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "ignore_eos": true,
+               "logprobs": true, "top_logprobs": 2}),
+        "@lorry/demo-llama",
+    )
+    .await;
+    let own: Vec<&Value> = scored["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| &t["logprob"])
+        .collect();
+    let got: Vec<&Value> = report["logprobs"].as_array().unwrap().iter().collect();
+    assert_eq!(got, own, "{report}");
     let embedded = answer(json!({"text": ["a first text", "second"]}), "@lorry/demo-bge").await;
     assert_eq!(report["embedding"], embedded["data"][1]);
     app.stop().await;

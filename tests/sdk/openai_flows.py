@@ -166,6 +166,30 @@ def main() -> None:
     assert isinstance(choice.message.parsed, Verdict), choice.message
     report["parsed"] = choice.message.parsed.model_dump()
 
+    # Log-probabilities in the SDK's own types, whole and streamed.
+    scored = client.chat.completions.create(
+        model=LLAMA, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}
+    )
+    content = scored.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content), content
+    assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content), content
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(
+            model=LLAMA,
+            messages=MESSAGES,
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content or []
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
+    report["logprobs"] = [t.logprob for t in content]
+
     # Its completion webhook, verified and parsed by the SDK with the account's secret.
     secret = httpx.get(
         base_url + "/account", headers={"Authorization": "Bearer " + os.environ["LORRY_TOKEN"]}

@@ -32,7 +32,9 @@ impl FileRecord {
                 bytes: row.get("bytes"),
                 lines: row.get("lines"),
                 object_key: row.get("object_key"),
-                expires_at: row.get("expires_at"),
+                expires_after: row
+                    .get::<Option<DateTime<Utc>>, _>("expires_at")
+                    .map(|at| (at - row.get::<DateTime<Utc>, _>("created_at")).num_seconds()),
             },
             created_at: row.get("created_at"),
         }
@@ -50,7 +52,7 @@ impl FileRecord {
             "purpose": file.purpose,
             "status": "processed",
             "status_details": null,
-            "expires_at": file.expires_at.map(|t| t.timestamp()),
+            "expires_at": file.expires_after.map(|after| self.created_at.timestamp() + after),
         })
     }
 }
@@ -72,8 +74,9 @@ pub struct NewFile {
     pub lines: i32,
     /// Where the bytes are.
     pub object_key: String,
-    /// When it is deleted, if it expires.
-    pub expires_at: Option<DateTime<Utc>>,
+    /// Seconds after its creation when it is deleted, if it expires (the
+    /// database's clock places both instants, so they are exactly this far apart).
+    pub expires_after: Option<i64>,
 }
 
 const FILE_COLUMNS: &str = "id, account_id, purpose, filename, bytes, lines, object_key, created_at, expires_at";
@@ -81,7 +84,7 @@ const FILE_COLUMNS: &str = "id, account_id, purpose, filename, bytes, lines, obj
 pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFile) -> Result<()> {
     sqlx::query(
         "INSERT INTO files (id, account_id, purpose, filename, bytes, lines, object_key, expires_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7, now() + $8::float8 * interval '1 second')",
     )
     .bind(file.id.as_str())
     .bind(&file.account_id.0)
@@ -90,7 +93,7 @@ pub(super) async fn insert_file(tx: &mut Transaction<'_, Postgres>, file: &NewFi
     .bind(file.bytes)
     .bind(file.lines)
     .bind(&file.object_key)
-    .bind(file.expires_at)
+    .bind(file.expires_after)
     .execute(&mut **tx)
     .await?;
     Ok(())

@@ -11,7 +11,7 @@
 //! [`Decoding`] is one request's state (tokens, sampler, stop strings,
 //! end-of-sequence, `finish_reason`, text held back from the stream while it
 //! could still become a stop string, the grammar a structured output
-//! follows), the same whether the request runs alone
+//! follows, each token's log-probability where asked), the same whether the request runs alone
 //! ([`TextModel::generate`], the tests' reference) or in a batch.
 
 use std::borrow::Cow;
@@ -220,6 +220,35 @@ impl TextModel {
         Arc::clone(&self.grammars)
     }
 
+    /// Scored tokens as they are reported, each token and alternative spelled out.
+    fn spell(&self, scored: &[Scored]) -> Vec<TokenLogprob> {
+        let bytes = self.grammars.token_bytes();
+        let word = |id: u32| bytes.get(id as usize).cloned().unwrap_or_default();
+        scored
+            .iter()
+            .map(|s| {
+                let own = word(s.token);
+                TokenLogprob {
+                    token: TokenLogprob::spell(&own),
+                    bytes: own,
+                    logprob: TokenLogprob::finite(s.logprob),
+                    top_logprobs: s
+                        .top
+                        .iter()
+                        .map(|&(id, logprob)| {
+                            let alt = word(id);
+                            TopLogprob {
+                                token: TokenLogprob::spell(&alt),
+                                bytes: alt,
+                                logprob: TokenLogprob::finite(logprob),
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
     /// Tokens that end generation.
     pub fn stop_ids(&self) -> &[u32] {
         &self.stop_ids
@@ -350,6 +379,20 @@ pub struct Decoding {
     finished: Option<FinishReason>,
     /// The grammar the output must follow (structured outputs).
     guide: Option<Guide>,
+    /// Alternatives reported at each position, when log-probabilities are asked for.
+    logprobs: Option<usize>,
+    /// Each generated token's log-probability, when asked for.
+    scored: Vec<Scored>,
+    /// Entries of `scored` already streamed.
+    scored_streamed: usize,
+}
+
+/// A generated token's log-probability and its position's best alternatives.
+#[derive(Debug, Clone, PartialEq)]
+struct Scored {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
 }
 
 impl TextModel {
@@ -427,6 +470,9 @@ impl TextModel {
             streamed: 0,
             finished: None,
             guide,
+            logprobs: s.logprobs.map(|n| n as usize),
+            scored: Vec::new(),
+            scored_streamed: 0,
         })
     }
 
@@ -482,7 +528,7 @@ impl Decoding {
             Some(guide) => self.sampler.sample(&guide.masked(logits)?),
             None => self.sampler.sample(logits),
         };
-        self.push_token(next, model)
+        self.push_token(next, logits, model)
     }
 
     /// The request's grammar, if it has one.
@@ -559,8 +605,23 @@ impl Decoding {
         verified
     }
 
-    /// Append a token chosen elsewhere (a verified draft) and apply the stop rules.
-    pub(crate) fn push_token(&mut self, next: u32, model: &TextModel) -> Result<Option<FinishReason>, EngineError> {
+    /// Append a token chosen elsewhere (a verified draft) from the model's
+    /// `logits` at its position and apply the stop rules.
+    pub(crate) fn push_token(
+        &mut self,
+        next: u32,
+        logits: &[f32],
+        model: &TextModel,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        if let Some(top) = self.logprobs {
+            // The model's own distribution: before temperature, filters and the constraint's mask.
+            let (logprob, top) = crate::runtime::sampling::log_probs(logits, next, top);
+            self.scored.push(Scored {
+                token: next,
+                logprob,
+                top,
+            });
+        }
         if let Some(guide) = &mut self.guide {
             guide.consume(next)?;
         }
@@ -624,6 +685,29 @@ impl Decoding {
         Ok(Some(delta))
     }
 
+    /// The log-probabilities of tokens generated since the last call, as
+    /// they go out with streamed text (empty when none were asked for).
+    pub(crate) fn stream_logprobs(&mut self, model: &TextModel) -> Vec<TokenLogprob> {
+        let end = self.text_tokens();
+        let start = self.scored_streamed.min(end);
+        self.scored_streamed = end;
+        model.spell(&self.scored[start..end])
+    }
+
+    /// Whether log-probabilities were asked for and some are not streamed yet.
+    pub(crate) fn logprobs_pending(&self) -> bool {
+        self.scored_streamed < self.text_tokens()
+    }
+
+    /// How many scored tokens belong to the text: all but an end token that finished it.
+    fn text_tokens(&self) -> usize {
+        let ended = matches!(
+            (self.finished, self.generated().last()),
+            (Some(FinishReason::Stop), Some(t)) if self.stop_ids.contains(t)
+        );
+        self.scored.len().saturating_sub(ended as usize)
+    }
+
     fn current_text(&self, model: &TextModel) -> Result<String, EngineError> {
         let generated = self.generated();
         // An end-of-sequence token ends the text; it is not part of it.
@@ -644,16 +728,18 @@ impl Decoding {
         } else {
             self.current_text(model).unwrap_or_default()
         };
+        let logprobs = self.logprobs.map(|_| model.spell(&self.scored[..self.text_tokens()]));
         Generation {
             token_ids: self.generated().to_vec(),
             text,
             finish_reason: self.finished.unwrap_or(FinishReason::Length),
             prompt_tokens: self.prompt_len,
+            logprobs,
         }
     }
 }
 
-pub use lorry_protocol::FinishReason;
+pub use lorry_protocol::{FinishReason, TokenLogprob, TopLogprob};
 
 /// One finished generation.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -666,6 +752,10 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
+    /// Each token of the text's log-probability (an end token that
+    /// finished it left out), when the request asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 #[cfg(test)]

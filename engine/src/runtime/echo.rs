@@ -48,7 +48,10 @@ fn serve(request: ValidRequest, events: &Events) {
                 events.send(Event::Failed(EngineError::Overrun));
                 return;
             }
-            if !events.send(Event::Token(word.to_string())) {
+            if !events.send(Event::Token {
+                text: word.to_string(),
+                logprobs: Vec::new(),
+            }) {
                 return;
             }
         }
@@ -60,6 +63,7 @@ fn serve(request: ValidRequest, events: &Events) {
         },
         content: Content::Text(text),
         completion: None,
+        logprobs: None,
     };
     events.send(Event::Finished(output));
 }
@@ -129,7 +133,7 @@ mod tests {
         let mut tokens = String::new();
         while let Some(event) = events.recv().await {
             match event {
-                Event::Token(t) => tokens.push_str(&t),
+                Event::Token { text, .. } => tokens.push_str(&text),
                 Event::Finished(out) => {
                     assert_eq!(out.content.text(), "a b c");
                     break;
@@ -161,7 +165,7 @@ mod tests {
         let mut tokens = 0;
         let last = loop {
             match unread.recv().await.unwrap() {
-                Event::Token(_) => tokens += 1,
+                Event::Token { .. } => tokens += 1,
                 other => break other,
             }
         };

@@ -137,6 +137,7 @@ fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, 
             completion_tokens: 0,
         },
         completion: None,
+        logprobs: None,
     })
 }
 

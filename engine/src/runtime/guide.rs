@@ -7,7 +7,8 @@
 //! tokenizer's byte-level alphabet or its `<0xXX>` byte-fallback tokens, the
 //! model's end tokens as the grammar's end), and the compiled grammars of
 //! recent constraints, so that a batch of thousands of requests under one
-//! schema compiles it once; requests clone a compiled [`Matcher`], sharing its
+//! schema compiles it once (and each token's bytes, as log-probabilities
+//! report them); requests clone a compiled [`Matcher`], sharing its
 //! lexer's states. [`Guide`] is one request's matcher and its mask for the
 //! next token: computed before the step's forward pass where the engine can
 //! (on a thread of its own, beside the pass), or when sampling asks. A mask
@@ -29,12 +30,14 @@ use crate::{EngineError, ErrorCode};
 /// Compiled grammars kept per model.
 const COMPILED_ENTRIES: usize = 64;
 
-/// A model's grammar compiler and its recent grammars.
+/// A model's grammar compiler and its recent grammars, and its vocabulary spelled as bytes.
 pub struct Grammars {
     tokenizer: Tokenizer,
     stop_ids: Vec<u32>,
     vocab_size: usize,
     factory: OnceLock<Result<ParserFactory, String>>,
+    /// Each token's bytes, for log-probabilities; read on first use.
+    spelled: OnceLock<Vec<Vec<u8>>>,
     /// Most recently used last.
     compiled: Mutex<Vec<(String, Matcher)>>,
 }
@@ -55,8 +58,18 @@ impl Grammars {
             stop_ids,
             vocab_size,
             factory: OnceLock::new(),
+            spelled: OnceLock::new(),
             compiled: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Each token's bytes as log-probabilities report them (a special
+    /// token's name for it); read from the tokenizer on first use.
+    pub fn token_bytes(&self) -> &[Vec<u8>] {
+        self.spelled.get_or_init(|| {
+            let n = self.vocab_size.max(self.tokenizer.get_vocab_size(true));
+            spelled(&self.tokenizer, &self.stop_ids, n)
+        })
     }
 
     fn factory(&self) -> Result<&ParserFactory, String> {
@@ -291,8 +304,18 @@ fn byte_level_alphabet() -> HashMap<char, u8> {
     map
 }
 
-/// Each token's bytes, special tokens marked as llguidance expects.
-fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Result<TokEnv, String> {
+/// One token of a vocabulary as bytes.
+enum Word {
+    /// What the token stands for in text.
+    Bytes(Vec<u8>),
+    /// A special token (an end token, a control token), by its name.
+    Special(String),
+}
+
+/// Each token of a vocabulary of `n` as bytes, read from the tokenizer's
+/// byte-level alphabet or byte-fallback tokens; `Err` where the decoder
+/// spells tokens neither way.
+fn words(tokenizer: &Tokenizer, stop_ids: &[u32], n: usize) -> Result<Vec<Word>, String> {
     let mut found = Spelling::default();
     if let Some(decoder) = tokenizer.get_decoder() {
         spelling(decoder, &mut found);
@@ -300,12 +323,6 @@ fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Resu
     if !found.byte_level && !found.byte_fallback {
         return Err("its decoder spells tokens neither as byte-level text nor with byte fallback".into());
     }
-    let n = vocab_size.max(tokenizer.get_vocab_size(true));
-    let special = |name: &str| {
-        let mut bytes = vec![TokTrie::SPECIAL_TOKEN_MARKER];
-        bytes.extend_from_slice(name.as_bytes());
-        bytes
-    };
     let added = tokenizer.get_added_tokens_decoder();
     let specials: HashSet<u32> = added
         .iter()
@@ -313,26 +330,61 @@ fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Resu
         .map(|(&id, _)| id)
         .collect();
     let alphabet = byte_level_alphabet();
-    let mut words: Vec<Vec<u8>> = Vec::with_capacity(n);
+    let mut words = Vec::with_capacity(n);
     for id in 0..n as u32 {
         let word = match tokenizer.id_to_token(id) {
-            None => special(&format!("<[{id}]>")),
-            Some(name) if specials.contains(&id) || stop_ids.contains(&id) => special(&name),
-            Some(name) if added.get(&id).is_some() => name.into_bytes(),
+            None => Word::Special(format!("<[{id}]>")),
+            Some(name) if specials.contains(&id) || stop_ids.contains(&id) => Word::Special(name),
+            Some(name) if added.get(&id).is_some() => Word::Bytes(name.into_bytes()),
             Some(name) if found.byte_level => match name.chars().map(|c| alphabet.get(&c).copied()).collect() {
-                Some(bytes) => bytes,
-                None => special(&name),
+                Some(bytes) => Word::Bytes(bytes),
+                None => Word::Special(name),
             },
             Some(name) => match byte_token(&name) {
-                Some(byte) => vec![byte],
+                Some(byte) => Word::Bytes(vec![byte]),
                 None => match found.space {
-                    Some(space) => name.replace(space, " ").into_bytes(),
-                    None => name.into_bytes(),
+                    Some(space) => Word::Bytes(name.replace(space, " ").into_bytes()),
+                    None => Word::Bytes(name.into_bytes()),
                 },
             },
         };
         words.push(word);
     }
+    Ok(words)
+}
+
+/// Each token's bytes as log-probabilities report them: what it stands for
+/// in text, a special token's name; for a tokenizer [`words`] cannot read,
+/// each token decoded alone.
+fn spelled(tokenizer: &Tokenizer, stop_ids: &[u32], n: usize) -> Vec<Vec<u8>> {
+    match words(tokenizer, stop_ids, n) {
+        Ok(words) => words
+            .into_iter()
+            .map(|word| match word {
+                Word::Bytes(bytes) => bytes,
+                Word::Special(name) => name.into_bytes(),
+            })
+            .collect(),
+        Err(_) => (0..n as u32)
+            .map(|id| tokenizer.decode(&[id], false).unwrap_or_default().into_bytes())
+            .collect(),
+    }
+}
+
+/// Each token's bytes, special tokens marked as llguidance expects.
+fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Result<TokEnv, String> {
+    let n = vocab_size.max(tokenizer.get_vocab_size(true));
+    let words: Vec<Vec<u8>> = words(tokenizer, stop_ids, n)?
+        .into_iter()
+        .map(|word| match word {
+            Word::Bytes(bytes) => bytes,
+            Word::Special(name) => {
+                let mut bytes = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                bytes.extend_from_slice(name.as_bytes());
+                bytes
+            }
+        })
+        .collect();
     let eos = stop_ids.first().copied().unwrap_or(0);
     let info = TokRxInfo::new(n as u32, eos);
     let mut trie = TokTrie::from(&info, &words);

@@ -49,6 +49,32 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// `token`'s natural log-probability under `logits` (a log-softmax over
+/// the whole vocabulary, before temperature or any filter), and the `top`
+/// most likely tokens with theirs, most likely first, ties by id.
+pub(crate) fn log_probs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    let log_z = max + sum.ln();
+    let of = |x: f32| (x as f64 - log_z) as f32;
+    let chosen = of(logits[token as usize]);
+    let k = top.min(logits.len());
+    if k == 0 {
+        return (chosen, Vec::new());
+    }
+    let before = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, before);
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(before);
+    (
+        chosen,
+        ids.into_iter().map(|id| (id, of(logits[id as usize]))).collect(),
+    )
+}
+
 impl Sampler {
     /// A sampler for one request.
     pub fn new(params: SamplingParams) -> Self {
@@ -234,6 +260,35 @@ mod tests {
     }
 
     const LOGITS: [f32; 5] = [1.0, 3.0, 0.5, 2.5, -1.0];
+
+    #[test]
+    fn log_probs_are_a_log_softmax_with_the_best_alternatives_first() {
+        let z: f64 = LOGITS.iter().map(|&x| (x as f64).exp()).sum();
+        let expected = |i: usize| (LOGITS[i] as f64 - z.ln()) as f32;
+        let (chosen, top) = log_probs(&LOGITS, 2, 3);
+        assert!((chosen - expected(2)).abs() < 1e-6);
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 0]);
+        for (id, lp) in &top {
+            assert!((lp - expected(*id as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..LOGITS.len()).map(|i| (expected(i) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        // Ties by id, none asked for, more asked for than there are.
+        assert_eq!(
+            log_probs(&[0.0, 1.0, 1.0], 0, 2)
+                .1
+                .iter()
+                .map(|t| t.0)
+                .collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert!(log_probs(&LOGITS, 1, 0).1.is_empty());
+        assert_eq!(log_probs(&LOGITS, 1, 9).1.len(), 5);
+        // Logits far from zero lose nothing.
+        let shifted: Vec<f32> = LOGITS.iter().map(|x| x + 1000.0).collect();
+        assert!((log_probs(&shifted, 2, 0).0 - expected(2)).abs() < 1e-4);
+    }
 
     #[test]
     fn greedy_takes_the_first_best_token() {

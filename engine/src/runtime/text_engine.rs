@@ -1006,8 +1006,9 @@ impl EngineLoop {
                 outcome = active.decoding.push(logits[0], &self.model);
                 pushed = 1;
             } else {
-                for &token in &tokens {
-                    outcome = active.decoding.push_token(token, &self.model);
+                // Verified token i was chosen at the position of logits row i.
+                for (&token, row) in tokens.iter().zip(&logits) {
+                    outcome = active.decoding.push_token(token, row, &self.model);
                     pushed += 1;
                     if !matches!(outcome, Ok(None)) {
                         break;
@@ -1042,8 +1043,17 @@ impl EngineLoop {
                     self.counters.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
                 (Ok(finished), Ok(delta)) => {
-                    if let Some(text) = delta {
-                        active.events.send(Event::Token(text));
+                    // Log-probabilities go with the text they come with, and
+                    // any left when the request ends with the last (empty) piece.
+                    let text = match delta {
+                        None if finished.is_some() && active.stream && active.decoding.logprobs_pending() => {
+                            Some(String::new())
+                        }
+                        delta => delta,
+                    };
+                    if let Some(text) = text {
+                        let logprobs = active.decoding.stream_logprobs(&self.model);
+                        active.events.send(Event::Token { text, logprobs });
                     }
                     if finished.is_some() {
                         let active = self.end(chunk.id).expect("the sequence is active");
@@ -1086,6 +1096,7 @@ fn output(decoding: Decoding, model: &TextModel) -> Output {
             token_ids: generation.token_ids,
             finish_reason: generation.finish_reason,
         }),
+        logprobs: generation.logprobs,
     }
 }
 
