@@ -661,11 +661,56 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_take_a_boolean_and_up_to_twenty_alternatives() {
+        let parse = |body| ValidRequest::parse(Task::TextGeneration, &body);
+        let logprobs = |body| parse(body).unwrap().sampling.logprobs;
+        assert_eq!(logprobs(json!({"prompt": "a"})), None);
+        assert_eq!(logprobs(json!({"prompt": "a", "logprobs": false})), None);
+        assert_eq!(logprobs(json!({"prompt": "a", "logprobs": true})), Some(0));
+        assert_eq!(
+            logprobs(json!({"prompt": "a", "logprobs": true, "top_logprobs": 20})),
+            Some(20)
+        );
+        for (body, code, param) in [
+            (
+                json!({"prompt": "a", "logprobs": true, "top_logprobs": 21}),
+                "invalid_value",
+                "top_logprobs",
+            ),
+            (
+                json!({"prompt": "a", "top_logprobs": 2}),
+                "invalid_value",
+                "top_logprobs",
+            ),
+            (
+                json!({"prompt": "a", "logprobs": false, "top_logprobs": 2}),
+                "invalid_value",
+                "top_logprobs",
+            ),
+            (json!({"prompt": "a", "logprobs": 1}), "invalid_type", "logprobs"),
+            (
+                json!({"prompt": "a", "logprobs": true, "top_logprobs": -1}),
+                "invalid_type",
+                "top_logprobs",
+            ),
+        ] {
+            let err = parse(body.clone()).unwrap_err();
+            assert_eq!((err.code.as_str(), err.param.as_str()), (code, param), "{body}");
+        }
+        let err = ValidRequest::parse(Task::Echo, &json!({"prompt": "a", "logprobs": true})).unwrap_err();
+        assert_eq!(
+            (err.code.as_str(), err.param.as_str()),
+            ("unsupported_parameter", "logprobs")
+        );
+    }
+
+    #[test]
     fn a_valid_request_travels_as_json_and_comes_back_the_same() {
         let bodies = [
             json!({"messages": [{"role": "user", "content": "hi"}], "adapter": "a1", "max_tokens": 3,
                    "stop": ["x"], "seed": 7, "temperature": 0.5, "stream": true}),
             json!({"prompt": "p", "raw": true, "lora": "l", "stop_token_ids": [1, 2], "ignore_eos": true}),
+            json!({"prompt": "p", "logprobs": true, "top_logprobs": 20}),
         ];
         for body in bodies {
             let request = ValidRequest::parse(Task::TextGeneration, &body).unwrap();

@@ -157,6 +157,7 @@ pub struct TokenLogprob {
     /// The token's bytes.
     pub bytes: Vec<u8>,
     /// Its natural log-probability.
+    #[serde(serialize_with = "decimal")]
     pub logprob: f32,
     /// The most likely tokens at its position, most likely first.
     #[serde(default)]
@@ -171,7 +172,18 @@ pub struct TopLogprob {
     /// The token's bytes.
     pub bytes: Vec<u8>,
     /// Its natural log-probability.
+    #[serde(serialize_with = "decimal")]
     pub logprob: f32,
+}
+
+/// An f32 as the f64 of its shortest decimal (`-0.1`, not
+/// `-0.10000000149011612`), so JSON carries the digits the value has.
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
+fn decimal<S: serde::Serializer>(x: &f32, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(shortest(*x))
 }
 
 impl TokenLogprob {
@@ -211,14 +223,15 @@ impl TokenLogprob {
             .map(|item| {
                 let mut map = serde_json::Map::new();
                 for alt in &item.top_logprobs {
-                    map.entry(alt.token.clone()).or_insert(serde_json::json!(alt.logprob));
+                    map.entry(alt.token.clone())
+                        .or_insert(serde_json::json!(shortest(alt.logprob)));
                 }
                 serde_json::Value::Object(map)
             })
             .collect();
         serde_json::json!({
             "tokens": items.iter().map(|i| i.token.as_str()).collect::<Vec<_>>(),
-            "token_logprobs": items.iter().map(|i| i.logprob).collect::<Vec<_>>(),
+            "token_logprobs": items.iter().map(|i| shortest(i.logprob)).collect::<Vec<_>>(),
             "top_logprobs": top,
             "text_offset": offsets,
         })
@@ -251,5 +264,66 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn item(token: &[u8], logprob: f32, top: &[(&str, f32)]) -> TokenLogprob {
+        TokenLogprob {
+            token: TokenLogprob::spell(token),
+            bytes: token.to_vec(),
+            logprob,
+            top_logprobs: top
+                .iter()
+                .map(|&(t, l)| TopLogprob {
+                    token: t.into(),
+                    bytes: t.as_bytes().to_vec(),
+                    logprob: l,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn tokens_that_are_not_whole_utf8_are_spelled_as_bytes() {
+        assert_eq!(TokenLogprob::spell(b" the"), " the");
+        assert_eq!(TokenLogprob::spell(&[0xe2, 0x80]), "bytes:\\xe2\\x80");
+        assert_eq!(TokenLogprob::finite(f32::NEG_INFINITY), -9999.0);
+        assert_eq!(TokenLogprob::finite(-1.5), -1.5);
+    }
+
+    #[test]
+    fn the_legacy_shape_has_offsets_and_alternatives_by_token() {
+        let items = [
+            item(b"Hi", -0.5, &[("Hi", -0.5), ("Yo", -1.0)]),
+            item("é".as_bytes(), -2.0, &[("a", -0.1)]),
+            item(b"!", -0.25, &[]),
+        ];
+        assert_eq!(
+            TokenLogprob::legacy(&items),
+            json!({"tokens": ["Hi", "é", "!"], "token_logprobs": [-0.5, -2.0, -0.25],
+                   "top_logprobs": [{"Hi": -0.5, "Yo": -1.0}, {"a": -0.1}, {}], "text_offset": [0, 2, 3]})
+        );
+    }
+
+    #[test]
+    fn a_result_body_carries_logprobs_only_where_asked() {
+        let mut output = Output {
+            content: Content::Text("Hi".into()),
+            usage: Usage::default(),
+            completion: None,
+            logprobs: None,
+        };
+        assert_eq!(output.result_body(), json!({"response": "Hi"}));
+        output.logprobs = Some(vec![item(b"Hi", -0.5, &[])]);
+        assert_eq!(
+            output.result_body(),
+            json!({"response": "Hi", "logprobs": [{"token": "Hi", "bytes": [72, 105], "logprob": -0.5, "top_logprobs": []}]})
+        );
     }
 }
