@@ -24,6 +24,8 @@ pub const STREAM_KEEP_ALIVE: Duration = Duration::from_millis(500);
 pub struct Call {
     /// Whether the client asked for a stream.
     pub stream: bool,
+    /// How many choices the request asked for.
+    pub choices: u32,
     replies: mpsc::Receiver<Reply>,
     guard: Pending,
     timeout: Duration,
@@ -36,6 +38,7 @@ pub async fn start(state: &AppState, account: &Account, model: &str, valid: Vali
     crate::quota::realtime(state, account)?;
     let account = &account.id;
     let stream = valid.stream;
+    let choices = valid.sampling.choices();
     let started = std::time::Instant::now();
     let mut requests = [NewRequest {
         custom_id: None,
@@ -60,6 +63,7 @@ pub async fn start(state: &AppState, account: &Account, model: &str, valid: Vali
     );
     Ok(Call {
         stream,
+        choices,
         replies,
         guard: Pending {
             client: state.realtime.clone(),
@@ -79,7 +83,7 @@ impl Call {
                 self.tally.reply(&reply);
                 match reply {
                     Reply::Token { .. } => {}
-                    Reply::Done { output } => return Ok(output),
+                    Reply::Done { output } => return Ok(*output),
                     Reply::Error { code, message, param } => return Err(engine_failure(code, message, param)),
                 }
             }

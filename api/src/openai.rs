@@ -16,7 +16,7 @@ use lorry_batcher::realtime::Reply;
 use lorry_protocol::input::Fields;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::Task;
-use lorry_protocol::{Catalog, InputError, Output, TokenLogprob, ValidRequest};
+use lorry_protocol::{Catalog, InputError, TokenLogprob, ValidRequest};
 use serde_json::{json, Map, Value};
 
 use crate::extract::{Authenticated, JsonBody};
@@ -225,9 +225,8 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
             draft.input.insert(name.into(), value.clone());
         }
     }
-    match f.optional::<u32>("n", "an integer")? {
-        None | Some(1) => {}
-        Some(_) => return Err(unsupported("n", "n must be 1")),
+    if let Some(n) = f.raw("n") {
+        draft.input.insert("n".into(), n.clone());
     }
     if endpoint == Endpoint::Chat {
         // `logprobs` (a boolean) and `top_logprobs` as the engine takes them.
@@ -346,13 +345,6 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
         out.push(json!({"role": role, "content": content}));
     }
     Ok(Value::Array(out))
-}
-
-fn finish_reason(output: &Output) -> &'static str {
-    match output.completion.as_ref().map(|c| c.finish_reason) {
-        Some(lorry_protocol::FinishReason::Length) => "length",
-        _ => "stop",
-    }
 }
 
 fn now() -> i64 {
@@ -478,6 +470,7 @@ pub async fn embeddings(
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: 0,
         logprobs: None,
+        more: Vec::new(),
     };
     Ok(Json(answer(
         Endpoint::Embeddings,
@@ -513,23 +506,19 @@ async fn generate(
         return Ok(stream_chunks(call, endpoint, id, request).into_response());
     }
     let output = call.output().await?;
-    let done = Finished {
-        content: &output.content,
-        finish_reason: Some(finish_reason(&output)),
-        prompt_tokens: output.usage.prompt_tokens as i64,
-        completion_tokens: output.usage.completion_tokens as i64,
-        logprobs: output.logprobs.as_deref(),
-    };
+    let done = Finished::of(&output);
     Ok(Json(answer(endpoint, &id, now(), &request.requested, &done, false)).into_response())
 }
 
-/// One streamed chunk: a delta of text (with its tokens' log-probabilities
-/// where asked), or the end with its finish reason.
+/// One streamed chunk of choice `index`: a delta of text (with its tokens'
+/// log-probabilities where asked), or the end with its finish reason.
+#[allow(clippy::too_many_arguments)]
 fn chunk(
     endpoint: Endpoint,
     id: &str,
     created: i64,
     request: &Translated,
+    index: u32,
     text: Option<&str>,
     logprobs: Option<&[TokenLogprob]>,
     finish: Option<&str>,
@@ -541,9 +530,9 @@ fn chunk(
                 Some(t) => json!({"content": t}),
                 None => json!({}),
             };
-            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         }
-        _ => json!({"index": 0, "text": text.unwrap_or_default(), "logprobs": logprobs, "finish_reason": finish}),
+        _ => json!({"index": index, "text": text.unwrap_or_default(), "logprobs": logprobs, "finish_reason": finish}),
     };
     let object = if endpoint == Endpoint::Chat {
         "chat.completion.chunk"
@@ -563,9 +552,10 @@ fn chunk(
     value
 }
 
-/// OpenAI's stream: a first chunk with the assistant's role (chat), one chunk
-/// per piece of text, a last chunk with the finish reason, the usage chunk
-/// when asked, then `data: [DONE]`. An error mid-stream is an `error` object.
+/// OpenAI's stream: a first chunk with the assistant's role (chat; one for
+/// each choice), one chunk per piece of text (its choice's `index`), a last
+/// chunk with the finish reason for each choice, the usage chunk when asked,
+/// then `data: [DONE]`. An error mid-stream is an `error` object.
 /// A client that goes away drops the call, which cancels the request.
 fn stream_chunks(
     call: lane::Call,
@@ -577,36 +567,48 @@ fn stream_chunks(
     let data = |v: Value| Event::default().data(v.to_string());
     let mut first = Vec::new();
     if endpoint == Endpoint::Chat {
-        let mut opening = chunk(endpoint, &id, created, &request, Some(""), None, None);
-        opening["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
-        first.push(data(opening));
+        for index in 0..call.choices {
+            let mut opening = chunk(endpoint, &id, created, &request, index, Some(""), None, None);
+            opening["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+            first.push(data(opening));
+        }
     }
     let rest = stream::unfold((call, id, request), move |(mut call, id, request)| async move {
         let events = match call.next().await? {
-            Reply::Token { text, logprobs } => {
+            Reply::Token { text, logprobs, choice } => {
                 let logprobs = request.valid.sampling.logprobs.map(|_| logprobs.as_slice());
                 vec![data(chunk(
                     endpoint,
                     &id,
                     created,
                     &request,
+                    choice,
                     Some(&text),
                     logprobs,
                     None,
                 ))]
             }
             Reply::Done { output } => {
-                let mut events = vec![data(chunk(
-                    endpoint,
-                    &id,
-                    created,
-                    &request,
-                    None,
-                    None,
-                    Some(finish_reason(&output)),
-                ))];
+                let mut events: Vec<Event> = output
+                    .views()
+                    .iter()
+                    .enumerate()
+                    .map(|(index, choice)| {
+                        let finish = choice.finish_reason.unwrap_or(lorry_protocol::FinishReason::Stop);
+                        data(chunk(
+                            endpoint,
+                            &id,
+                            created,
+                            &request,
+                            index as u32,
+                            None,
+                            None,
+                            Some(finish.as_str()),
+                        ))
+                    })
+                    .collect();
                 if request.include_usage {
-                    let mut last = chunk(endpoint, &id, created, &request, None, None, None);
+                    let mut last = chunk(endpoint, &id, created, &request, 0, None, None, None);
                     last["choices"] = json!([]);
                     last["usage"] = output.usage.to_json();
                     events.push(data(last));

@@ -205,6 +205,9 @@ pub struct ModelInput {
     /// With `logprobs`: the most likely alternatives at each position, 0–20.
     #[schema(minimum = 0, maximum = 20)]
     top_logprobs: Option<u32>,
+    /// Choices of the one prompt, 1–16 (text models; every choice in the result's `"choices"`).
+    #[schema(minimum = 1, maximum = 16)]
+    n: Option<u32>,
     /// In a queued Workers AI batch: the client's id for the request, unique in the batch.
     external_reference: Option<String>,
 }
@@ -498,8 +501,9 @@ pub struct OpenAiSampling {
     #[schema(max_items = 32)]
     stop_token_ids: Option<Vec<u32>>,
     ignore_eos: Option<bool>,
-    /// 1 only.
-    #[schema(minimum = 1, maximum = 1)]
+    /// Choices of the one prompt, 1–16, each its own sample (the prompt's
+    /// blocks shared); `usage` counts the prompt once and every choice's tokens.
+    #[schema(minimum = 1, maximum = 16)]
     n: Option<u32>,
     /// −2–2.
     #[schema(minimum = -2, maximum = 2)]

@@ -265,13 +265,17 @@ fn usage_json(output: &Output) -> Value {
 }
 
 /// Workers AI's stream: `data: {"response": "<piece>"}` events (with
-/// `"logprobs"`, its tokens', where asked), then `data: [DONE]`.
+/// `"logprobs"`, its tokens', where asked; a piece of a further choice of a
+/// request with `n` > 1 with its `"index"`), then `data: [DONE]`.
 /// A client that goes away drops the call, which cancels the request.
 fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let events = stream::unfold(call, |mut call| async move {
         let events = match call.next().await? {
-            Reply::Token { text, logprobs } => {
+            Reply::Token { text, logprobs, choice } => {
                 let mut piece = json!({"response": text});
+                if choice > 0 {
+                    piece["index"] = json!(choice);
+                }
                 if !logprobs.is_empty() {
                     piece["logprobs"] = json!(logprobs);
                 }

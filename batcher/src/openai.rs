@@ -4,7 +4,7 @@
 
 use base64::Engine as _;
 use lorry_engine::catalog::Task;
-use lorry_engine::{Content, TokenLogprob};
+use lorry_engine::{ChoiceView, Content, FinishReason, TokenLogprob};
 use serde_json::{json, Value};
 
 use crate::ids::BatchId;
@@ -60,6 +60,45 @@ pub struct Finished<'a> {
     pub completion_tokens: i64,
     /// Each generated token's log-probability, for requests that asked.
     pub logprobs: Option<&'a [TokenLogprob]>,
+    /// The choices after the first, for requests with `n` > 1.
+    pub more: Vec<ChoiceView<'a>>,
+}
+
+impl<'a> Finished<'a> {
+    /// A finished text generation: its choices and usage.
+    pub fn of(output: &'a lorry_engine::Output) -> Self {
+        let mut views = output.views().into_iter();
+        let first = views.next().expect("the first choice");
+        Finished {
+            content: &output.content,
+            finish_reason: Some(first.finish_reason.unwrap_or(FinishReason::Stop).as_str()),
+            prompt_tokens: output.usage.prompt_tokens.into(),
+            completion_tokens: output.usage.completion_tokens.into(),
+            logprobs: first.logprobs,
+            more: views.collect(),
+        }
+    }
+}
+
+/// The further choices a stored result holds (`"choices"` of its body, the
+/// first left out: it is the body's own `response`), owned.
+fn stored_choices(body: &Value) -> Vec<(String, Option<FinishReason>, Option<Vec<TokenLogprob>>)> {
+    let Some(choices) = body.get("choices").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    choices
+        .iter()
+        .skip(1)
+        .map(|c| {
+            let finish = match c["finish_reason"].as_str() {
+                Some("length") => Some(FinishReason::Length),
+                Some(_) => Some(FinishReason::Stop),
+                None => None,
+            };
+            let logprobs = c.get("logprobs").and_then(|l| serde_json::from_value(l.clone()).ok());
+            (c["response"].as_str().unwrap_or_default().to_string(), finish, logprobs)
+        })
+        .collect()
 }
 
 /// A choice's `logprobs` in `endpoint`'s shape: chat's `{"content": [...],
@@ -79,18 +118,32 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
     let text = done.content.text();
     let finish_reason = done.finish_reason.unwrap_or("stop");
     let logprobs = logprobs_json(endpoint, done.logprobs);
+    let further = |i: usize, c: &ChoiceView<'_>| {
+        let finish_reason = c.finish_reason.unwrap_or(FinishReason::Stop).as_str();
+        let logprobs = logprobs_json(endpoint, c.logprobs);
+        match endpoint {
+            Endpoint::Chat => json!({
+                "index": i + 1,
+                "message": {"role": "assistant", "content": c.text, "refusal": null},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }),
+            _ => json!({"index": i + 1, "text": c.text, "logprobs": logprobs, "finish_reason": finish_reason}),
+        }
+    };
+    let more = done.more.iter().enumerate().map(|(i, c)| further(i, c));
     match endpoint {
         Endpoint::Chat => json!({
             "id": id,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [{
+            "choices": std::iter::once(json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": null},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
-            }],
+            })).chain(more).collect::<Vec<_>>(),
             "usage": usage,
         }),
         Endpoint::Completions => json!({
@@ -98,7 +151,9 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": std::iter::once(json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}))
+                .chain(more)
+                .collect::<Vec<_>>(),
             "usage": usage,
         }),
         Endpoint::Embeddings => {
@@ -144,12 +199,21 @@ pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i6
             let logprobs: Option<Vec<TokenLogprob>> = body
                 .get("logprobs")
                 .and_then(|l| serde_json::from_value(l.clone()).ok());
+            let stored = stored_choices(body);
             let done = Finished {
                 content: &content,
                 finish_reason: request.finish_reason.as_deref(),
                 prompt_tokens: request.prompt_tokens.into(),
                 completion_tokens: request.completion_tokens.into(),
                 logprobs: logprobs.as_deref(),
+                more: stored
+                    .iter()
+                    .map(|(text, finish_reason, logprobs)| ChoiceView {
+                        text,
+                        finish_reason: *finish_reason,
+                        logprobs: logprobs.as_deref(),
+                    })
+                    .collect(),
             };
             let prefix = match endpoint {
                 Endpoint::Chat => "chatcmpl",

@@ -42,11 +42,14 @@ pub enum Reply {
         /// Its tokens' log-probabilities, for requests that asked.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         logprobs: Vec<TokenLogprob>,
+        /// Which choice it belongs to (requests with `n` > 1).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        choice: u32,
     },
     /// The final result.
     Done {
-        /// The model's output.
-        output: Output,
+        /// The model's output (boxed: it is far larger than the other replies).
+        output: Box<Output>,
     },
     /// The request failed.
     Error {
@@ -86,6 +89,10 @@ impl Reply {
     pub fn is_last(&self) -> bool {
         !matches!(self, Reply::Token { .. })
     }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Where a worker sends one request's replies.
@@ -136,10 +143,12 @@ pub async fn forward(
         };
         let Some(event) = event else { break };
         let message = match event {
-            Event::Token { text, logprobs } => Reply::Token { text, logprobs },
+            Event::Token { text, logprobs, choice } => Reply::Token { text, logprobs, choice },
             Event::Finished(output) => {
                 served = Forwarded::Served(output.usage);
-                Reply::Done { output }
+                Reply::Done {
+                    output: Box::new(output),
+                }
             }
             Event::Failed(e) => Reply::engine_error(&e),
         };
@@ -490,6 +499,7 @@ mod tests {
         let token = |i: usize| Reply::Token {
             text: format!("t{i}"),
             logprobs: Vec::new(),
+            choice: 0,
         };
         for i in 0..MAX_BUFFERED_REPLIES {
             deliver(&waiters, "slow", token(i));

@@ -81,6 +81,7 @@ fn finished(text: &str) -> Event {
         },
         completion: None,
         logprobs: None,
+        choices: Vec::new(),
     })
 }
 

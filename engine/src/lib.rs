@@ -27,8 +27,8 @@ pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    constraint, input, AdapterShape, Catalog, Completion, Content, ErrorCode, FinishReason, InputError, Lane,
-    ModelSpec, Output, Task, TokenLogprob, TopLogprob, Usage, ValidRequest,
+    constraint, input, AdapterShape, Catalog, Choice, ChoiceView, Completion, Content, ErrorCode, FinishReason,
+    InputError, Lane, ModelSpec, Output, Task, TokenLogprob, TopLogprob, Usage, ValidRequest,
 };
 
 /// What a backend reports while serving one request.
@@ -40,6 +40,8 @@ pub enum Event {
         text: String,
         /// Its tokens' log-probabilities, for requests that asked (else empty).
         logprobs: Vec<TokenLogprob>,
+        /// Which choice it belongs to (0 but for requests with `n` > 1).
+        choice: u32,
     },
     /// The request finished; the last event on a successful stream.
     Finished(Output),

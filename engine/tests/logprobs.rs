@@ -144,7 +144,7 @@ async fn batched(engine: &TextEngine, request: &ValidRequest) -> (Output, String
     let (mut text, mut pieces, mut output) = (String::new(), Vec::new(), None);
     while let Some(event) = events.recv().await {
         match event {
-            Event::Token { text: t, logprobs } => {
+            Event::Token { text: t, logprobs, .. } => {
                 text.push_str(&t);
                 pieces.extend(logprobs);
             }

@@ -237,7 +237,17 @@ pub struct Sampling {
     /// Report each generated token's log-probability with this many of the
     /// most likely alternatives (0 to [`MAX_TOP_LOGPROBS`]); `None`: none.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub logprobs: Option<u32>,
+    pub logprobs: Option<u8>,
+    /// Choices to generate for the one prompt (1 to [`MAX_CHOICES`]); `None`: one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n: Option<u8>,
+}
+
+impl Sampling {
+    /// How many choices the request asks for.
+    pub fn choices(&self) -> u32 {
+        self.n.unwrap_or(1).max(1).into()
+    }
 }
 
 /// The request field that named the adapter (`lora` in Workers AI's shape,
@@ -313,6 +323,9 @@ pub const MAX_TOKENS_LIMIT: u32 = 32_768;
 /// The longest `stop` string, in bytes.
 pub const MAX_STOP_BYTES: usize = 256;
 
+/// The most choices `n` may ask for.
+pub const MAX_CHOICES: u32 = 16;
+
 /// The most alternatives `top_logprobs` may ask for at each position.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
@@ -354,6 +367,13 @@ impl ValidRequest {
                 ErrorCode::UnsupportedParameter,
                 "logprobs",
                 "the echo model returns its input; it has no token probabilities",
+            ));
+        }
+        if task == Task::Echo && sampling.n.is_some() {
+            return Err(InputError::new(
+                ErrorCode::UnsupportedParameter,
+                "n",
+                "the echo model returns its input once",
             ));
         }
         f.deny_unknown()?;
@@ -562,12 +582,23 @@ fn parse_sampling(f: &mut Fields<'_>) -> Result<Sampling, InputError> {
         frequency_penalty: ranged(f, "frequency_penalty", -2.0, 2.0)?,
         presence_penalty: ranged(f, "presence_penalty", -2.0, 2.0)?,
         logprobs: parse_logprobs(f)?,
+        n: match f.optional::<u32>("n", "an integer from 1 to 16")? {
+            Some(n) if !(1..=MAX_CHOICES).contains(&n) => {
+                return Err(InputError::new(
+                    ErrorCode::InvalidValue,
+                    "n",
+                    format!("n must be from 1 to {MAX_CHOICES}"),
+                ))
+            }
+            Some(1) | None => None,
+            Some(n) => Some(n as u8),
+        },
     })
 }
 
 /// `logprobs` (a boolean) and `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`],
 /// only with `logprobs: true`), as OpenAI's chat takes them.
-fn parse_logprobs(f: &mut Fields<'_>) -> Result<Option<u32>, InputError> {
+fn parse_logprobs(f: &mut Fields<'_>) -> Result<Option<u8>, InputError> {
     let wanted: bool = f.optional("logprobs", "a boolean")?.unwrap_or(false);
     let top: Option<u32> = f.optional("top_logprobs", "an integer from 0 to 20")?;
     match (wanted, top) {
@@ -581,7 +612,7 @@ fn parse_logprobs(f: &mut Fields<'_>) -> Result<Option<u32>, InputError> {
             "top_logprobs",
             "top_logprobs needs logprobs: true",
         )),
-        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (true, top) => Ok(Some(top.unwrap_or(0) as u8)),
         (false, None) => Ok(None),
     }
 }

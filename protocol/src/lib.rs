@@ -17,7 +17,7 @@ pub mod model;
 use serde::{Deserialize, Serialize};
 
 pub use error::ErrorCode;
-pub use input::{InputError, ValidRequest, MAX_TOP_LOGPROBS};
+pub use input::{InputError, ValidRequest, MAX_CHOICES, MAX_TOP_LOGPROBS};
 pub use model::{AdapterShape, Catalog, ModelSpec, ECHO_MODEL};
 
 /// What a model does, which decides the input it accepts.
@@ -133,6 +133,35 @@ pub struct Output {
     /// Each generated token's log-probability, for requests that asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The choices after the first of a request that asked for `n` > 1
+    /// (the first is the fields above; `usage` counts the prompt once and
+    /// every choice's tokens).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub choices: Vec<Choice>,
+}
+
+/// One further choice of a request with `n` > 1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    /// Its text.
+    pub text: String,
+    /// Its tokens and why it ended.
+    pub completion: Completion,
+    /// Its tokens' log-probabilities, for requests that asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// One choice of an answer, the first or a further one, as the answer
+/// shapes render them.
+#[derive(Debug, Clone, Copy)]
+pub struct ChoiceView<'a> {
+    /// Its text.
+    pub text: &'a str,
+    /// Why it ended (`None`: a result with no token record, read as `stop`).
+    pub finish_reason: Option<FinishReason>,
+    /// Its tokens' log-probabilities, for requests that asked.
+    pub logprobs: Option<&'a [TokenLogprob]>,
 }
 
 impl Output {
@@ -143,7 +172,43 @@ impl Output {
         if let Some(logprobs) = &self.logprobs {
             body["logprobs"] = serde_json::json!(logprobs);
         }
+        if !self.choices.is_empty() {
+            // Every choice, the first included, as `{"index", "response", "finish_reason", "logprobs"?}`.
+            let choices: Vec<serde_json::Value> = self
+                .views()
+                .iter()
+                .enumerate()
+                .map(|(index, c)| {
+                    let mut choice = serde_json::json!({
+                        "index": index,
+                        "response": c.text,
+                        "finish_reason": c.finish_reason.unwrap_or(FinishReason::Stop).as_str(),
+                    });
+                    if let Some(logprobs) = c.logprobs {
+                        choice["logprobs"] = serde_json::json!(logprobs);
+                    }
+                    choice
+                })
+                .collect();
+            body["choices"] = serde_json::Value::Array(choices);
+        }
         body
+    }
+
+    /// Every choice, in order: the first (this output's own fields), then [`Output::choices`].
+    pub fn views(&self) -> Vec<ChoiceView<'_>> {
+        let first = ChoiceView {
+            text: self.content.text(),
+            finish_reason: self.completion.as_ref().map(|c| c.finish_reason),
+            logprobs: self.logprobs.as_deref(),
+        };
+        std::iter::once(first)
+            .chain(self.choices.iter().map(|c| ChoiceView {
+                text: &c.text,
+                finish_reason: Some(c.completion.finish_reason),
+                logprobs: c.logprobs.as_deref(),
+            }))
+            .collect()
     }
 }
 
@@ -318,6 +383,7 @@ mod tests {
             usage: Usage::default(),
             completion: None,
             logprobs: None,
+            choices: Vec::new(),
         };
         assert_eq!(output.result_body(), json!({"response": "Hi"}));
         output.logprobs = Some(vec![item(b"Hi", -0.5, &[])]);

@@ -7,6 +7,7 @@ mod common;
 mod accounts;
 mod adapters;
 mod batches;
+mod choices;
 mod durability;
 mod fairness;
 mod faults;

@@ -158,8 +158,8 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
     // Refusals in OpenAI's error shape, naming the field as the client spelled it.
     for (body, code, param) in [
         (
-            json!({"model": LLAMA, "messages": messages, "n": 2}),
-            "unsupported_parameter",
+            json!({"model": LLAMA, "messages": messages, "n": 17}),
+            "invalid_value",
             "n",
         ),
         (

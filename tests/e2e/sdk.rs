@@ -86,6 +86,19 @@ async fn the_official_openai_sdk_runs_every_flow() {
         .collect();
     let got: Vec<&Value> = report["logprobs"].as_array().unwrap().iter().collect();
     assert_eq!(got, own, "{report}");
+    let several = answer(
+        json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "ignore_eos": true,
+               "n": 3, "temperature": 1, "seed": 4}),
+        "@lorry/demo-llama",
+    )
+    .await;
+    let own: Vec<&Value> = several["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| &c["response"])
+        .collect();
+    assert_eq!(report["choices"].as_array().unwrap().iter().collect::<Vec<_>>(), own);
     let embedded = answer(json!({"text": ["a first text", "second"]}), "@lorry/demo-bge").await;
     assert_eq!(report["embedding"], embedded["data"][1]);
     app.stop().await;

@@ -190,6 +190,14 @@ def main() -> None:
     assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
     report["logprobs"] = [t.logprob for t in content]
 
+    # Several choices of one prompt, each its own sample.
+    several = client.chat.completions.create(
+        model=LLAMA, messages=MESSAGES, max_tokens=6, n=3, temperature=1, seed=4, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2], several
+    assert several.usage.completion_tokens == 18, several.usage
+    report["choices"] = [c.message.content for c in several.choices]
+
     # Its completion webhook, verified and parsed by the SDK with the account's secret.
     secret = httpx.get(
         base_url + "/account", headers={"Authorization": "Bearer " + os.environ["LORRY_TOKEN"]}

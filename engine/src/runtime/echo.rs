@@ -51,6 +51,7 @@ fn serve(request: ValidRequest, events: &Events) {
             if !events.send(Event::Token {
                 text: word.to_string(),
                 logprobs: Vec::new(),
+                choice: 0,
             }) {
                 return;
             }
@@ -64,6 +65,7 @@ fn serve(request: ValidRequest, events: &Events) {
         content: Content::Text(text),
         completion: None,
         logprobs: None,
+        choices: Vec::new(),
     };
     events.send(Event::Finished(output));
 }

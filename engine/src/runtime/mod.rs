@@ -2,10 +2,11 @@
 //! [`crate::Backend`] (`text_engine`, and `serial` for the echo and embedding
 //! engines), the scheduler that plans each continuous-batching step, the
 //! paged KV cache with its prefix cache (`kv`), speculation, sampling, constrained decoding
-//! (`guide`), and one request's decoding state (`chat`: a decoder behind its tokenizer and
-//! chat template).
+//! (`guide`), one request's decoding state (`chat`: a decoder behind its tokenizer and
+//! chat template), and a request's several choices (`choices`).
 
 pub mod chat;
+pub mod choices;
 pub mod echo;
 pub mod embedding;
 pub mod guide;

@@ -270,8 +270,19 @@ impl Backend for TextEngine {
     /// A request with an adapter waits (on the async runtime, not the engine
     /// thread) until its adapter is resident, then joins the same continuous
     /// batch as every other, whatever their adapters; the sequence holds the
-    /// adapter's lease until it ends.
+    /// adapter's lease until it ends. A request for `n` > 1 choices runs
+    /// each as a sequence of its own ([`crate::runtime::choices`]).
     fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        if request.input.sampling.choices() > 1 {
+            return crate::runtime::choices::fan_out(self, request);
+        }
+        self.submit_one(request)
+    }
+}
+
+impl TextEngine {
+    /// Submit one sequence: [`Backend::submit`] of a request with one choice.
+    pub(crate) fn submit_one(&self, request: Request) -> Result<EventStream, EngineError> {
         let (events, stream) = event_channel();
         let Request {
             input,
@@ -1053,7 +1064,11 @@ impl EngineLoop {
                     };
                     if let Some(text) = text {
                         let logprobs = active.decoding.stream_logprobs(&self.model);
-                        active.events.send(Event::Token { text, logprobs });
+                        active.events.send(Event::Token {
+                            text,
+                            logprobs,
+                            choice: 0,
+                        });
                     }
                     if finished.is_some() {
                         let active = self.end(chunk.id).expect("the sequence is active");
@@ -1097,6 +1112,7 @@ fn output(decoding: Decoding, model: &TextModel) -> Output {
             finish_reason: generation.finish_reason,
         }),
         logprobs: generation.logprobs,
+        choices: Vec::new(),
     }
 }
 
