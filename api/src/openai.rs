@@ -228,6 +228,17 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
     if let Some(n) = f.raw("n") {
         draft.input.insert("n".into(), n.clone());
     }
+    for name in [
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+    ] {
+        if f.raw(name).is_some() {
+            return Err(unsupported(name, "tool calls are not served"));
+        }
+    }
     if endpoint == Endpoint::Chat {
         // `logprobs` (a boolean) and `top_logprobs` as the engine takes them.
         for name in ["logprobs", "top_logprobs"] {

@@ -168,6 +168,11 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
             "bogus",
         ),
         (
+            json!({"model": LLAMA, "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "unsupported_parameter",
+            "tools",
+        ),
+        (
             json!({"model": LLAMA, "messages": messages, "max_completion_tokens": 0}),
             "out_of_range",
             "max_completion_tokens",
