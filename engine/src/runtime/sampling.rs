@@ -53,26 +53,27 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
 /// the whole vocabulary, before temperature or any filter), and the `top`
 /// most likely tokens with theirs, most likely first, ties by id.
 pub(crate) fn log_probs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    let log_z = max + sum.ln();
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // Exponentials in f32 (as torch's log_softmax takes them), summed in f64.
+    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    let log_z = max as f64 + sum.ln();
     let of = |x: f32| (x as f64 - log_z) as f32;
     let chosen = of(logits[token as usize]);
     let k = top.min(logits.len());
-    if k == 0 {
-        return (chosen, Vec::new());
+    // One pass keeping the best k, best first; a later id with an equal
+    // logit ranks after the earlier one, so it never displaces it.
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (id, &x) in logits.iter().enumerate() {
+            if best.len() == k && x <= best[k - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(_, y)| y >= x);
+            best.insert(at, (id as u32, x));
+            best.truncate(k);
+        }
     }
-    let before = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    if k < ids.len() {
-        ids.select_nth_unstable_by(k - 1, before);
-        ids.truncate(k);
-    }
-    ids.sort_unstable_by(before);
-    (
-        chosen,
-        ids.into_iter().map(|id| (id, of(logits[id as usize]))).collect(),
-    )
+    (chosen, best.into_iter().map(|(id, x)| (id, of(x))).collect())
 }
 
 impl Sampler {
