@@ -37,10 +37,11 @@ pub struct GenerateArgs {
     pub adapter: Vec<String>,
     /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
     /// "top_p", "top_k", "seed", "stop", "ignore_eos", "response_format" | "guided_json" | "guided_regex" |
-    /// "guided_choice" | "guided_grammar" | "structured_outputs", "logprobs", "top_logprobs"}` per line.
+    /// "guided_choice" | "guided_grammar" | "structured_outputs", "logprobs", "top_logprobs", "n"}` per line.
     #[arg(long)]
     pub input: PathBuf,
-    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage", "logprobs"?}` per line, in input order.
+    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage", "logprobs"?, "choices"?}` per line, in
+    /// input order (`choices`: every choice of a line with `n` > 1, the first being the line's own fields).
     #[arg(long)]
     pub output: PathBuf,
     #[command(flatten)]
@@ -100,6 +101,27 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         });
         if let Some(logprobs) = &output.logprobs {
             line["logprobs"] = json!(logprobs);
+        }
+        if !output.choices.is_empty() {
+            // `n` > 1: the first choice above, and every choice here.
+            let first = lorry_engine::Choice {
+                text: output.content.text().to_string(),
+                completion,
+                logprobs: output.logprobs.clone(),
+            };
+            let choices: Vec<_> = std::iter::once(&first)
+                .chain(&output.choices)
+                .enumerate()
+                .map(|(index, c)| {
+                    let mut choice = json!({"index": index, "token_ids": c.completion.token_ids, "text": c.text,
+                                            "finish_reason": c.completion.finish_reason});
+                    if let Some(logprobs) = &c.logprobs {
+                        choice["logprobs"] = json!(logprobs);
+                    }
+                    choice
+                })
+                .collect();
+            line["choices"] = json!(choices);
         }
         serde_json::to_writer(&mut out, &line)?;
         out.write_all(b"\n")?;

@@ -118,6 +118,8 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
         serde_json::json!({"id": 2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
         serde_json::json!({"id": 3, "prompt": "Hello there", "raw": true, "max_tokens": 12, "ignore_eos": true, "stop": [stop.to_string()]}),
         serde_json::json!({"id": 4, "prompt": "Hello there", "raw": true, "max_tokens": 12}),
+        serde_json::json!({"id": 5, "prompt": "Hello there", "raw": true, "max_tokens": 12, "ignore_eos": true,
+                           "n": 2, "logprobs": true, "top_logprobs": 2}),
     ];
     std::fs::write(&input, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
     let output = dir.join("out.jsonl");
@@ -157,6 +159,18 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
     assert_eq!(out[3]["token_ids"], serde_json::json!(until_eos));
     let ended_by_eos = until_eos.len() < greedy.len() || until_eos.last() == Some(&eos);
     assert_eq!(out[3]["finish_reason"], if ended_by_eos { "stop" } else { "length" });
+
+    // Two greedy choices with their logprobs: both the greedy answer.
+    let choices = out[4]["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{}", out[4]);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["token_ids"], serde_json::json!(greedy));
+        assert_eq!(choice["logprobs"].as_array().unwrap().len(), 12);
+        assert_eq!(choice["logprobs"][0]["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+    assert_eq!(out[4]["logprobs"], choices[0]["logprobs"]);
+    assert_eq!(out[4]["usage"]["completion_tokens"], 24);
 }
 
 #[test]
