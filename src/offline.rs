@@ -102,12 +102,16 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         if let Some(logprobs) = &output.logprobs {
             line["logprobs"] = json!(logprobs);
         }
+        if !output.tool_calls.is_empty() {
+            line["tool_calls"] = lorry_engine::tools::ToolCall::results_json(&output.tool_calls);
+        }
         if !output.choices.is_empty() {
             // `n` > 1: the first choice above, and every choice here.
             let first = lorry_engine::Choice {
                 text: output.content.text().to_string(),
                 completion,
                 logprobs: output.logprobs.clone(),
+                tool_calls: output.tool_calls.clone(),
             };
             let choices: Vec<_> = std::iter::once(&first)
                 .chain(&output.choices)
@@ -117,6 +121,9 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
                                             "finish_reason": c.completion.finish_reason});
                     if let Some(logprobs) = &c.logprobs {
                         choice["logprobs"] = json!(logprobs);
+                    }
+                    if !c.tool_calls.is_empty() {
+                        choice["tool_calls"] = lorry_engine::tools::ToolCall::results_json(&c.tool_calls);
                     }
                     choice
                 })

@@ -228,15 +228,21 @@ fn generation_input(f: &mut Fields<'_>, endpoint: Endpoint, draft: &mut Draft) -
     if let Some(n) = f.raw("n") {
         draft.input.insert("n".into(), n.clone());
     }
-    for name in [
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-    ] {
+    for name in ["tools", "tool_choice", "parallel_tool_calls"] {
+        match f.raw(name) {
+            None => {}
+            Some(value) if endpoint == Endpoint::Chat => {
+                draft.input.insert(name.into(), value.clone());
+            }
+            Some(_) => return Err(unsupported(name, "tools are offered on chat completions")),
+        }
+    }
+    for name in ["functions", "function_call"] {
         if f.raw(name).is_some() {
-            return Err(unsupported(name, "tool calls are not served"));
+            return Err(unsupported(
+                name,
+                "the deprecated functions fields are not served; give tools and tool_choice",
+            ));
         }
     }
     if endpoint == Endpoint::Chat {
@@ -352,8 +358,15 @@ fn chat_messages(value: &Value) -> Result<Value, ApiError> {
             }
         };
         f.optional::<String>("name", "a string")?;
+        let mut message = json!({"role": role, "content": content});
+        // A call's answer, and the calls an earlier answer made, as the engine reads them.
+        for name in ["tool_calls", "tool_call_id"] {
+            if let Some(value) = f.raw(name) {
+                message[name] = value.clone();
+            }
+        }
         f.deny_unknown()?;
-        out.push(json!({"role": role, "content": content}));
+        out.push(message);
     }
     Ok(Value::Array(out))
 }
@@ -481,6 +494,7 @@ pub async fn embeddings(
         prompt_tokens: output.usage.prompt_tokens as i64,
         completion_tokens: 0,
         logprobs: None,
+        tool_calls: &[],
         more: Vec::new(),
     };
     Ok(Json(answer(
@@ -600,24 +614,41 @@ fn stream_chunks(
                 ))]
             }
             Reply::Done { output } => {
-                let mut events: Vec<Event> = output
-                    .views()
+                let views = output.views();
+                // The tools a choice called, in one delta each, once it has ended.
+                let mut events: Vec<Event> = views
                     .iter()
                     .enumerate()
+                    .filter(|(_, choice)| endpoint == Endpoint::Chat && !choice.tool_calls.is_empty())
                     .map(|(index, choice)| {
-                        let finish = choice.finish_reason.unwrap_or(lorry_protocol::FinishReason::Stop);
-                        data(chunk(
-                            endpoint,
-                            &id,
-                            created,
-                            &request,
-                            index as u32,
-                            None,
-                            None,
-                            Some(finish.as_str()),
-                        ))
+                        let mut delta = chunk(endpoint, &id, created, &request, index as u32, None, None, None);
+                        let calls: Vec<Value> = choice
+                            .tool_calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, call)| {
+                                let mut call = call.openai_json();
+                                call["index"] = json!(k);
+                                call
+                            })
+                            .collect();
+                        delta["choices"][0]["delta"] = json!({"tool_calls": calls});
+                        data(delta)
                     })
                     .collect();
+                events.extend(views.iter().enumerate().map(|(index, choice)| {
+                    let finish = choice.finish_reason.unwrap_or(lorry_protocol::FinishReason::Stop);
+                    data(chunk(
+                        endpoint,
+                        &id,
+                        created,
+                        &request,
+                        index as u32,
+                        None,
+                        None,
+                        Some(finish.as_str()),
+                    ))
+                }));
                 if request.include_usage {
                     let mut last = chunk(endpoint, &id, created, &request, 0, None, None, None);
                     last["choices"] = json!([]);

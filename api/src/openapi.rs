@@ -108,7 +108,78 @@ pub struct Message {
     /// `system`, `user`, `assistant` or `tool`.
     #[schema(pattern = "^(system|user|assistant|tool)$")]
     role: String,
-    content: String,
+    /// The text (an assistant message with `tool_calls` may leave it out).
+    content: Option<String>,
+    /// The calls an assistant message made.
+    tool_calls: Option<Vec<ToolCall>>,
+    /// The call a `tool` message answers.
+    tool_call_id: Option<String>,
+}
+
+/// A function the model may call: OpenAI's `{"type": "function", "function": {…}}` or Workers AI's bare `{…}`.
+#[derive(ToSchema, Deserialize)]
+pub struct Tool {
+    /// `function`.
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    function: Option<Function>,
+    /// Workers AI's shape: the function's name here.
+    name: Option<String>,
+    description: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    parameters: Option<Value>,
+}
+
+/// A function's name, description and the JSON schema of its arguments.
+#[derive(ToSchema, Deserialize)]
+pub struct Function {
+    /// 1–64 letters, digits, `_` or `-`.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    name: String,
+    description: Option<String>,
+    /// A JSON schema (an object schema; default: no arguments).
+    #[schema(value_type = Option<Object>)]
+    parameters: Option<Value>,
+}
+
+/// A call of a conversation's assistant message.
+#[derive(ToSchema, Deserialize)]
+pub struct ToolCall {
+    id: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    function: CalledFunction,
+}
+
+/// The function a call named and its arguments (a JSON object's text, or the object).
+#[derive(ToSchema, Deserialize)]
+pub struct CalledFunction {
+    name: String,
+    #[schema(value_type = Object)]
+    arguments: Value,
+}
+
+/// `auto`, `none`, `required`, or `{"type": "function", "function": {"name"}}`.
+#[derive(ToSchema, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(NamedTool),
+}
+
+/// `{"type": "function", "function": {"name"}}`: the function that must be called.
+#[derive(ToSchema, Deserialize)]
+pub struct NamedTool {
+    /// `function`.
+    #[serde(rename = "type")]
+    kind: String,
+    function: NamedFunction,
+}
+
+/// The name of one of `tools`.
+#[derive(ToSchema, Deserialize)]
+pub struct NamedFunction {
+    name: String,
 }
 
 /// One string or up to four.
@@ -208,6 +279,12 @@ pub struct ModelInput {
     /// Choices of the one prompt, 1–16 (text models; every choice in the result's `"choices"`).
     #[schema(minimum = 1, maximum = 16)]
     n: Option<u32>,
+    /// Functions the model may call, 1–128 (the result's `"tool_calls"`).
+    tools: Option<Vec<Tool>>,
+    /// Whether and which tool must be called (default `auto`).
+    tool_choice: Option<ToolChoice>,
+    /// Several calls an answer (default true).
+    parallel_tool_calls: Option<bool>,
     /// In a queued Workers AI batch: the client's id for the request, unique in the batch.
     external_reference: Option<String>,
 }
@@ -459,8 +536,13 @@ pub struct ChatMessage {
     /// `system`, `developer`, `user`, `assistant`, `tool`.
     #[schema(pattern = "^(system|developer|user|assistant|tool)$")]
     role: String,
-    content: ChatContent,
+    /// `null` or absent on an assistant message that only calls tools.
+    content: Option<ChatContent>,
     name: Option<String>,
+    /// The calls an assistant message made.
+    tool_calls: Option<Vec<ToolCall>>,
+    /// The call a `tool` message answers.
+    tool_call_id: Option<String>,
 }
 
 /// A chat message's content: a string, or text parts joined in order.
@@ -554,6 +636,12 @@ pub struct ChatRequest {
     /// With `logprobs: true`: the most likely alternatives at each position, 0–20.
     #[schema(minimum = 0, maximum = 20)]
     top_logprobs: Option<u32>,
+    /// Functions the model may call, 1–128.
+    tools: Option<Vec<Tool>>,
+    /// Whether and which tool must be called (default `auto`).
+    tool_choice: Option<ToolChoice>,
+    /// Several calls an answer (default true).
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     sampling: OpenAiSampling,
 }

@@ -19,6 +19,7 @@ use lorry_batcher::model::{BatchStatus, RequestStatus, Shape};
 use lorry_batcher::realtime::Reply;
 use lorry_batcher::store::Account;
 use lorry_protocol::input::Fields;
+use lorry_protocol::tools::ToolCall;
 use lorry_protocol::ErrorCode;
 use lorry_protocol::{Output, Usage, ValidRequest};
 use serde_json::{json, Value};
@@ -282,8 +283,23 @@ fn stream_replies(call: lane::Call) -> Sse<impl futures::Stream<Item = Result<Ev
                 vec![Event::default().data(piece.to_string())]
             }
             Reply::Done { output } => {
+                // The tools each choice called, once it has ended, then the usage.
+                let mut events: Vec<Event> = output
+                    .views()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| !c.tool_calls.is_empty())
+                    .map(|(index, c)| {
+                        let mut calls = json!({"response": "", "tool_calls": ToolCall::results_json(c.tool_calls)});
+                        if index > 0 {
+                            calls["index"] = json!(index);
+                        }
+                        Event::default().data(calls.to_string())
+                    })
+                    .collect();
                 let usage = json!({"response": "", "usage": usage_json(&output)}).to_string();
-                vec![Event::default().data(usage), Event::default().data("[DONE]")]
+                events.extend([Event::default().data(usage), Event::default().data("[DONE]")]);
+                events
             }
             Reply::Error { code, message, param } => {
                 let error = lane::engine_failure(code, message, param);

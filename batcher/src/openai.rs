@@ -4,6 +4,7 @@
 
 use base64::Engine as _;
 use lorry_engine::catalog::Task;
+use lorry_engine::tools::{calls_from_json, ToolCall};
 use lorry_engine::{ChoiceView, Content, FinishReason, TokenLogprob};
 use serde_json::{json, Value};
 
@@ -60,6 +61,8 @@ pub struct Finished<'a> {
     pub completion_tokens: i64,
     /// Each generated token's log-probability, for requests that asked.
     pub logprobs: Option<&'a [TokenLogprob]>,
+    /// The tools the first choice called.
+    pub tool_calls: &'a [ToolCall],
     /// The choices after the first, for requests with `n` > 1.
     pub more: Vec<ChoiceView<'a>>,
 }
@@ -75,6 +78,7 @@ impl<'a> Finished<'a> {
             prompt_tokens: output.usage.prompt_tokens.into(),
             completion_tokens: output.usage.completion_tokens.into(),
             logprobs: first.logprobs,
+            tool_calls: first.tool_calls,
             more: views.collect(),
         }
     }
@@ -82,7 +86,7 @@ impl<'a> Finished<'a> {
 
 /// The further choices a stored result holds (`"choices"` of its body, the
 /// first left out: it is the body's own `response`), owned.
-fn stored_choices(body: &Value) -> Vec<(String, Option<FinishReason>, Option<Vec<TokenLogprob>>)> {
+fn stored_choices(body: &Value) -> Vec<StoredChoice> {
     let Some(choices) = body.get("choices").and_then(Value::as_array) else {
         return Vec::new();
     };
@@ -92,13 +96,40 @@ fn stored_choices(body: &Value) -> Vec<(String, Option<FinishReason>, Option<Vec
         .map(|c| {
             let finish = match c["finish_reason"].as_str() {
                 Some("length") => Some(FinishReason::Length),
+                Some("tool_calls") => Some(FinishReason::ToolCalls),
                 Some(_) => Some(FinishReason::Stop),
                 None => None,
             };
-            let logprobs = c.get("logprobs").and_then(|l| serde_json::from_value(l.clone()).ok());
-            (c["response"].as_str().unwrap_or_default().to_string(), finish, logprobs)
+            StoredChoice {
+                text: c["response"].as_str().unwrap_or_default().to_string(),
+                finish_reason: finish,
+                logprobs: c.get("logprobs").and_then(|l| serde_json::from_value(l.clone()).ok()),
+                tool_calls: calls_from_json(c.get("tool_calls")),
+            }
         })
         .collect()
+}
+
+/// A further choice of a stored result, owned.
+struct StoredChoice {
+    text: String,
+    finish_reason: Option<FinishReason>,
+    logprobs: Option<Vec<TokenLogprob>>,
+    tool_calls: Vec<ToolCall>,
+}
+
+/// A chat answer's `message`: its text, or `null` with the tools it called and wrote nothing besides.
+fn chat_message(text: &str, tool_calls: &[ToolCall]) -> Value {
+    if tool_calls.is_empty() {
+        return json!({"role": "assistant", "content": text, "refusal": null});
+    }
+    let content = if text.is_empty() { Value::Null } else { json!(text) };
+    json!({
+        "role": "assistant",
+        "content": content,
+        "refusal": null,
+        "tool_calls": tool_calls.iter().map(ToolCall::openai_json).collect::<Vec<_>>(),
+    })
 }
 
 /// A choice's `logprobs` in `endpoint`'s shape: chat's `{"content": [...],
@@ -124,7 +155,7 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
         match endpoint {
             Endpoint::Chat => json!({
                 "index": i + 1,
-                "message": {"role": "assistant", "content": c.text, "refusal": null},
+                "message": chat_message(c.text, c.tool_calls),
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
@@ -140,7 +171,7 @@ pub fn answer(endpoint: Endpoint, id: &str, created: i64, model: &str, done: &Fi
             "model": model,
             "choices": std::iter::once(json!({
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": null},
+                "message": chat_message(text, done.tool_calls),
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             })).chain(more).collect::<Vec<_>>(),
@@ -200,18 +231,21 @@ pub fn output_line(batch: &BatchId, endpoint: Endpoint, model: &str, created: i6
                 .get("logprobs")
                 .and_then(|l| serde_json::from_value(l.clone()).ok());
             let stored = stored_choices(body);
+            let tool_calls = calls_from_json(body.get("tool_calls"));
             let done = Finished {
                 content: &content,
                 finish_reason: request.finish_reason.as_deref(),
                 prompt_tokens: request.prompt_tokens.into(),
                 completion_tokens: request.completion_tokens.into(),
                 logprobs: logprobs.as_deref(),
+                tool_calls: &tool_calls,
                 more: stored
                     .iter()
-                    .map(|(text, finish_reason, logprobs)| ChoiceView {
-                        text,
-                        finish_reason: *finish_reason,
-                        logprobs: logprobs.as_deref(),
+                    .map(|c| ChoiceView {
+                        text: &c.text,
+                        finish_reason: c.finish_reason,
+                        logprobs: c.logprobs.as_deref(),
+                        tool_calls: &c.tool_calls,
                     })
                     .collect(),
             };

@@ -82,6 +82,7 @@ fn finished(text: &str) -> Event {
         completion: None,
         logprobs: None,
         choices: Vec::new(),
+        tool_calls: Vec::new(),
     })
 }
 

@@ -112,7 +112,7 @@ impl Fixture {
             Fixture::TinyLlama => json!({
                 "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 288,
-                "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": false,
+                "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": false,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
             }),

@@ -27,7 +27,7 @@ pub use runtime::text_engine::{Counters, EngineConfig, TextEngine};
 
 pub use catalog::ECHO_MODEL;
 pub use lorry_protocol::{
-    constraint, input, AdapterShape, Catalog, Choice, ChoiceView, Completion, Content, ErrorCode, FinishReason,
+    constraint, input, tools, AdapterShape, Catalog, Choice, ChoiceView, Completion, Content, ErrorCode, FinishReason,
     InputError, Lane, ModelSpec, Output, Task, TokenLogprob, TopLogprob, Usage, ValidRequest,
 };
 

@@ -232,7 +232,7 @@ async fn streamed_text_adds_up_to_the_result_and_holds_back_stop_strings() {
 async fn a_prompt_longer_than_the_context_fails_alone() {
     let (reference, dir) = model("long");
     let engine = TextEngine::start("tiny", reference, engine_config(1 << 30, 64));
-    let long = request(json!({"prompt": "z".repeat(600), "raw": true}));
+    let long = request(json!({"prompt": "z".repeat(2100), "raw": true}));
     let err = collect(engine.submit(Request::new(long, Lane::Batch)).unwrap())
         .await
         .unwrap_err();

@@ -122,13 +122,7 @@ fn check_prompts(model: &TextModel, expected: &Value, what: &str) {
         let text = record["text"].as_str().unwrap();
         let prompt_ids = match record["kind"].as_str().unwrap() {
             "chat" => model
-                .prompt_ids(
-                    &Prompt::Messages(vec![Message {
-                        role: "user".into(),
-                        content: text.into(),
-                    }]),
-                    false,
-                )
+                .prompt_ids(&Prompt::Messages(vec![Message::text("user", text)]), false)
                 .unwrap(),
             _ => model.prompt_ids(&Prompt::Text(text.into()), true).unwrap(),
         };

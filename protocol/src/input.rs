@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 
 pub use crate::constraint::Constraint;
 use crate::error::ErrorCode;
+pub use crate::tools::{ToolCall, Tools};
 use crate::Task;
 
 /// How token vectors become one embedding.
@@ -172,12 +173,29 @@ fn display(path: &str) -> &str {
 }
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The calls an assistant message made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    /// A message of text alone.
+    pub fn text(role: &str, content: impl Into<String>) -> Self {
+        Message {
+            role: role.to_string(),
+            content: content.into(),
+            ..Message::default()
+        }
+    }
 }
 
 /// What the model is asked to work on.
@@ -305,6 +323,9 @@ pub struct ValidRequest {
     /// What the generated text must match (structured outputs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
+    /// The functions the model may call (chat).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Tools>,
 }
 
 impl Sampling {
@@ -362,6 +383,21 @@ impl ValidRequest {
             }
             found => found.map(|(constraint, _)| constraint),
         };
+        let tools = crate::tools::parse(&mut f)?;
+        if tools.is_some() && task == Task::Echo {
+            return Err(InputError::new(
+                ErrorCode::UnsupportedParameter,
+                "tools",
+                "the echo model returns its input; it calls no tools",
+            ));
+        }
+        if tools.as_ref().is_some_and(Tools::active) && constraint.is_some() {
+            return Err(InputError::new(
+                ErrorCode::ConflictingFields,
+                "tools",
+                "give tools (unless tool_choice is none) or a structured output's format, not both",
+            ));
+        }
         if task == Task::Echo && sampling.logprobs.is_some() {
             return Err(InputError::new(
                 ErrorCode::UnsupportedParameter,
@@ -405,6 +441,7 @@ impl ValidRequest {
             sampling,
             pooling: None,
             constraint,
+            tools,
         })
     }
 
@@ -463,6 +500,7 @@ fn parse_embeddings(mut f: Fields<'_>) -> Result<ValidRequest, InputError> {
         sampling: Sampling::default(),
         pooling,
         constraint: None,
+        tools: None,
     })
 }
 
@@ -518,9 +556,42 @@ fn parse_messages(value: &Value) -> Result<Vec<Message>, InputError> {
                     format!("{path} must be one of {}", ROLES.join(", ")),
                 ));
             }
-            let content: String = f.required("content", "a string")?;
+            let calls = match f.raw("tool_calls") {
+                Some(calls) if role == "assistant" => {
+                    crate::tools::parse_message_calls(calls, &f.path_of("tool_calls"))?
+                }
+                Some(_) => {
+                    let path = f.path_of("tool_calls");
+                    return Err(InputError::new(
+                        ErrorCode::InvalidValue,
+                        path.clone(),
+                        format!("{path} belongs to assistant messages"),
+                    ));
+                }
+                None => Vec::new(),
+            };
+            // An assistant message that only calls tools may leave its content out.
+            let content: String = if calls.is_empty() {
+                f.required("content", "a string")?
+            } else {
+                f.optional("content", "a string")?.unwrap_or_default()
+            };
+            let tool_call_id: Option<String> = f.optional("tool_call_id", "a string")?;
+            if tool_call_id.is_some() && role != "tool" {
+                let path = f.path_of("tool_call_id");
+                return Err(InputError::new(
+                    ErrorCode::InvalidValue,
+                    path.clone(),
+                    format!("{path} belongs to tool messages"),
+                ));
+            }
             f.deny_unknown()?;
-            Ok(Message { role, content })
+            Ok(Message {
+                role,
+                content,
+                tool_calls: calls,
+                tool_call_id,
+            })
         })
         .collect()
 }

@@ -13,6 +13,7 @@ pub mod input;
 pub mod json;
 pub mod lora;
 pub mod model;
+pub mod tools;
 
 use serde::{Deserialize, Serialize};
 
@@ -138,6 +139,9 @@ pub struct Output {
     /// every choice's tokens).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub choices: Vec<Choice>,
+    /// The tools the model called (its text is what it wrote besides them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<tools::ToolCall>,
 }
 
 /// One further choice of a request with `n` > 1.
@@ -150,6 +154,9 @@ pub struct Choice {
     /// Its tokens' log-probabilities, for requests that asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The tools it called.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<tools::ToolCall>,
 }
 
 /// One choice of an answer, the first or a further one, as the answer
@@ -162,15 +169,22 @@ pub struct ChoiceView<'a> {
     pub finish_reason: Option<FinishReason>,
     /// Its tokens' log-probabilities, for requests that asked.
     pub logprobs: Option<&'a [TokenLogprob]>,
+    /// The tools it called.
+    pub tool_calls: &'a [tools::ToolCall],
 }
 
 impl Output {
     /// The result as a batch stores it: [`Content::result_body`], with
-    /// `"logprobs"` (OpenAI's chat items) for requests that asked.
+    /// `"logprobs"` (OpenAI's chat items) for requests that asked and
+    /// `"tool_calls"` (Workers AI's `{"id", "name", "arguments"}`) for
+    /// answers that called tools.
     pub fn result_body(&self) -> serde_json::Value {
         let mut body = self.content.result_body();
         if let Some(logprobs) = &self.logprobs {
             body["logprobs"] = serde_json::json!(logprobs);
+        }
+        if !self.tool_calls.is_empty() {
+            body["tool_calls"] = tools::ToolCall::results_json(&self.tool_calls);
         }
         if !self.choices.is_empty() {
             // Every choice, the first included, as `{"index", "response", "finish_reason", "logprobs"?}`.
@@ -187,6 +201,9 @@ impl Output {
                     if let Some(logprobs) = c.logprobs {
                         choice["logprobs"] = serde_json::json!(logprobs);
                     }
+                    if !c.tool_calls.is_empty() {
+                        choice["tool_calls"] = tools::ToolCall::results_json(c.tool_calls);
+                    }
                     choice
                 })
                 .collect();
@@ -201,12 +218,14 @@ impl Output {
             text: self.content.text(),
             finish_reason: self.completion.as_ref().map(|c| c.finish_reason),
             logprobs: self.logprobs.as_deref(),
+            tool_calls: &self.tool_calls,
         };
         std::iter::once(first)
             .chain(self.choices.iter().map(|c| ChoiceView {
                 text: &c.text,
                 finish_reason: Some(c.completion.finish_reason),
                 logprobs: c.logprobs.as_deref(),
+                tool_calls: &c.tool_calls,
             }))
             .collect()
     }
@@ -320,6 +339,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens`, or the model's context.
     Length,
+    /// The model called tools.
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -328,6 +349,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -384,6 +406,7 @@ mod tests {
             completion: None,
             logprobs: None,
             choices: Vec::new(),
+            tool_calls: Vec::new(),
         };
         assert_eq!(output.result_body(), json!({"response": "Hi"}));
         output.logprobs = Some(vec![item(b"Hi", -0.5, &[])]);

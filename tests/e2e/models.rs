@@ -108,7 +108,7 @@ async fn a_prompt_too_long_for_the_model_is_refused_by_field_on_the_real_time_la
     let too_long = app
         .post(
             &format!("{RUN}/@lorry/demo-llama"),
-            &json!({"prompt": "x".repeat(600), "raw": true}),
+            &json!({"prompt": "x".repeat(2100), "raw": true}),
         )
         .await;
     assert_eq!(too_long.status(), 400);

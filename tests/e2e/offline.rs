@@ -135,10 +135,7 @@ fn lorry_generate_serves_raw_chat_and_stopped_requests_as_the_library_does() {
         serde_json::json!({"prompt_tokens": raw_ids.len(), "completion_tokens": 12})
     );
 
-    let chat = Prompt::Messages(vec![Message {
-        role: "user".into(),
-        content: "Hi".into(),
-    }]);
+    let chat = Prompt::Messages(vec![Message::text("user", "Hi")]);
     let rendered = model.render(&chat, false).unwrap();
     assert!(
         rendered.starts_with("<|user|>\nHi</s>\n") && rendered.ends_with("<|assistant|>\n"),

@@ -168,8 +168,25 @@ async fn models_chat_completions_and_embeddings_answer_in_openai_shapes() {
             "bogus",
         ),
         (
-            json!({"model": LLAMA, "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            json!({"model": LLAMA, "messages": messages, "functions": [{"name": "f"}]}),
             "unsupported_parameter",
+            "functions",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}],
+                   "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            "invalid_value",
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}]}),
+            "invalid_schema",
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"model": LLAMA, "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}],
+                   "response_format": {"type": "json_object"}}),
+            "conflicting_fields",
             "tools",
         ),
         (
@@ -380,7 +397,7 @@ async fn files_and_batches_run_to_completion_with_openai_output_files() {
                "body": {"model": LLAMA, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "ignore_eos": true}})
     };
     // Too long for the model's context: accepted, then fails in the engine.
-    let long = "word ".repeat(600);
+    let long = "word ".repeat(2000);
     let lines = [line("a", "first"), line("b", "second"), line("c", &long)];
     let uploaded = upload(&app, "requests.jsonl", jsonl(&lines)).await;
     assert_eq!(uploaded.status(), 200);

@@ -198,6 +198,77 @@ def main() -> None:
     assert several.usage.completion_tokens == 18, several.usage
     report["choices"] = [c.message.content for c in several.choices]
 
+    # Tools: a required call parses into tool_calls, its arguments valid under the function's schema,
+    # the same streamed as deltas; a named function is the one called; the call and its result go back.
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city for some days",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    clock = {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    }
+    asked = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
+    called = client.chat.completions.create(
+        model=LLAMA, messages=asked, max_tokens=120, temperature=1, seed=3, tools=[weather, clock], tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, called
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_"), call
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "days"} and isinstance(arguments["city"], str), arguments
+        assert len(arguments["city"]) <= 12 and 1 <= arguments["days"] <= 7, arguments
+    else:
+        assert call.function.name == "get_time" and arguments == {}, call
+    deltas = {}
+    finish = None
+    for chunk in client.chat.completions.create(
+        model=LLAMA, messages=asked, max_tokens=120, temperature=1, seed=3, tools=[weather, clock], tool_choice="required",
+        parallel_tool_calls=False, stream=True,
+    ):
+        delta = chunk.choices[0].delta
+        assert not delta.content, chunk
+        for piece in delta.tool_calls or []:
+            entry = deltas.setdefault(piece.index, {"name": "", "arguments": ""})
+            entry["name"] += piece.function.name or ""
+            entry["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and deltas == {0: {"name": call.function.name, "arguments": call.function.arguments}}, deltas
+    named = client.chat.completions.create(
+        model=LLAMA, messages=asked, max_tokens=120, temperature=1, seed=5, tools=[weather, clock],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False,
+    )
+    assert {c.function.name for c in named.choices[0].message.tool_calls} == {"get_weather"}, named
+    answered = client.chat.completions.create(
+        model=LLAMA,
+        messages=asked
+        + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sun"}'},
+        ],
+        max_tokens=4,
+        tools=[weather, clock],
+        tool_choice="none",
+        extra_body={"ignore_eos": True},
+    )
+    assert answered.choices[0].finish_reason == "length" and answered.choices[0].message.tool_calls is None, answered
+    report["tools"] = [call.function.name, arguments]
+
     # Its completion webhook, verified and parsed by the SDK with the account's secret.
     secret = httpx.get(
         base_url + "/account", headers={"Authorization": "Bearer " + os.environ["LORRY_TOKEN"]}

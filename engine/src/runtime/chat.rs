@@ -23,12 +23,13 @@ use minijinja::{context, Environment, ErrorKind};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use crate::input::{InputError, Message, Prompt};
+use crate::input::{Constraint, InputError, Message, Prompt, ToolCall, Tools};
 use crate::lora::PackedAdapter;
 use crate::models::llama::{Llama, Products};
 use crate::models::ModelError;
 use crate::runtime::guide::{Grammars, Guide};
 use crate::runtime::sampling::{Sampler, SamplingParams};
+use crate::runtime::tools::ToolSyntax;
 use crate::EngineError;
 use crate::ErrorCode;
 
@@ -48,6 +49,8 @@ pub struct TextModel {
     defaults: GenerationDefaults,
     /// Constrained decoding's compiler and recent grammars, shared by clones.
     grammars: Arc<Grammars>,
+    /// How the model's family writes tool calls, from its template.
+    tool_syntax: ToolSyntax,
 }
 
 /// Sampling defaults a checkpoint ships (`generation_config.json`), for
@@ -149,10 +152,12 @@ impl TextModel {
         let file = crate::models::gguf::GgufFile::open(path)?;
         // The tokenizer first: a file without one fails before its weights are read.
         let (tokenizer, specials) = crate::models::vocab::from_gguf(&file)?;
-        let template = match file.get("tokenizer.chat_template") {
-            Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(compile(t.clone())?),
+        let source = match file.get("tokenizer.chat_template") {
+            Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(t.clone()),
             _ => None,
         };
+        let tool_syntax = ToolSyntax::detect(source.as_deref());
+        let template = source.map(compile).transpose()?;
         let model = Llama::from_gguf(&file, device, products)?;
         let grammars = Grammars::new(tokenizer.clone(), specials.stop_ids.clone(), model.config().vocab_size);
         Ok(TextModel {
@@ -164,6 +169,7 @@ impl TextModel {
             stop_ids: specials.stop_ids,
             defaults: GenerationDefaults::default(),
             grammars: Arc::new(grammars),
+            tool_syntax,
         })
     }
 
@@ -192,6 +198,7 @@ impl TextModel {
             Ok(source) => Some(source),
             Err(_) => config_template(&config),
         };
+        let tool_syntax = ToolSyntax::detect(template.as_deref());
         let template = template.map(compile).transpose()?;
         let eos_token = token_text(&config, "eos_token");
         let bos_token = token_text(&config, "bos_token");
@@ -212,7 +219,13 @@ impl TextModel {
             stop_ids,
             defaults,
             grammars: Arc::new(grammars),
+            tool_syntax,
         })
+    }
+
+    /// How the model's family writes tool calls.
+    pub fn tool_syntax(&self) -> ToolSyntax {
+        self.tool_syntax
     }
 
     /// The model's grammar compiler (constrained decoding), shared by its clones.
@@ -268,7 +281,12 @@ impl TextModel {
     /// special tokens), raw text with the tokenizer's own (a BOS where the
     /// tokenizer adds one), as `tokenizer(prompt)` gives in transformers.
     pub fn prompt_ids(&self, prompt: &Prompt, raw: bool) -> Result<Vec<u32>, ModelError> {
-        let text = self.render(prompt, raw)?;
+        self.prompt_ids_with(prompt, raw, None)
+    }
+
+    /// [`TextModel::prompt_ids`] of a conversation that offers `tools`.
+    pub fn prompt_ids_with(&self, prompt: &Prompt, raw: bool, tools: Option<&Tools>) -> Result<Vec<u32>, ModelError> {
+        let text = self.render_with(prompt, raw, tools)?;
         if self.templated(prompt, raw) {
             self.encode(&text)
         } else {
@@ -288,6 +306,13 @@ impl TextModel {
     /// The text the model sees: the prompt as is when `raw` (or when there is
     /// no template), else the chat template with a generation prompt.
     pub fn render(&self, prompt: &Prompt, raw: bool) -> Result<String, ModelError> {
+        self.render_with(prompt, raw, None)
+    }
+
+    /// [`TextModel::render`] of a conversation that offers `tools`: the
+    /// template's own `tools` where it takes them, else a system message
+    /// (see [`crate::runtime::tools`]).
+    pub fn render_with(&self, prompt: &Prompt, raw: bool, tools: Option<&Tools>) -> Result<String, ModelError> {
         let messages: Vec<Message> = match (prompt, raw, &self.template) {
             (Prompt::Text(t) | Prompt::Plain(t), true, _) | (Prompt::Text(t) | Prompt::Plain(t), _, None) => {
                 return Ok(t.clone())
@@ -307,16 +332,16 @@ impl TextModel {
                 return Ok(m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"))
             }
             (Prompt::Messages(m), false, Some(_)) => m.clone(),
-            (Prompt::Text(t) | Prompt::Plain(t), false, Some(_)) => vec![Message {
-                role: "user".into(),
-                content: t.clone(),
-            }],
+            (Prompt::Text(t) | Prompt::Plain(t), false, Some(_)) => vec![Message::text("user", t.clone())],
         };
+        let messages = self.tool_syntax.messages(&messages, tools);
+        let tools = self.tool_syntax.template_tools(tools);
         let env = self.template.as_ref().expect("matched Some above");
         let template = env.get_template("chat").map_err(|e| config_error("chat template", e))?;
         template
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => true,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -351,9 +376,67 @@ fn compile(source: String) -> Result<Environment<'static>, ModelError> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         },
     );
+    // Python's `json.dumps`, as transformers' templates get it (minijinja's
+    // own escapes HTML and leaves out the spaces Python writes).
+    env.add_filter(
+        "tojson",
+        |value: minijinja::Value, kwargs: minijinja::value::Kwargs| -> Result<String, minijinja::Error> {
+            let indent: Option<usize> = kwargs.get("indent")?;
+            kwargs.assert_all_used()?;
+            let value = serde_json::to_value(&value)
+                .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            let mut out = String::new();
+            write_python_json(&mut out, &value, indent, 0);
+            Ok(out)
+        },
+    );
     env.add_template_owned("chat", source)
         .map_err(|e| config_error("chat template", e))?;
     Ok(env)
+}
+
+/// A value as Python's `json.dumps` writes it (`ensure_ascii=False`, keys
+/// in their order): `", "` and `": "` between items.
+pub(crate) fn python_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_python_json(&mut out, value, None, 0);
+    out
+}
+
+/// [`python_json`], each item on its own line indented by `indent` spaces a level where given.
+fn write_python_json(out: &mut String, value: &Value, indent: Option<usize>, level: usize) {
+    let (open, close, items): (char, char, Vec<(Option<&String>, &Value)>) = match value {
+        Value::Array(items) => ('[', ']', items.iter().map(|v| (None, v)).collect()),
+        Value::Object(map) => ('{', '}', map.iter().map(|(k, v)| (Some(k), v)).collect()),
+        scalar => {
+            out.push_str(&serde_json::to_string(scalar).unwrap_or_default());
+            return;
+        }
+    };
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return;
+    }
+    let newline = |out: &mut String, level: usize| {
+        if let Some(width) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(width * level));
+        }
+    };
+    for (i, (key, item)) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(if indent.is_some() { "," } else { ", " });
+        }
+        newline(out, level + 1);
+        if let Some(key) = key {
+            out.push_str(&serde_json::to_string(key).unwrap_or_default());
+            out.push_str(": ");
+        }
+        write_python_json(out, item, indent, level + 1);
+    }
+    newline(out, level);
+    out.push(close);
 }
 
 /// `max_tokens` when a request gives none.
@@ -385,6 +468,8 @@ pub struct Decoding {
     scored: Vec<Scored>,
     /// Entries of `scored` already streamed.
     scored_streamed: usize,
+    /// The tools offered, in the model's format, whose calls the output is read for.
+    tools: Option<(ToolSyntax, Box<Tools>)>,
 }
 
 /// A generated token's log-probability and its position's best alternatives.
@@ -395,14 +480,25 @@ struct Scored {
     top: Vec<(u32, f32)>,
 }
 
+/// What a request's output must match: its structured output's format, or
+/// for `tool_choice` `required` or a named function, calls in the model's format.
+pub(crate) fn output_constraint(request: &crate::ValidRequest, syntax: ToolSyntax) -> Option<Cow<'_, Constraint>> {
+    if let Some(constraint) = &request.constraint {
+        return Some(Cow::Borrowed(constraint));
+    }
+    request
+        .tools
+        .as_ref()
+        .filter(|t| t.forced())
+        .map(|t| Cow::Owned(syntax.grammar(t)))
+}
+
 impl TextModel {
     /// Render and tokenise a request and set up its decoding, within `context`
     /// tokens in all (prompt and generated).
     pub fn start(&self, request: &crate::ValidRequest, context: usize) -> Result<Decoding, EngineError> {
-        let guide = request
-            .constraint
-            .as_ref()
-            .map(|c| self.grammars.guide(c))
+        let guide = output_constraint(request, self.tool_syntax)
+            .map(|c| self.grammars.guide(&c))
             .transpose()?;
         self.start_guided(request, context, guide)
     }
@@ -426,9 +522,11 @@ impl TextModel {
                 }
                 ids.clone()
             }
-            _ => self.prompt_ids(&request.prompt, request.raw).map_err(|e| {
-                EngineError::Input(InputError::new(ErrorCode::TemplateError, "messages", e.to_string()))
-            })?,
+            _ => self
+                .prompt_ids_with(&request.prompt, request.raw, request.tools.as_ref())
+                .map_err(|e| {
+                    EngineError::Input(InputError::new(ErrorCode::TemplateError, "messages", e.to_string()))
+                })?,
         };
         if prompt.is_empty() {
             return Err(EngineError::Input(InputError::new(
@@ -473,6 +571,11 @@ impl TextModel {
             logprobs: s.logprobs.map(|n| n as usize),
             scored: Vec::new(),
             scored_streamed: 0,
+            tools: request
+                .tools
+                .clone()
+                .filter(|t| t.active())
+                .map(|t| (self.tool_syntax, Box::new(t))),
         })
     }
 
@@ -661,7 +764,7 @@ impl Decoding {
         if self.finished.is_none() || self.stop.is_empty() {
             self.text = self.current_text(model)?;
         }
-        let mut end = self.text.len();
+        let mut end = self.content_end();
         if self.finished.is_none() {
             let settled = self.text.trim_end_matches('\u{fffd}').len();
             end = settled;
@@ -677,12 +780,28 @@ impl Decoding {
                 }
             }
         }
+        if let (None, Some((syntax, _))) = (self.finished, &self.tools) {
+            // Nothing that is or could become a tool call.
+            end = end.min(syntax.streamable(&self.text));
+        }
         if end <= self.streamed {
             return Ok(None);
         }
         let delta = self.text[self.streamed..end].to_string();
         self.streamed = end;
         Ok(Some(delta))
+    }
+
+    /// Where the text's content ends: all of it, or with tools offered the
+    /// text before the calls of a finished output (trailing whitespace left out).
+    fn content_end(&self) -> usize {
+        match (&self.tools, self.finished) {
+            (Some((syntax, tools)), Some(_)) => match syntax.split(&self.text, tools) {
+                Some((end, _)) => end,
+                None => self.text.trim_end().len(),
+            },
+            _ => self.text.len(),
+        }
     }
 
     /// The log-probabilities of tokens generated since the last call, as
@@ -729,12 +848,24 @@ impl Decoding {
             self.current_text(model).unwrap_or_default()
         };
         let logprobs = self.logprobs.map(|_| model.spell(&self.scored[..self.text_tokens()]));
+        let mut finish_reason = self.finished.unwrap_or(FinishReason::Length);
+        let (text, tool_calls) = match &self.tools {
+            Some((syntax, tools)) => match syntax.split(&text, tools) {
+                Some((end, calls)) => {
+                    finish_reason = FinishReason::ToolCalls;
+                    (text[..end].to_string(), calls)
+                }
+                None => (text.trim_end().to_string(), Vec::new()),
+            },
+            None => (text, Vec::new()),
+        };
         Generation {
             token_ids: self.generated().to_vec(),
             text,
-            finish_reason: self.finished.unwrap_or(FinishReason::Length),
+            finish_reason,
             prompt_tokens: self.prompt_len,
             logprobs,
+            tool_calls,
         }
     }
 }
@@ -756,6 +887,9 @@ pub struct Generation {
     /// finished it left out), when the request asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The tools it called (its text is what came before them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
 }
 
 #[cfg(test)]

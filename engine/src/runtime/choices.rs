@@ -128,6 +128,7 @@ async fn gather(
             text: output.content.text().to_string(),
             completion,
             logprobs: output.logprobs,
+            tool_calls: output.tool_calls,
         });
     }
     Ok(Some(first))

@@ -66,6 +66,7 @@ fn serve(request: ValidRequest, events: &Events) {
         completion: None,
         logprobs: None,
         choices: Vec::new(),
+        tool_calls: Vec::new(),
     };
     events.send(Event::Finished(output));
 }

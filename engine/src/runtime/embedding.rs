@@ -139,6 +139,7 @@ fn embed_request(embedder: &Embedder, request: &ValidRequest) -> Result<Output, 
         completion: None,
         logprobs: None,
         choices: Vec::new(),
+        tool_calls: Vec::new(),
     })
 }
 

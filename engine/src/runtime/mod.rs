@@ -3,7 +3,8 @@
 //! engines), the scheduler that plans each continuous-batching step, the
 //! paged KV cache with its prefix cache (`kv`), speculation, sampling, constrained decoding
 //! (`guide`), one request's decoding state (`chat`: a decoder behind its tokenizer and
-//! chat template), and a request's several choices (`choices`).
+//! chat template), a request's several choices (`choices`) and tool calls in the
+//! model family's format (`tools`).
 
 pub mod chat;
 pub mod choices;
@@ -18,3 +19,4 @@ pub mod scheduler;
 pub(crate) mod serial;
 pub mod speculative;
 pub mod text_engine;
+pub mod tools;

@@ -88,7 +88,11 @@ pub(crate) fn log_probs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<(u3
             *lane += exp_nonpositive(x - max) as f64;
         }
     }
-    let tail: f64 = chunks.remainder().iter().map(|&x| exp_nonpositive(x - max) as f64).sum();
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&x| exp_nonpositive(x - max) as f64)
+        .sum();
     let sum = lanes.iter().sum::<f64>() + tail;
     let log_z = max as f64 + sum.ln();
     let of = |x: f32| (x as f64 - log_z) as f32;

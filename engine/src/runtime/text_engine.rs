@@ -208,6 +208,7 @@ pub struct TextEngine {
     counters: Arc<Counters>,
     adapters: Option<Adapters>,
     grammars: Arc<Grammars>,
+    tool_syntax: crate::runtime::tools::ToolSyntax,
 }
 
 impl TextEngine {
@@ -226,6 +227,7 @@ impl TextEngine {
         let shared = Arc::clone(&counters);
         let shape = model.model.config().adapter_shape();
         let grammars = model.grammars();
+        let tool_syntax = model.tool_syntax();
         let thread_name = format!("lorry-engine {name}");
         let served = name.to_string();
         std::thread::Builder::new()
@@ -244,6 +246,7 @@ impl TextEngine {
             counters,
             adapters: None,
             grammars,
+            tool_syntax,
         }
     }
 
@@ -294,8 +297,8 @@ impl TextEngine {
         } = request;
         // Compiled here, on the caller's thread (cached per model), never on
         // the engine's: a new schema does not stall the batch.
-        let guide = match &input.constraint {
-            Some(constraint) => Some(self.grammars.guide(constraint)?),
+        let guide = match crate::runtime::chat::output_constraint(&input, self.tool_syntax) {
+            Some(constraint) => Some(self.grammars.guide(&constraint)?),
             None => None,
         };
         let mut job = Job {
@@ -1113,6 +1116,7 @@ fn output(decoding: Decoding, model: &TextModel) -> Output {
         }),
         logprobs: generation.logprobs,
         choices: Vec::new(),
+        tool_calls: generation.tool_calls,
     }
 }
 
