@@ -21,8 +21,11 @@ fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
 }
 
+/// A template file of `tests/data/templates` with its BOS and EOS tokens.
+type Template<'a> = (&'a str, &'a str, &'a str);
+
 /// The tiny random-weight model with `template` (and its special tokens) as its chat template; its own without.
-fn model(tag: &str, template: Option<(&str, &str, &str)>) -> TextModel {
+fn model(tag: &str, template: Option<Template>) -> TextModel {
     let dir = std::env::temp_dir().join(format!("lorry-tools-{tag}-{}", std::process::id()));
     fixtures::write(Fixture::TinyLlama, &dir).unwrap();
     if let Some((name, bos, eos)) = template {
@@ -66,7 +69,7 @@ fn conversations_with_tools_render_as_transformers_renders_them() {
         for case in family["cases"].as_array().unwrap() {
             let valid = request(json!({"messages": case["messages"], "tools": case["tools"]}));
             let rendered = model
-                .render_with(&valid.prompt, false, valid.tools.as_ref())
+                .render_with(&valid.prompt, false, valid.tools.as_deref())
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(rendered, case["text"].as_str().unwrap(), "{name}");
         }
@@ -89,7 +92,7 @@ fn a_template_without_tools_gets_them_in_a_system_message_and_the_calls_as_herme
                      {"role": "tool", "tool_call_id": "call_1", "content": "42"}],
         "tools": [{"type": "function", "function": {"name": "f", "description": "Adds"}}],
     }));
-    let text = model.render_with(&valid.prompt, false, valid.tools.as_ref()).unwrap();
+    let text = model.render_with(&valid.prompt, false, valid.tools.as_deref()).unwrap();
     assert!(text.starts_with("<|system|>\n# Tools\n"), "{text}");
     assert!(
         text.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"Adds\", \"parameters\": {\"type\": \"object\", \"properties\": {}}}}\n</tools>"),
@@ -106,7 +109,7 @@ fn a_template_without_tools_gets_them_in_a_system_message_and_the_calls_as_herme
     // tool_choice none: the tools are not shown; the conversation's calls still render.
     let mut none = valid.clone();
     none.tools.as_mut().unwrap().choice = lorry_engine::tools::ToolChoice::None;
-    let text = model.render_with(&none.prompt, false, none.tools.as_ref()).unwrap();
+    let text = model.render_with(&none.prompt, false, none.tools.as_deref()).unwrap();
     assert!(!text.contains("# Tools") && text.contains("<tool_call>"), "{text}");
 }
 
@@ -116,7 +119,7 @@ fn offered(parallel: bool) -> Tools {
         "tools": [weather(), {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}],
         "parallel_tool_calls": parallel,
     }));
-    valid.tools.unwrap()
+    *valid.tools.unwrap()
 }
 
 fn weather() -> Value {
@@ -128,6 +131,9 @@ fn weather() -> Value {
     }}})
 }
 
+/// A recorded output: its format, its text, its content and its calls as (name, arguments).
+type Case<'a> = (ToolSyntax, String, &'a str, Vec<(&'a str, Value)>);
+
 #[test]
 fn outputs_in_each_familys_format_parse_into_calls() {
     let syntax = |format| ToolSyntax { format, native: true };
@@ -136,7 +142,7 @@ fn outputs_in_each_familys_format_parse_into_calls() {
     let mistral = syntax(ToolFormat::Mistral);
     let weather_call = r#"{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}"#;
     // (syntax, output, content, calls as (name, arguments))
-    let cases: Vec<(ToolSyntax, String, &str, Vec<(&str, Value)>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             hermes,
             format!("<tool_call>\n{weather_call}\n</tool_call>"),
@@ -247,7 +253,7 @@ fn check_calls(generation_calls: &[lorry_engine::tools::ToolCall], allowed: &[&s
 
 #[test]
 fn required_and_named_tools_are_always_called_with_valid_arguments_in_every_format() {
-    let families: [(&str, Option<(&str, &str, &str)>); 4] = [
+    let families: [(&str, Option<Template>); 4] = [
         ("own", None),
         ("qwen", Some(("Qwen-Qwen2.5-7B-Instruct.jinja", "", "</s>"))),
         ("llama", Some(("meta-llama-Llama-3.1-8B-Instruct.jinja", "<s>", "</s>"))),
@@ -280,7 +286,7 @@ fn required_and_named_tools_are_always_called_with_valid_arguments_in_every_form
                 assert_eq!(generation.finish_reason, FinishReason::ToolCalls, "{what}");
                 assert_eq!(generation.text, "", "{what}");
                 assert_eq!(generation.tool_calls.len(), 1, "{what}");
-                check_calls(&generation.tool_calls, &allowed, valid.tools.as_ref().unwrap(), &what);
+                check_calls(&generation.tool_calls, &allowed, valid.tools.as_deref().unwrap(), &what);
                 // Parallel calls: the grammar takes one call after another until the model ends
                 // them (a random model seldom does) or max_tokens cuts the last, whose text is
                 // then the answer, its finish reason `length`.
@@ -291,7 +297,7 @@ fn required_and_named_tools_are_always_called_with_valid_arguments_in_every_form
                 let what = format!("{tag} seed {seed} {choice} parallel: {generation:?}");
                 match generation.finish_reason {
                     FinishReason::ToolCalls => {
-                        check_calls(&generation.tool_calls, &allowed, valid.tools.as_ref().unwrap(), &what)
+                        check_calls(&generation.tool_calls, &allowed, valid.tools.as_deref().unwrap(), &what)
                     }
                     FinishReason::Length => assert!(generation.tool_calls.is_empty(), "{what}"),
                     FinishReason::Stop => panic!("{what}"),

@@ -325,7 +325,7 @@ pub struct ValidRequest {
     pub constraint: Option<Constraint>,
     /// The functions the model may call (chat).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tools: Option<Tools>,
+    pub tools: Option<Box<Tools>>,
 }
 
 impl Sampling {
@@ -441,7 +441,7 @@ impl ValidRequest {
             sampling,
             pooling: None,
             constraint,
-            tools,
+            tools: tools.map(Box::new),
         })
     }
 

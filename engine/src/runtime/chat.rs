@@ -523,7 +523,7 @@ impl TextModel {
                 ids.clone()
             }
             _ => self
-                .prompt_ids_with(&request.prompt, request.raw, request.tools.as_ref())
+                .prompt_ids_with(&request.prompt, request.raw, request.tools.as_deref())
                 .map_err(|e| {
                     EngineError::Input(InputError::new(ErrorCode::TemplateError, "messages", e.to_string()))
                 })?,
@@ -575,7 +575,7 @@ impl TextModel {
                 .tools
                 .clone()
                 .filter(|t| t.active())
-                .map(|t| (self.tool_syntax, Box::new(t))),
+                .map(|t| (self.tool_syntax, t)),
         })
     }
 
