@@ -37,11 +37,13 @@ pub struct GenerateArgs {
     pub adapter: Vec<String>,
     /// JSONL: `{"id", "prompt" | "messages", "raw", "adapter", "max_tokens", "temperature",
     /// "top_p", "top_k", "seed", "stop", "ignore_eos", "response_format" | "guided_json" | "guided_regex" |
-    /// "guided_choice" | "guided_grammar" | "structured_outputs", "logprobs", "top_logprobs", "n"}` per line.
+    /// "guided_choice" | "guided_grammar" | "structured_outputs", "logprobs", "top_logprobs", "n", "tools",
+    /// "tool_choice", "parallel_tool_calls"}` per line.
     #[arg(long)]
     pub input: PathBuf,
-    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage", "logprobs"?, "choices"?}` per line, in
-    /// input order (`choices`: every choice of a line with `n` > 1, the first being the line's own fields).
+    /// JSONL: `{"id", "token_ids", "text", "finish_reason", "usage", "logprobs"?, "tool_calls"?, "choices"?}` per
+    /// line, in input order (`tool_calls`: `[{"id", "name", "arguments"}]`; `choices`: every choice of a line
+    /// with `n` > 1, the first being the line's own fields).
     #[arg(long)]
     pub output: PathBuf,
     #[command(flatten)]
