@@ -77,6 +77,49 @@ fn conversations_with_tools_render_as_transformers_renders_them() {
 }
 
 #[test]
+fn a_tool_use_template_renders_requests_that_show_tools_as_transformers_picks_it() {
+    // Hermes models list a default template and a `tool_use` one in tokenizer_config.json.
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(data("tools-reference.json")).unwrap()).unwrap();
+    let hermes = &reference["families"][1];
+    assert_eq!(hermes["template"], "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja");
+    let dir = std::env::temp_dir().join(format!("lorry-tools-named-{}", std::process::id()));
+    fixtures::write(Fixture::TinyLlama, &dir).unwrap();
+    let path = dir.join("tokenizer_config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let tool_use = std::fs::read_to_string(data("templates").join(hermes["template"].as_str().unwrap())).unwrap();
+    config["chat_template"] = json!([
+        {"name": "default", "template": config["chat_template"]},
+        {"name": "tool_use", "template": tool_use},
+    ]);
+    config["bos_token"] = hermes["bos_token"].clone();
+    config["eos_token"] = hermes["eos_token"].clone();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let model = TextModel::from_dir(&dir, &Device::Cpu).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let templates = model.tool_templates();
+    assert!(!templates.chat.native);
+    assert_eq!(
+        templates.tool_use,
+        Some(ToolSyntax {
+            format: ToolFormat::Hermes,
+            native: true
+        })
+    );
+    for case in hermes["cases"].as_array().unwrap() {
+        let valid = request(json!({"messages": case["messages"], "tools": case["tools"]}));
+        let rendered = model.render_with(&valid.prompt, false, valid.tools.as_deref()).unwrap();
+        assert_eq!(rendered, case["text"].as_str().unwrap());
+    }
+    // Without tools shown, the default template.
+    let plain = request(json!({"messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(
+        model.render_with(&plain.prompt, false, None).unwrap(),
+        "<|user|>\nhi</s>\n<|assistant|>\n"
+    );
+}
+
+#[test]
 fn a_template_without_tools_gets_them_in_a_system_message_and_the_calls_as_hermes_text() {
     let model = model("fallback", None);
     assert_eq!(

@@ -29,7 +29,7 @@ use crate::models::llama::{Llama, Products};
 use crate::models::ModelError;
 use crate::runtime::guide::{Grammars, Guide};
 use crate::runtime::sampling::{Sampler, SamplingParams};
-use crate::runtime::tools::ToolSyntax;
+use crate::runtime::tools::{ToolSyntax, ToolTemplates};
 use crate::EngineError;
 use crate::ErrorCode;
 
@@ -49,8 +49,8 @@ pub struct TextModel {
     defaults: GenerationDefaults,
     /// Constrained decoding's compiler and recent grammars, shared by clones.
     grammars: Arc<Grammars>,
-    /// How the model's family writes tool calls, from its template.
-    tool_syntax: ToolSyntax,
+    /// How the model's family writes tool calls, from its templates.
+    tool_templates: ToolTemplates,
 }
 
 /// Sampling defaults a checkpoint ships (`generation_config.json`), for
@@ -122,6 +122,17 @@ fn config_template(config: &Value) -> Option<String> {
     }
 }
 
+/// The template named `tool_use` of `tokenizer_config.json`'s list, which
+/// transformers renders instead of the default when tools are given.
+fn config_tool_template(config: &Value) -> Option<String> {
+    config["chat_template"]
+        .as_array()?
+        .iter()
+        .find(|t| t["name"] == "tool_use")
+        .and_then(|t| t["template"].as_str())
+        .map(str::to_string)
+}
+
 /// `eos_token_id` of `generation_config.json`: an id or a list of ids.
 fn generation_eos(config: &Value) -> Vec<u32> {
     match &config["eos_token_id"] {
@@ -152,12 +163,14 @@ impl TextModel {
         let file = crate::models::gguf::GgufFile::open(path)?;
         // The tokenizer first: a file without one fails before its weights are read.
         let (tokenizer, specials) = crate::models::vocab::from_gguf(&file)?;
-        let source = match file.get("tokenizer.chat_template") {
+        let text = |key: &str| match file.get(key) {
             Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(t.clone()),
             _ => None,
         };
-        let tool_syntax = ToolSyntax::detect(source.as_deref());
-        let template = source.map(compile).transpose()?;
+        let (template, tool_templates) = templates(
+            text("tokenizer.chat_template"),
+            text("tokenizer.chat_template.tool_use"),
+        )?;
         let model = Llama::from_gguf(&file, device, products)?;
         let grammars = Grammars::new(tokenizer.clone(), specials.stop_ids.clone(), model.config().vocab_size);
         Ok(TextModel {
@@ -169,7 +182,7 @@ impl TextModel {
             stop_ids: specials.stop_ids,
             defaults: GenerationDefaults::default(),
             grammars: Arc::new(grammars),
-            tool_syntax,
+            tool_templates,
         })
     }
 
@@ -198,8 +211,7 @@ impl TextModel {
             Ok(source) => Some(source),
             Err(_) => config_template(&config),
         };
-        let tool_syntax = ToolSyntax::detect(template.as_deref());
-        let template = template.map(compile).transpose()?;
+        let (template, tool_templates) = templates(template, config_tool_template(&config))?;
         let eos_token = token_text(&config, "eos_token");
         let bos_token = token_text(&config, "bos_token");
         let mut stop_ids: Vec<u32> = tokenizer.token_to_id(&eos_token).into_iter().collect();
@@ -219,13 +231,18 @@ impl TextModel {
             stop_ids,
             defaults,
             grammars: Arc::new(grammars),
-            tool_syntax,
+            tool_templates,
         })
     }
 
-    /// How the model's family writes tool calls.
+    /// How the model's family writes tool calls (its chat template's format).
     pub fn tool_syntax(&self) -> ToolSyntax {
-        self.tool_syntax
+        self.tool_templates.chat
+    }
+
+    /// The model's tool formats, its `tool_use` template's included.
+    pub fn tool_templates(&self) -> ToolTemplates {
+        self.tool_templates
     }
 
     /// The model's grammar compiler (constrained decoding), shared by its clones.
@@ -334,10 +351,16 @@ impl TextModel {
             (Prompt::Messages(m), false, Some(_)) => m.clone(),
             (Prompt::Text(t) | Prompt::Plain(t), false, Some(_)) => vec![Message::text("user", t.clone())],
         };
-        let messages = self.tool_syntax.messages(&messages, tools);
-        let tools = self.tool_syntax.template_tools(tools);
+        let syntax = self.tool_templates.syntax(tools);
+        let name = if self.tool_templates.uses_tool_template(tools) {
+            "tool_use"
+        } else {
+            "chat"
+        };
+        let messages = syntax.messages(&messages, tools);
+        let tools = syntax.template_tools(tools);
         let env = self.template.as_ref().expect("matched Some above");
-        let template = env.get_template("chat").map_err(|e| config_error("chat template", e))?;
+        let template = env.get_template(name).map_err(|e| config_error("chat template", e))?;
         template
             .render(context! {
                 messages => messages,
@@ -364,6 +387,32 @@ impl TextModel {
             .decode(ids, true)
             .map_err(|e| config_error("decoding", e))
     }
+}
+
+/// The chat template (and a `tool_use` one) compiled, with their tool formats.
+fn templates(
+    chat: Option<String>,
+    tool_use: Option<String>,
+) -> Result<(Option<Environment<'static>>, ToolTemplates), ModelError> {
+    let tool_templates = ToolTemplates {
+        chat: ToolSyntax::detect(chat.as_deref()),
+        tool_use: tool_use
+            .as_deref()
+            .filter(|_| chat.is_some())
+            .map(|t| ToolSyntax::detect(Some(t))),
+    };
+    let env = match chat {
+        Some(source) => {
+            let mut env = compile(source)?;
+            if let Some(source) = tool_use {
+                env.add_template_owned("tool_use", source)
+                    .map_err(|e| config_error("tool_use chat template", e))?;
+            }
+            Some(env)
+        }
+        None => None,
+    };
+    Ok((env, tool_templates))
 }
 
 fn compile(source: String) -> Result<Environment<'static>, ModelError> {
@@ -482,7 +531,10 @@ struct Scored {
 
 /// What a request's output must match: its structured output's format, or
 /// for `tool_choice` `required` or a named function, calls in the model's format.
-pub(crate) fn output_constraint(request: &crate::ValidRequest, syntax: ToolSyntax) -> Option<Cow<'_, Constraint>> {
+pub(crate) fn output_constraint(
+    request: &crate::ValidRequest,
+    templates: ToolTemplates,
+) -> Option<Cow<'_, Constraint>> {
     if let Some(constraint) = &request.constraint {
         return Some(Cow::Borrowed(constraint));
     }
@@ -490,14 +542,14 @@ pub(crate) fn output_constraint(request: &crate::ValidRequest, syntax: ToolSynta
         .tools
         .as_ref()
         .filter(|t| t.forced())
-        .map(|t| Cow::Owned(syntax.grammar(t)))
+        .map(|t| Cow::Owned(templates.syntax(Some(t)).grammar(t)))
 }
 
 impl TextModel {
     /// Render and tokenise a request and set up its decoding, within `context`
     /// tokens in all (prompt and generated).
     pub fn start(&self, request: &crate::ValidRequest, context: usize) -> Result<Decoding, EngineError> {
-        let guide = output_constraint(request, self.tool_syntax)
+        let guide = output_constraint(request, self.tool_templates)
             .map(|c| self.grammars.guide(&c))
             .transpose()?;
         self.start_guided(request, context, guide)
@@ -575,7 +627,7 @@ impl TextModel {
                 .tools
                 .clone()
                 .filter(|t| t.active())
-                .map(|t| (self.tool_syntax, t)),
+                .map(|t| (self.tool_templates.syntax(Some(&*t)), t)),
         })
     }
 

@@ -208,7 +208,7 @@ pub struct TextEngine {
     counters: Arc<Counters>,
     adapters: Option<Adapters>,
     grammars: Arc<Grammars>,
-    tool_syntax: crate::runtime::tools::ToolSyntax,
+    tool_templates: crate::runtime::tools::ToolTemplates,
 }
 
 impl TextEngine {
@@ -227,7 +227,7 @@ impl TextEngine {
         let shared = Arc::clone(&counters);
         let shape = model.model.config().adapter_shape();
         let grammars = model.grammars();
-        let tool_syntax = model.tool_syntax();
+        let tool_templates = model.tool_templates();
         let thread_name = format!("lorry-engine {name}");
         let served = name.to_string();
         std::thread::Builder::new()
@@ -246,7 +246,7 @@ impl TextEngine {
             counters,
             adapters: None,
             grammars,
-            tool_syntax,
+            tool_templates,
         }
     }
 
@@ -297,7 +297,7 @@ impl TextEngine {
         } = request;
         // Compiled here, on the caller's thread (cached per model), never on
         // the engine's: a new schema does not stall the batch.
-        let guide = match crate::runtime::chat::output_constraint(&input, self.tool_syntax) {
+        let guide = match crate::runtime::chat::output_constraint(&input, self.tool_templates) {
             Some(constraint) => Some(self.grammars.guide(&constraint)?),
             None => None,
         };

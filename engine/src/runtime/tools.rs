@@ -43,6 +43,32 @@ pub struct ToolSyntax {
     pub native: bool,
 }
 
+/// A model's tool formats: its chat template's, and that of its `tool_use`
+/// template where it ships one (Hermes models do), which is rendered instead
+/// when a request shows the model tools, as transformers does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolTemplates {
+    /// The chat template's.
+    pub chat: ToolSyntax,
+    /// The `tool_use` template's, where there is one.
+    pub tool_use: Option<ToolSyntax>,
+}
+
+impl ToolTemplates {
+    /// Whether a request offering `tools` renders with the `tool_use` template.
+    pub fn uses_tool_template(&self, tools: Option<&Tools>) -> bool {
+        self.tool_use.is_some() && tools.is_some_and(Tools::active)
+    }
+
+    /// The format a request offering `tools` is rendered and read in.
+    pub fn syntax(&self, tools: Option<&Tools>) -> ToolSyntax {
+        match self.tool_use {
+            Some(syntax) if self.uses_tool_template(tools) => syntax,
+            _ => self.chat,
+        }
+    }
+}
+
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
