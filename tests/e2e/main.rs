@@ -22,6 +22,7 @@ mod realtime;
 mod retention;
 mod sdk;
 mod structured;
+mod tools;
 mod traces;
 mod webhooks;
 mod workers_ai;

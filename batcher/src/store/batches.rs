@@ -372,13 +372,14 @@ async fn insert_requests(tx: &mut Transaction<'_, Postgres>, new: &NewBatch) -> 
         let first = (chunk_no * 5_000) as i32;
         let idx: Vec<i32> = (first..first + chunk.len() as i32).collect();
         let custom_ids: Vec<Option<&str>> = chunk.iter().map(|r| r.custom_id.as_deref()).collect();
-        let requests: Vec<Value> = chunk
+        // Sent as text and cast to `json`, so that objects keep their keys' order (see migration 0012).
+        let requests: Vec<String> = chunk
             .iter()
-            .map(|r| serde_json::to_value(&r.request))
+            .map(|r| serde_json::to_string(&r.request))
             .collect::<std::result::Result<_, _>>()?;
         sqlx::query(
             "INSERT INTO requests (batch_id, idx, custom_id, request)
-             SELECT $1, * FROM UNNEST($2::int[], $3::text[], $4::jsonb[])",
+             SELECT $1, i, c, r::json FROM UNNEST($2::int[], $3::text[], $4::text[]) AS t(i, c, r)",
         )
         .bind(new.id.as_str())
         .bind(&idx)
