@@ -6,18 +6,10 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::common::spawn_app;
-use crate::openai::{jsonl, upload};
+use crate::common::{spawn_app, sse_json};
+use crate::openai::run_batch_file;
 
 const LLAMA: &str = "@lorry/demo-llama";
-
-fn sse_json(text: &str) -> Vec<Value> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
 
 #[tokio::test]
 async fn several_choices_come_back_whole_streamed_and_from_batches() {
@@ -111,34 +103,7 @@ async fn several_choices_come_back_whole_streamed_and_from_batches() {
 
     // A batch file's line, answered as the chat route answers.
     let line = json!({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat});
-    let file: Value = upload(&app, "choices.jsonl", jsonl(&[line]))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let created: Value = app
-        .post(
-            "/v1/batches",
-            &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
-    let ended = app
-        .wait_until_ended(created["id"].as_str().unwrap(), Duration::from_secs(120))
-        .await;
-    assert_eq!(ended["status"], "completed", "{ended}");
-    let output = app
-        .get(&format!(
-            "/v1/files/{}/content",
-            ended["output_file_id"].as_str().unwrap()
-        ))
-        .await
-        .text()
-        .await
-        .unwrap();
-    let answer: Value = serde_json::from_str(output.lines().next().unwrap()).unwrap();
+    let answer = run_batch_file(&app, "choices.jsonl", &[line]).await.remove(0);
     let from_file: Vec<&str> = answer["response"]["body"]["choices"]
         .as_array()
         .unwrap()

@@ -70,6 +70,15 @@ pub async fn isolated_settings_on(base: &str) -> Settings {
     settings
 }
 
+/// The JSON of each `data:` event of a server-sent stream, `[DONE]` left out.
+pub fn sse_json(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 /// The entry for `id` in a `GET /v1/models` answer.
 pub fn listed_model(models: &Value, id: &str) -> Value {
     models["data"]

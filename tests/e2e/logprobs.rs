@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::common::spawn_app;
-use crate::openai::{jsonl, upload};
+use crate::common::{spawn_app, sse_json};
+use crate::openai::run_batch_file;
 
 const LLAMA: &str = "@lorry/demo-llama";
 
@@ -36,14 +36,6 @@ fn check_items(items: &[Value], top: usize) {
             assert!(*best >= logprob - 1e-6, "{item}");
         }
     }
-}
-
-fn sse_json(text: &str) -> Vec<Value> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
 }
 
 #[tokio::test]
@@ -139,34 +131,7 @@ async fn batch_items_and_batch_files_keep_their_logprobs() {
     let line = json!({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
                       "body": {"model": LLAMA, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 6,
                                "ignore_eos": true, "logprobs": true, "top_logprobs": 2}});
-    let file: Value = upload(&app, "logprobs.jsonl", jsonl(&[line]))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let created: Value = app
-        .post(
-            "/v1/batches",
-            &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
-    let ended = app
-        .wait_until_ended(created["id"].as_str().unwrap(), Duration::from_secs(120))
-        .await;
-    assert_eq!(ended["status"], "completed", "{ended}");
-    let output = app
-        .get(&format!(
-            "/v1/files/{}/content",
-            ended["output_file_id"].as_str().unwrap()
-        ))
-        .await
-        .text()
-        .await
-        .unwrap();
-    let answer: Value = serde_json::from_str(output.lines().next().unwrap()).unwrap();
+    let answer = run_batch_file(&app, "logprobs.jsonl", &[line]).await.remove(0);
     let content = &answer["response"]["body"]["choices"][0]["logprobs"]["content"];
     assert_eq!(content.as_array().unwrap(), &items, "{answer}");
     app.stop().await;

@@ -389,6 +389,34 @@ pub(crate) fn jsonl(lines: &[Value]) -> Vec<u8> {
     lines.iter().map(|l| format!("{l}\n")).collect::<String>().into_bytes()
 }
 
+/// Run `lines` as a `/v1/chat/completions` batch file until it completes; its output file's lines.
+pub(crate) async fn run_batch_file(app: &TestApp, name: &str, lines: &[Value]) -> Vec<Value> {
+    let file: Value = upload(app, name, jsonl(lines)).await.json().await.unwrap();
+    let created: Value = app
+        .post(
+            "/v1/batches",
+            &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let ended = app
+        .wait_until_ended(created["id"].as_str().unwrap(), Duration::from_secs(120))
+        .await;
+    assert_eq!(ended["status"], "completed", "{ended}");
+    let output = app
+        .get(&format!(
+            "/v1/files/{}/content",
+            ended["output_file_id"].as_str().unwrap()
+        ))
+        .await
+        .text()
+        .await
+        .unwrap();
+    output.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 #[tokio::test]
 async fn files_and_batches_run_to_completion_with_openai_output_files() {
     let app = spawn_app().await;

@@ -7,19 +7,11 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::common::spawn_app;
-use crate::openai::{jsonl, upload};
+use crate::common::{spawn_app, sse_json};
+use crate::openai::run_batch_file;
 
 const LLAMA: &str = "@lorry/demo-llama";
 const RUN: &str = "/client/v4/accounts/default/ai/run";
-
-fn sse_json(text: &str) -> Vec<Value> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
 
 /// A call's name and arguments in Workers AI's shape (`arguments` an object).
 fn call_of(call: &Value) -> (String, Value) {
@@ -85,30 +77,7 @@ async fn a_required_call_comes_back_in_every_shape_and_lane() {
     chat["model"] = json!(LLAMA);
     chat["tools"] = json!([{"type": "function", "function": tools[0]}]);
     let line = json!({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat});
-    let file: Value = upload(&app, "tools.jsonl", jsonl(&[line])).await.json().await.unwrap();
-    let created: Value = app
-        .post(
-            "/v1/batches",
-            &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
-    let ended = app
-        .wait_until_ended(created["id"].as_str().unwrap(), Duration::from_secs(120))
-        .await;
-    assert_eq!(ended["status"], "completed", "{ended}");
-    let output = app
-        .get(&format!(
-            "/v1/files/{}/content",
-            ended["output_file_id"].as_str().unwrap()
-        ))
-        .await
-        .text()
-        .await
-        .unwrap();
-    let answer: Value = serde_json::from_str(output.lines().next().unwrap()).unwrap();
+    let answer = run_batch_file(&app, "tools.jsonl", &[line]).await.remove(0);
     let choice = &answer["response"]["body"]["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
     assert_eq!(choice["message"]["content"], Value::Null, "{answer}");
