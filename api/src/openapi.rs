@@ -334,6 +334,10 @@ pub struct NativeBatch {
     /// Among the account's own batches, higher goes out first (-10 to 10; 0).
     #[schema(minimum = -10, maximum = 10)]
     priority: Option<i16>,
+    /// OpenAI's tier names for `priority`: `auto` and `default` 0, `flex` -5,
+    /// `priority` 5; not together with `priority`.
+    #[schema(pattern = "^(auto|default|flex|priority)$")]
+    service_tier: Option<String>,
 }
 
 /// OpenAI's `expires_after`.
@@ -364,6 +368,10 @@ pub struct FileBatch {
     /// Among the account's own batches, higher goes out first (-10 to 10; 0).
     #[schema(minimum = -10, maximum = 10)]
     priority: Option<i16>,
+    /// OpenAI's tier names for `priority`: `auto` and `default` 0, `flex` -5,
+    /// `priority` 5; not together with `priority`.
+    #[schema(pattern = "^(auto|default|flex|priority)$")]
+    service_tier: Option<String>,
     /// The lifetime of its output and error files.
     output_expires_after: Option<ExpiresAfter>,
 }

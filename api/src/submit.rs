@@ -63,11 +63,24 @@ pub struct Options {
 /// The lowest and highest batch `priority`.
 pub const PRIORITY: std::ops::RangeInclusive<i16> = -10..=10;
 
-/// The optional `priority`: an integer from -10 to 10, 0 by default.
+/// OpenAI's `service_tier` names, as batch priorities: `flex` waits behind the
+/// account's other batches, `priority` goes ahead of them.
+pub const SERVICE_TIERS: [(&str, i16); 4] = [("auto", 0), ("default", 0), ("flex", -5), ("priority", 5)];
+
+/// The optional `priority` (an integer from -10 to 10) or `service_tier` (one
+/// of [`SERVICE_TIERS`]' names); 0 by default, both together refused.
 pub fn priority(fields: &mut Fields<'_>) -> Result<i16, ApiError> {
+    let tier = fields.raw("service_tier");
     let Some(raw) = fields.raw("priority") else {
-        return Ok(0);
+        return tier.map_or(Ok(0), service_tier);
     };
+    if tier.is_some() {
+        return Err(ApiError::invalid(
+            ErrorCode::ConflictingFields,
+            "service_tier",
+            "give priority or service_tier, not both",
+        ));
+    }
     let out_of_range = || {
         ApiError::invalid(
             ErrorCode::OutOfRange,
@@ -86,6 +99,35 @@ pub fn priority(fields: &mut Fields<'_>) -> Result<i16, ApiError> {
         .ok()
         .filter(|p| PRIORITY.contains(p))
         .ok_or_else(out_of_range)
+}
+
+/// A `service_tier` name's priority.
+fn service_tier(raw: &Value) -> Result<i16, ApiError> {
+    let names = || {
+        SERVICE_TIERS
+            .iter()
+            .map(|(name, _)| format!("\"{name}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let name = raw.as_str().ok_or_else(|| {
+        ApiError::invalid(
+            ErrorCode::InvalidType,
+            "service_tier",
+            format!("service_tier must be one of {}", names()),
+        )
+    })?;
+    SERVICE_TIERS
+        .iter()
+        .find(|(tier, _)| *tier == name)
+        .map(|&(_, priority)| priority)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                ErrorCode::InvalidValue,
+                "service_tier",
+                format!("service_tier must be one of {}", names()),
+            )
+        })
 }
 
 /// Look a model up, or refuse with 404 naming `param`.

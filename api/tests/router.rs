@@ -279,6 +279,31 @@ async fn every_class_of_bad_input_is_refused_with_its_code_and_field_and_nothing
             "priority",
         ),
         (
+            "unknown service tier",
+            json_body(with(batch(one.clone()), "service_tier", json!("scale"))),
+            StatusCode::BAD_REQUEST,
+            "invalid_value",
+            "service_tier",
+        ),
+        (
+            "service tier not a string",
+            json_body(with(batch(one.clone()), "service_tier", json!(5))),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+            "service_tier",
+        ),
+        (
+            "priority and service tier both",
+            json_body(with(
+                with(batch(one.clone()), "priority", json!(1)),
+                "service_tier",
+                json!("flex"),
+            )),
+            StatusCode::BAD_REQUEST,
+            "conflicting_fields",
+            "service_tier",
+        ),
+        (
             "bad metadata",
             json_body(with(batch(one.clone()), "metadata", json!({"n": 1}))),
             StatusCode::BAD_REQUEST,
@@ -510,6 +535,41 @@ async fn a_batch_is_written_with_one_outbox_message_per_chunk(pool: PgPool) {
             .await
             .unwrap();
     assert_eq!(ranges, vec![(0, 64), (64, 128), (128, 130)]);
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn openai_service_tier_names_set_the_batch_priority(pool: PgPool) {
+    let state = state(pool.clone()).await;
+    let one = json!([{"body": {"prompt": "p"}}]);
+    for (tier, priority) in [
+        (None, 0),
+        (Some("auto"), 0),
+        (Some("default"), 0),
+        (Some("flex"), -5),
+        (Some("priority"), 5),
+    ] {
+        let mut body = batch(one.clone());
+        if let Some(tier) = tier {
+            body = with(body, "service_tier", json!(tier));
+        }
+        let (status, created) = call(
+            &state,
+            "POST",
+            "/v1/batches",
+            Some(TOKEN),
+            serde_json::to_vec(&body).unwrap(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{tier:?}: {created}");
+        assert_eq!(created["priority"], priority, "{tier:?}: {created}");
+        let id = created["id"].as_str().unwrap();
+        let stored: i16 = sqlx::query_scalar("SELECT priority FROM batches WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(stored, priority, "{tier:?}");
+    }
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
