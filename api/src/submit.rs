@@ -375,6 +375,7 @@ pub async fn create(state: &AppState, account: &Account, new: NewBatch) -> Resul
             model: new.model.clone(),
             start,
             end: (start + chunk).min(total),
+            behind: 0,
         };
         outbox.push(OutboxMessage {
             exchange: String::new(),

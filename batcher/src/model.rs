@@ -379,6 +379,16 @@ pub struct Chunk {
     pub start: i32,
     /// Last request index, exclusive.
     pub end: i32,
+    /// Chunks of the same account's still held back for dispatch on its lane
+    /// when this one was published (the fair dispatch stamps it): the engine
+    /// counts them in the account's backlog, so that an account whose whole
+    /// batch is in the workers is told from one draining a large batch.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub behind: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

@@ -79,8 +79,13 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
     listener.listen(OUTBOX_CHANNEL).await?;
     loop {
         drain(store, &publisher, config.batch_size).await?;
-        let holding = dispatch(store, &publisher, config.dispatch_depth).await?;
-        let sleep = if holding { config.dispatch_poll } else { config.poll };
+        let sleep = match dispatch(store, &publisher, config.dispatch_depth).await? {
+            // Workers take what goes ahead at once: top it up again soon,
+            // rather than on the next ack.
+            Dispatched { went_ahead: true, .. } => AHEAD_POLL.min(config.dispatch_poll),
+            Dispatched { holding: true, .. } => config.dispatch_poll,
+            Dispatched { holding: false, .. } => config.poll,
+        };
         tokio::select! {
             _ = stop.cancelled() => return Ok(()),
             notified = listener.recv() => { notified?; }
@@ -89,11 +94,24 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
     }
 }
 
+/// How soon a relay tops up again after a round that had room in a queue
+/// ahead and published there.
+const AHEAD_POLL: Duration = Duration::from_millis(10);
+
+/// What a round of [`dispatch`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dispatched {
+    /// Chunks were held on some lane.
+    pub holding: bool,
+    /// A lane's queue ahead had room and chunks were published.
+    pub went_ahead: bool,
+}
+
 /// Top up every batch queue whose chunks are held, and its queue ahead, to
-/// `depth` ready messages each, by account (`Store::dispatch_fair`); returns
-/// whether chunks are still held.
-pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<bool, BatcherError> {
+/// `depth` ready messages each, by account (`Store::dispatch_fair`).
+pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Result<Dispatched, BatcherError> {
     let lanes = store.held_lanes().await?;
+    let mut went_ahead = false;
     for (lane, accounts) in &lanes {
         let room = |ready: u32| depth.saturating_sub(ready) as usize;
         // Only an account behind another that still holds chunks goes ahead.
@@ -106,15 +124,19 @@ pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Resul
             ahead,
             queue_depth: depth as usize,
         };
-        store
+        let sent = store
             .dispatch_fair(
                 lane,
                 room,
                 |messages| async move { publisher.publish_all(&messages).await },
             )
             .await?;
+        went_ahead |= room.ahead > 0 && sent > 0;
     }
-    Ok(!lanes.is_empty())
+    Ok(Dispatched {
+        holding: !lanes.is_empty(),
+        went_ahead,
+    })
 }
 
 /// Messages ready in `queue` (a passive declare).

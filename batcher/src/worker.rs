@@ -147,6 +147,9 @@ impl Worker {
         let mut ready = Vec::new();
         let mut running: FuturesUnordered<Running> = FuturesUnordered::new();
         let mut records = Records::default();
+        // The account's requests still held back by the dispatch, for the
+        // engine's share by account.
+        let backlog = chunk.behind as usize * (chunk.end - chunk.start).max(0) as usize;
         for Claimed { index, input, .. } in claimed {
             let request = match input {
                 ClaimedInput::Valid(request) => request,
@@ -172,7 +175,7 @@ impl Worker {
                 .engine_request(&chunk.account_id, request, Lane::Batch, &mut records)
                 .await?
             {
-                Ok(request) => request,
+                Ok(request) => request.with_backlog(backlog),
                 Err(e) => {
                     ready.push(outcome(index, Err(e)));
                     continue;

@@ -136,6 +136,7 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         model: "@lorry/echo".into(),
         start,
         end: start + 1,
+        behind: 0,
     };
     let dispatch = |room: usize| {
         let store = store.clone();
@@ -156,12 +157,14 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
                     (
                         m.payload["account_id"].as_str().unwrap().to_string(),
                         m.payload["start"].as_i64().unwrap(),
+                        m.payload["behind"].as_i64().unwrap(),
                     )
                 })
                 .collect::<Vec<_>>()
         }
     };
-    let expect = |v: &[(&str, i64)]| v.iter().map(|(a, i)| (a.to_string(), *i)).collect::<Vec<_>>();
+    // (account, chunk, the account's chunks still held behind it).
+    let expect = |v: &[(&str, i64, i64)]| v.iter().map(|(a, i, b)| (a.to_string(), *i, *b)).collect::<Vec<_>>();
     // acct's large batch: three chunks go out while it is alone.
     let large = BatchId::generate();
     store
@@ -171,7 +174,10 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         )
         .await
         .unwrap();
-    assert_eq!(dispatch(3).await, expect(&[("acct", 0), ("acct", 1), ("acct", 2)]));
+    assert_eq!(
+        dispatch(3).await,
+        expect(&[("acct", 0, 5), ("acct", 1, 4), ("acct", 2, 3)])
+    );
     // other arrives behind it: with none in flight against acct's three, it
     // takes the next places.
     let small = BatchId::generate();
@@ -183,17 +189,17 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         .unwrap();
     // Two accounts hold chunks on the lane now: the relay looks at its queue ahead.
     assert_eq!(store.held_lanes().await.unwrap(), vec![("lane".to_string(), 2)]);
-    assert_eq!(dispatch(1).await, expect(&[("other", 0)]));
-    assert_eq!(dispatch(1).await, expect(&[("other", 1)]));
+    assert_eq!(dispatch(1).await, expect(&[("other", 0, 2)]));
+    assert_eq!(dispatch(1).await, expect(&[("other", 1, 1)]));
     // acct's three are served (one reported twice, as a redelivered chunk
     // would be): acct now has none in flight against other's two.
     for start in [0, 1, 2, 2] {
         store.chunk_done(&chunk(&large, "acct", start)).await.unwrap();
     }
-    assert_eq!(dispatch(2).await, expect(&[("acct", 3), ("acct", 4)]));
+    assert_eq!(dispatch(2).await, expect(&[("acct", 3, 2), ("acct", 4, 1)]));
     // Two each: other's turn is older.
-    assert_eq!(dispatch(1).await, expect(&[("other", 2)]));
-    assert_eq!(dispatch(5).await, expect(&[("acct", 5)]));
+    assert_eq!(dispatch(1).await, expect(&[("other", 2, 0)]));
+    assert_eq!(dispatch(5).await, expect(&[("acct", 5, 0)]));
     assert!(dispatch(1).await.is_empty());
 }
 
@@ -242,6 +248,7 @@ fn chunk(id: &BatchId, start: i32, end: i32) -> Chunk {
         model: "@lorry/echo".into(),
         start,
         end,
+        behind: 0,
     }
 }
 

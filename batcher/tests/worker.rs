@@ -188,6 +188,7 @@ impl Setup {
             model: MODEL.into(),
             start: 0,
             end: self.total,
+            behind: 0,
         }
     }
 

@@ -191,10 +191,15 @@ pub struct Request {
     /// Whose share of the engine the request counts against (an account):
     /// when several accounts' batch sequences wait, the account with the
     /// fewest running is admitted first (an account with a smaller backlog
-    /// in the engine than the largest counts its running ones at half), so
-    /// one account's many queued requests do not hold up another's. `None`
-    /// is an account of its own.
+    /// than the largest counts its running ones at half), so one account's
+    /// many queued requests do not hold up another's. `None` is an account
+    /// of its own.
     pub account: Option<String>,
+    /// Requests of the same account held elsewhere, not yet handed to this
+    /// engine (a dispatcher's backlog): counted in the account's backlog
+    /// beside those running and waiting here, the latest figure an
+    /// account's request brought standing for the account.
+    pub backlog: usize,
     /// The span the request's work belongs to: an engine records its
     /// sequence under it, and each step the sequence took part in.
     pub span: tracing::Span,
@@ -209,6 +214,7 @@ impl Request {
             adapter: None,
             cache_partition: None,
             account: None,
+            backlog: 0,
             span: tracing::Span::none(),
         }
     }
@@ -234,6 +240,11 @@ impl Request {
     /// The same request, counted against `account`'s share of the engine.
     pub fn for_account(self, account: Option<String>) -> Self {
         Request { account, ..self }
+    }
+
+    /// The same request, with `backlog` of its account's requests held elsewhere ([`Request::backlog`]).
+    pub fn with_backlog(self, backlog: usize) -> Self {
+        Request { backlog, ..self }
     }
 
     /// The refusal a backend that serves no adapters gives a request that

@@ -194,11 +194,12 @@ impl Store {
     /// a lane at a time (others find it locked and skip it); returns how
     /// many went out.
     ///
-    /// An account more than `room.queue_depth` chunks in flight behind
+    /// An account at least `room.queue_depth` chunks in flight behind
     /// another goes to the lane's queue ahead ([`crate::broker::ahead_queue`])
-    /// instead, up to `room.ahead` chunks: workers consume it beside the lane's
-    /// queue, so its chunks wait neither for the chunks ready in the lane's
-    /// queue nor for a worker to ack one.
+    /// instead, up to `room.ahead` chunks, and while it is that far behind
+    /// takes no place in the lane's queue: workers consume the queue ahead
+    /// beside the lane's, so its chunks wait neither for the chunks ready in
+    /// the lane's queue nor for a worker to ack one.
     pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<usize>
     where
         F: FnOnce(Vec<OutboxMessage>) -> Fut,
@@ -216,9 +217,10 @@ impl Store {
             return Ok(0);
         }
         let rows = sqlx::query(
-            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn, f.in_flight
-             FROM (SELECT DISTINCT account_id FROM outbox
-                   WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL) a
+            "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn, f.in_flight, a.held
+             FROM (SELECT account_id, count(*) AS held FROM outbox
+                   WHERE sent_at IS NULL AND routing_key = $1 AND account_id IS NOT NULL
+                   GROUP BY account_id) a
              LEFT JOIN dispatch_turns t ON t.routing_key = $1 AND t.account_id = a.account_id
              CROSS JOIN LATERAL (
                  SELECT count(*) AS in_flight FROM outbox f
@@ -246,6 +248,7 @@ impl Store {
                     priority: r.try_get("priority")?,
                     turn: r.try_get("turn")?,
                     in_flight: r.try_get("in_flight")?,
+                    held: r.try_get("held")?,
                     message: OutboxMessage {
                         exchange: r.try_get("exchange")?,
                         routing_key: lane.to_string(),
@@ -392,13 +395,16 @@ struct Held {
     turn: Option<i64>,
     /// The account's chunks on the lane published and not yet served.
     in_flight: i64,
+    /// The account's chunks on the lane held (this one among them).
+    held: i64,
     message: OutboxMessage,
 }
 
 /// What of `held` goes out now: first, up to `room.ahead` chunks, routed to
-/// `ahead`, of accounts more than `room.queue_depth` chunks in flight behind
-/// another account; then up to `room.queue`, a chunk at a time to the account
-/// with the fewest in flight, and among equals to the one whose last turn is
+/// `ahead`, of accounts at least `room.queue_depth` chunks in flight behind
+/// another account (whose other chunks stay held until there is room there:
+/// in the lane's queue they would wait behind the other's); then up to
+/// `room.queue`, a chunk at a time to the account with the fewest in flight, and among equals to the one whose last turn is
 /// oldest (never first): accounts with as many in flight take turns, one chunk
 /// each a round, and one with fewer (an account just arrived behind another's
 /// large batch) goes first until it has as many. Each account's chunks go
@@ -419,6 +425,8 @@ fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
         in_flight: i64,
         /// Its place in the order of turns (a turn taken moves it last).
         turn: usize,
+        /// Its chunks held, before this round.
+        held: i64,
     }
     let mut queues: Vec<Queue> = Vec::new();
     for h in held {
@@ -428,6 +436,7 @@ fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
             }
             _ => queues.push(Queue {
                 in_flight: h.in_flight,
+                held: h.held,
                 turn: queues.len(),
                 chunks: std::collections::VecDeque::from([h]),
             }),
@@ -441,25 +450,34 @@ fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
             if let Some(to) = to {
                 h.message.routing_key = to.to_string();
             }
+            queue.held -= 1;
+            // What of the account's is still held behind it, for the engines.
+            if let Value::Object(payload) = &mut h.message.payload {
+                payload.insert("behind".into(), Value::from(queue.held.max(0)));
+            }
             chosen.push(h);
         }
         queue.in_flight += 1;
         queue.turn = next_turn;
         next_turn += 1;
     };
-    let behind = room.queue_depth as i64;
+    // At least half a queue behind another account: its chunks go ahead, and
+    // while the queue ahead had room this round, the rest wait for more there
+    // rather than join the lane's queue behind the other's.
+    let gap = (room.queue_depth as i64 / 2).max(1);
+    let wait_ahead = room.ahead > 0;
+    let behind = |queues: &[Queue], i: usize| {
+        let most = queues
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, q)| q.in_flight)
+            .max();
+        most.is_some_and(|m| queues[i].in_flight + gap <= m)
+    };
     for _ in 0..room.ahead {
-        let most = |except: usize| {
-            queues
-                .iter()
-                .enumerate()
-                .filter(|&(j, _)| j != except)
-                .map(|(_, q)| q.in_flight)
-                .max()
-        };
         let Some(at) = (0..queues.len())
-            .filter(|&i| !queues[i].chunks.is_empty())
-            .filter(|&i| most(i).is_some_and(|m| queues[i].in_flight + behind < m))
+            .filter(|&i| !queues[i].chunks.is_empty() && behind(&queues, i))
             .min_by_key(|&i| (queues[i].in_flight, queues[i].turn))
         else {
             break;
@@ -468,7 +486,7 @@ fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
     }
     for _ in 0..room.queue {
         let Some(at) = (0..queues.len())
-            .filter(|&i| !queues[i].chunks.is_empty())
+            .filter(|&i| !queues[i].chunks.is_empty() && !(wait_ahead && behind(&queues, i)))
             .min_by_key(|&i| (queues[i].in_flight, queues[i].turn))
         else {
             break;
@@ -489,6 +507,7 @@ mod tests {
             priority: 0,
             turn,
             in_flight: 0,
+            held: 0,
             message: OutboxMessage {
                 exchange: String::new(),
                 routing_key: "lane".into(),
@@ -568,7 +587,7 @@ mod tests {
     }
 
     #[test]
-    fn an_account_more_than_a_queue_behind_goes_ahead_then_takes_turns() {
+    fn an_account_a_queue_behind_goes_ahead_and_waits_there_then_takes_turns() {
         let expect = |v: &[(&str, i64, &str)]| {
             v.iter()
                 .map(|(a, i, q)| (a.to_string(), *i, q.to_string()))
@@ -584,10 +603,10 @@ mod tests {
             in_flight,
             ..held(id, account, Some(1))
         };
-        // `a` has six in flight, `b` one: with a queue two deep, `b` is more
-        // than a queue behind until it has four in flight, so three of its
-        // chunks go ahead; the lane's queue then takes turns, `b` first (four
-        // against six), then by turn.
+        // `a` has six in flight, `b` one: with a queue two deep, `b` is at
+        // least half a queue (one chunk) behind until it has six in flight,
+        // so five of its chunks go ahead; the lane's queue then takes turns,
+        // `a` first (six each, its turn older), then the fewest in flight.
         let rows: Vec<Held> = (1..=4)
             .map(|i| with(i, "a", 6))
             .chain((10..=15).map(|i| with(i, "b", 1)))
@@ -603,13 +622,29 @@ mod tests {
                 ("b", 10, "lane.ahead"),
                 ("b", 11, "lane.ahead"),
                 ("b", 12, "lane.ahead"),
-                ("b", 13, "lane"),
-                ("b", 14, "lane"),
+                ("b", 13, "lane.ahead"),
+                ("b", 14, "lane.ahead"),
                 ("a", 1, "lane"),
                 ("b", 15, "lane"),
+                ("a", 2, "lane"),
+                ("a", 3, "lane"),
             ])
         );
-        // No room ahead: the lane's queue alone.
+        // Room ahead for two: `b`'s other chunks wait for more there rather
+        // than join the lane's queue behind `a`'s while `b` is that far behind.
+        let room = Room { ahead: 2, ..room };
+        assert_eq!(
+            routed(&take_turns(rows.clone(), room, "lane.ahead")),
+            expect(&[
+                ("b", 10, "lane.ahead"),
+                ("b", 11, "lane.ahead"),
+                ("a", 1, "lane"),
+                ("a", 2, "lane"),
+                ("a", 3, "lane"),
+                ("a", 4, "lane"),
+            ])
+        );
+        // No room ahead this round: `b` takes the lane's queue, first.
         let room = Room { ahead: 0, ..room };
         assert_eq!(
             routed(&take_turns(rows.clone(), room, "lane.ahead")),
@@ -617,8 +652,18 @@ mod tests {
                 ("b", 10, "lane"),
                 ("b", 11, "lane"),
                 ("b", 12, "lane"),
-                ("b", 13, "lane")
+                ("b", 13, "lane"),
             ])
+        );
+        // `b` less than half a queue behind (of four) takes the lane's queue, first.
+        let near: Vec<Held> = (1..=2)
+            .map(|i| with(i, "a", 6))
+            .chain((10..=11).map(|i| with(i, "b", 5)))
+            .collect();
+        let deeper = Room { queue_depth: 4, ..room };
+        assert_eq!(
+            routed(&take_turns(near, deeper, "lane.ahead")),
+            expect(&[("b", 10, "lane"), ("a", 1, "lane"), ("b", 11, "lane"), ("a", 2, "lane")])
         );
         // One account alone never goes ahead, however much it has in flight.
         let alone: Vec<Held> = (1..=3).map(|i| with(i, "a", 0)).collect();

@@ -44,9 +44,10 @@
 //!
 //! Accounts: when batch sequences of several accounts wait, the next slot
 //! goes to the account with the fewest batch sequences running, weighted:
-//! an account with fewer here (running and waiting) than the largest
-//! backlog counts its running ones at half (among equals, the one with
-//! fewer here, then arrival order, as within an account). A worker holding
+//! an account with a backlog (running, waiting, and what its latest request
+//! said is held elsewhere, e.g. in the dispatcher) smaller than the largest
+//! counts its running ones at half (among equals, the one with the smaller
+//! backlog, then arrival order, as within an account). A worker holding
 //! many of one account's requests so gives another account's few two slots
 //! for each of the large backlog's as they free, instead of starting them
 //! after all of those, and the large backlog still gets a third: no account
@@ -153,6 +154,8 @@ pub(crate) struct Scheduler {
     waiting_batch: VecDeque<SeqId>,
     /// Batch sequences waiting, by account.
     waiting_accounts: HashMap<AccountKey, usize>,
+    /// Batch sequences held elsewhere, by account ([`Scheduler::held_elsewhere`]).
+    elsewhere: HashMap<AccountKey, usize>,
     /// Running sequences in arrival order.
     running: Vec<SeqId>,
     arrivals: u64,
@@ -177,6 +180,7 @@ impl Scheduler {
             waiting_rt: VecDeque::new(),
             waiting_batch: VecDeque::new(),
             waiting_accounts: HashMap::new(),
+            elsewhere: HashMap::new(),
             running: Vec::new(),
             arrivals: 0,
             preemptions: 0,
@@ -193,6 +197,17 @@ impl Scheduler {
     /// The most tokens one sequence can ever hold.
     pub(crate) fn capacity_tokens(&self) -> usize {
         self.pool.total_blocks() * self.pool.block_size()
+    }
+
+    /// `account` has `backlog` batch sequences held elsewhere, not yet here
+    /// (the latest figure stands): counted in its backlog beside those
+    /// running and waiting here, until none of its sequences waits.
+    pub fn held_elsewhere(&mut self, account: AccountKey, backlog: usize) {
+        if backlog == 0 {
+            self.elsewhere.remove(&account);
+        } else {
+            self.elsewhere.insert(account, backlog);
+        }
     }
 
     /// Queue a new sequence of `account`'s, of `tokens` prompt tokens, with the
@@ -496,9 +511,9 @@ impl Scheduler {
 
     /// The waiting batch sequence admitted next, and its place in the queue:
     /// the first of the account with the fewest batch sequences running,
-    /// those of an account with fewer here (running and waiting) than the
-    /// largest backlog counted at half (among equals, the one with fewer
-    /// here, then the earliest).
+    /// those of an account with a backlog (running, waiting, and held
+    /// elsewhere) smaller than the largest counted at half (among equals,
+    /// the one with the smaller backlog, then the earliest).
     fn next_batch(&self) -> Option<(usize, SeqId)> {
         if self.waiting_accounts.len() <= 1 {
             return self.waiting_batch.front().map(|&id| (0, id));
@@ -522,7 +537,9 @@ impl Scheduler {
             }
         }
         let running_of = |account: &AccountKey| running.get(account).copied().unwrap_or(0);
-        let held = |account: &AccountKey| running_of(account) + self.waiting_accounts[account];
+        let held = |account: &AccountKey| {
+            running_of(account) + self.waiting_accounts[account] + self.elsewhere.get(account).copied().unwrap_or(0)
+        };
         let most = firsts.iter().map(|(_, _, a)| held(a)).max().unwrap_or(0);
         // An account with fewer here than the most counts its running
         // sequences at half: it gets two slots for the largest backlog's one.
@@ -541,6 +558,7 @@ impl Scheduler {
             *count -= 1;
             if *count == 0 {
                 self.waiting_accounts.remove(&account);
+                self.elsewhere.remove(&account);
             }
         }
     }
@@ -1230,7 +1248,13 @@ mod tests {
     /// them, and the oldest running sequence ends, step after step: the
     /// order in which they all start.
     fn few_behind_many(slots: usize, many: u64, few: u64) -> Vec<SeqId> {
+        behind_held_elsewhere(slots, many, few, 0)
+    }
+
+    /// [`few_behind_many`], the first account also holding `elsewhere` sequences elsewhere.
+    fn behind_held_elsewhere(slots: usize, many: u64, few: u64, elsewhere: usize) -> Vec<SeqId> {
         let mut s = Scheduler::new(config(slots, 64), BlockPool::new(64, 4));
+        s.held_elsewhere(1, elsewhere);
         for id in 0..many {
             s.add(id, Lane::Batch, 1, 4, vec![]);
         }
@@ -1261,5 +1285,32 @@ mod tests {
             few_behind_many(3, 10, 6),
             vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5, 6, 7, 8, 9]
         );
+    }
+
+    #[test]
+    fn what_an_account_holds_elsewhere_counts_in_its_backlog() {
+        // As many here from each: neither is the smaller backlog for long,
+        // and the first's last sequence starts before the second's third.
+        assert_eq!(
+            behind_held_elsewhere(3, 6, 6, 0),
+            vec![0, 1, 2, 100, 3, 4, 101, 5, 102, 103, 104, 105]
+        );
+        // The first also holds 100 elsewhere (a large batch still in the
+        // dispatcher): the second, whose whole batch is here, is the smaller
+        // backlog and gets two slots for the first's one.
+        assert_eq!(
+            behind_held_elsewhere(3, 6, 6, 100),
+            vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5]
+        );
+        // A figure of 0 forgets it; so does the account's last waiting sequence leaving.
+        let mut s = Scheduler::new(config(2, 64), BlockPool::new(64, 4));
+        s.held_elsewhere(1, 100);
+        s.held_elsewhere(1, 0);
+        assert!(s.elsewhere.is_empty());
+        s.held_elsewhere(1, 100);
+        s.add(0, Lane::Batch, 1, 4, vec![]);
+        let mut running = Vec::new();
+        finish(&mut s, &mut running, &[]);
+        assert!(s.elsewhere.is_empty());
     }
 }

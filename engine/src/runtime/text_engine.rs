@@ -191,6 +191,8 @@ struct Job {
     partition: Option<String>,
     /// Whose share of admission it counts against ([`Request::account`]).
     account: AccountKey,
+    /// [`Request::backlog`].
+    backlog: usize,
     events: Events,
     /// [`Request::span`].
     span: tracing::Span,
@@ -293,6 +295,7 @@ impl TextEngine {
             adapter,
             cache_partition,
             account,
+            backlog,
             span,
         } = request;
         // Compiled here, on the caller's thread (cached per model), never on
@@ -309,6 +312,7 @@ impl TextEngine {
             adapter: None,
             partition: cache_partition,
             account: account_key(account.as_deref()),
+            backlog,
             events,
             span,
         };
@@ -565,6 +569,9 @@ impl EngineLoop {
                 let hashes = hasher
                     .as_mut()
                     .map_or_else(Vec::new, |h| h.update(&decoding.tokens).to_vec());
+                if job.lane == Lane::Batch {
+                    self.scheduler.held_elsewhere(job.account, job.backlog);
+                }
                 self.scheduler
                     .add(id, job.lane, job.account, decoding.tokens.len(), hashes);
                 let speculates = self.speculation.proposer != Proposer::Off
