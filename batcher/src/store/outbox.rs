@@ -605,8 +605,9 @@ mod tests {
         };
         // `a` has six in flight, `b` one: with a queue two deep, `b` is at
         // least half a queue (one chunk) behind until it has six in flight,
-        // so five of its chunks go ahead; the lane's queue then takes turns,
-        // `a` first (six each, its turn older), then the fewest in flight.
+        // so five of its chunks go ahead; the lane's queue then takes `a`'s
+        // (six each, its turn older), and `b`, a chunk behind again, waits
+        // for room ahead.
         let rows: Vec<Held> = (1..=4)
             .map(|i| with(i, "a", 6))
             .chain((10..=15).map(|i| with(i, "b", 1)))
@@ -625,9 +626,9 @@ mod tests {
                 ("b", 13, "lane.ahead"),
                 ("b", 14, "lane.ahead"),
                 ("a", 1, "lane"),
-                ("b", 15, "lane"),
                 ("a", 2, "lane"),
                 ("a", 3, "lane"),
+                ("a", 4, "lane"),
             ])
         );
         // Room ahead for two: `b`'s other chunks wait for more there rather
