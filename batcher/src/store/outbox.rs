@@ -486,7 +486,8 @@ fn take_turns(mut held: Vec<Held>, room: Room, ahead: &str) -> Vec<Held> {
     }
     for _ in 0..room.queue {
         let Some(at) = (0..queues.len())
-            .filter(|&i| !queues[i].chunks.is_empty() && !(wait_ahead && behind(&queues, i)))
+            .filter(|&i| !queues[i].chunks.is_empty())
+            .filter(|&i| !wait_ahead || !behind(&queues, i))
             .min_by_key(|&i| (queues[i].in_flight, queues[i].turn))
         else {
             break;
