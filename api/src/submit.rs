@@ -103,31 +103,20 @@ pub fn priority(fields: &mut Fields<'_>) -> Result<i16, ApiError> {
 
 /// A `service_tier` name's priority.
 fn service_tier(raw: &Value) -> Result<i16, ApiError> {
-    let names = || {
-        SERVICE_TIERS
-            .iter()
-            .map(|(name, _)| format!("\"{name}\""))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let name = raw.as_str().ok_or_else(|| {
+    let refuse = |code| {
+        let names: Vec<String> = SERVICE_TIERS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
         ApiError::invalid(
-            ErrorCode::InvalidType,
+            code,
             "service_tier",
-            format!("service_tier must be one of {}", names()),
+            format!("service_tier must be one of {}", names.join(", ")),
         )
-    })?;
+    };
+    let name = raw.as_str().ok_or_else(|| refuse(ErrorCode::InvalidType))?;
     SERVICE_TIERS
         .iter()
         .find(|(tier, _)| *tier == name)
         .map(|&(_, priority)| priority)
-        .ok_or_else(|| {
-            ApiError::invalid(
-                ErrorCode::InvalidValue,
-                "service_tier",
-                format!("service_tier must be one of {}", names()),
-            )
-        })
+        .ok_or_else(|| refuse(ErrorCode::InvalidValue))
 }
 
 /// Look a model up, or refuse with 404 naming `param`.

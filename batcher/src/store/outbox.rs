@@ -194,10 +194,10 @@ impl Store {
     /// a lane at a time (others find it locked and skip it); returns how
     /// many went out.
     ///
-    /// An account at least `room.queue_depth` chunks in flight behind
+    /// An account at least half `room.queue_depth` chunks in flight behind
     /// another goes to the lane's queue ahead ([`crate::broker::ahead_queue`])
-    /// instead, up to `room.ahead` chunks, and while it is that far behind
-    /// takes no place in the lane's queue: workers consume the queue ahead
+    /// instead, up to `room.ahead` chunks, and while it is that far behind and
+    /// there was room ahead takes no place in the lane's queue: workers consume the queue ahead
     /// beside the lane's, so its chunks wait neither for the chunks ready in
     /// the lane's queue nor for a worker to ack one.
     pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<usize>
@@ -401,10 +401,11 @@ struct Held {
 }
 
 /// What of `held` goes out now: first, up to `room.ahead` chunks, routed to
-/// `ahead`, of accounts at least `room.queue_depth` chunks in flight behind
-/// another account (whose other chunks stay held until there is room there:
-/// in the lane's queue they would wait behind the other's); then up to
-/// `room.queue`, a chunk at a time to the account with the fewest in flight, and among equals to the one whose last turn is
+/// `ahead`, of accounts at least half `room.queue_depth` chunks in flight
+/// behind another account (whose other chunks, when there was room ahead,
+/// stay held until there is more: in the lane's queue they would wait behind
+/// the other's); then up to `room.queue`, a chunk at a time to the account
+/// with the fewest in flight, and among equals to the one whose last turn is
 /// oldest (never first): accounts with as many in flight take turns, one chunk
 /// each a round, and one with fewer (an account just arrived behind another's
 /// large batch) goes first until it has as many. Each account's chunks go

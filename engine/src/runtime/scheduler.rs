@@ -541,7 +541,7 @@ impl Scheduler {
             running_of(account) + self.waiting_accounts[account] + self.elsewhere.get(account).copied().unwrap_or(0)
         };
         let most = firsts.iter().map(|(_, _, a)| held(a)).max().unwrap_or(0);
-        // An account with fewer here than the most counts its running
+        // An account with a smaller backlog than the most counts its running
         // sequences at half: it gets two slots for the largest backlog's one.
         firsts
             .into_iter()
