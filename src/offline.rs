@@ -27,8 +27,8 @@ use std::sync::atomic::Ordering;
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenerateArgs {
     /// A Llama-family checkpoint: a Hugging Face directory or a GGUF file
-    /// (`llama`, `qwen2` or `gemma` architecture; quantized tensors are
-    /// dequantized at load).
+    /// (`llama`, `qwen2` or `gemma` architecture; its quantized blocks are
+    /// multiplied as they are, or dequantized at load: `--products`).
     #[arg(long)]
     pub model: PathBuf,
     /// `NAME=DIR`: a LoRA adapter in PEFT's format (`adapter_config.json`,

@@ -45,6 +45,20 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     }
 }
 
+/// Hand the pages the allocator holds free back to the system. A load frees
+/// its read buffers and the tokenizer's JSON, and glibc keeps such memory
+/// (after a free of a large block it raises its own thresholds for giving
+/// pages back), so without this a process stays resident at its loading
+/// peak rather than at what the weights hold.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only walks the allocator's own free lists; it
+    // takes its locks like any allocation does.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Read a checkpoint's `config.json` as `T`.
 pub fn read_config<T: DeserializeOwned>(dir: &Path) -> Result<T, ModelError> {
     let path = dir.join("config.json");

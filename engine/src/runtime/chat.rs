@@ -38,7 +38,9 @@ use crate::ErrorCode;
 pub struct TextModel {
     /// The network.
     pub model: Llama,
-    tokenizer: Tokenizer,
+    /// Shared by clones and by the grammars' compiler: a vocabulary's maps
+    /// are megabytes.
+    tokenizer: Arc<Tokenizer>,
     template: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
@@ -151,11 +153,13 @@ impl TextModel {
 
     /// [`TextModel::open`], the products as `products` says.
     pub fn open_with(path: &Path, device: &Device, products: Products) -> Result<Self, ModelError> {
-        if crate::models::gguf::is_gguf(path) {
+        let model = if crate::models::gguf::is_gguf(path) {
             TextModel::from_gguf(path, device, products)
         } else {
             TextModel::from_dir_with(path, device, products)
-        }
+        };
+        crate::models::release_free_memory();
+        model
     }
 
     /// Load a GGUF file: weights, tokenizer and chat template from the one file.
@@ -163,6 +167,7 @@ impl TextModel {
         let file = crate::models::gguf::GgufFile::open(path)?;
         // The tokenizer first: a file without one fails before its weights are read.
         let (tokenizer, specials) = crate::models::vocab::from_gguf(&file)?;
+        let tokenizer = Arc::new(tokenizer);
         let text = |key: &str| match file.get(key) {
             Some(candle_core::quantized::gguf_file::Value::String(t)) => Some(t.clone()),
             _ => None,
@@ -172,7 +177,11 @@ impl TextModel {
             text("tokenizer.chat_template.tool_use"),
         )?;
         let model = Llama::from_gguf(&file, device, products)?;
-        let grammars = Grammars::new(tokenizer.clone(), specials.stop_ids.clone(), model.config().vocab_size);
+        let grammars = Grammars::new(
+            Arc::clone(&tokenizer),
+            specials.stop_ids.clone(),
+            model.config().vocab_size,
+        );
         Ok(TextModel {
             model,
             tokenizer,
@@ -203,7 +212,7 @@ impl TextModel {
                 dir.display()
             )));
         }
-        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| config_error("tokenizer.json", e))?;
+        let tokenizer = Arc::new(Tokenizer::from_file(&tokenizer_path).map_err(|e| config_error("tokenizer.json", e))?);
         let model = Llama::from_dir_with(dir, device, products)?;
         let config = optional_json(&dir.join("tokenizer_config.json"))?;
         let generation = optional_json(&dir.join("generation_config.json"))?;
@@ -221,7 +230,7 @@ impl TextModel {
             }
         }
         let defaults = GenerationDefaults::read(&generation);
-        let grammars = Grammars::new(tokenizer.clone(), stop_ids.clone(), model.config().vocab_size);
+        let grammars = Grammars::new(Arc::clone(&tokenizer), stop_ids.clone(), model.config().vocab_size);
         Ok(TextModel {
             model,
             tokenizer,

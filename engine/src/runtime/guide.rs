@@ -32,7 +32,7 @@ const COMPILED_ENTRIES: usize = 64;
 
 /// A model's grammar compiler and its recent grammars, and its vocabulary spelled as bytes.
 pub struct Grammars {
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     stop_ids: Vec<u32>,
     vocab_size: usize,
     factory: OnceLock<Result<ParserFactory, String>>,
@@ -52,7 +52,7 @@ impl std::fmt::Debug for Grammars {
 
 impl Grammars {
     /// For a model whose logits have `vocab_size` entries and whose generation ends at `stop_ids`.
-    pub fn new(tokenizer: Tokenizer, stop_ids: Vec<u32>, vocab_size: usize) -> Self {
+    pub fn new(tokenizer: Arc<Tokenizer>, stop_ids: Vec<u32>, vocab_size: usize) -> Self {
         Grammars {
             tokenizer,
             stop_ids,
@@ -235,7 +235,7 @@ fn too_complex(reason: &str) -> EngineError {
 /// The token environment llguidance compiles against: each token's bytes
 /// and the model's end tokens.
 struct ModelTokens {
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     trie: TokTrie,
 }
 
@@ -372,7 +372,7 @@ fn spelled(tokenizer: &Tokenizer, stop_ids: &[u32], n: usize) -> Vec<Vec<u8>> {
 }
 
 /// Each token's bytes, special tokens marked as llguidance expects.
-fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Result<TokEnv, String> {
+fn token_env(tokenizer: &Arc<Tokenizer>, stop_ids: &[u32], vocab_size: usize) -> Result<TokEnv, String> {
     let n = vocab_size.max(tokenizer.get_vocab_size(true));
     let words: Vec<Vec<u8>> = words(tokenizer, stop_ids, n)?
         .into_iter()
@@ -392,7 +392,7 @@ fn token_env(tokenizer: &Tokenizer, stop_ids: &[u32], vocab_size: usize) -> Resu
         trie = trie.with_eos_tokens(stop_ids);
     }
     Ok(Arc::new(ModelTokens {
-        tokenizer: tokenizer.clone(),
+        tokenizer: Arc::clone(tokenizer),
         trie,
     }))
 }

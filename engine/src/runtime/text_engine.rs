@@ -859,7 +859,8 @@ impl EngineLoop {
             });
             let result =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
-                    .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))));
+                    .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))))
+                    .and_then(|logits| StepLogits::new(logits).map_err(|e| e.to_string()));
             if let Some(masks) = masks {
                 // A panic inside the grammar engine leaves the mask to be computed when sampling.
                 let _ = masks.join();
@@ -902,9 +903,9 @@ impl EngineLoop {
         self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
         self.counters.prefix_evicted.store(stats.evicted, Ordering::Relaxed);
         match result {
-            Ok(rows) => {
+            Ok(logits) => {
                 self.scheduler.step_done(&plan);
-                self.sample(&plan, &rows)
+                logits.read(|rows, vocab| self.sample(&plan, rows, vocab))
             }
             Err(error) => {
                 // What failed inside is for the operator's log, never the client's answer.
@@ -938,8 +939,9 @@ impl EngineLoop {
     }
 
     /// Run the plan's chunks as one batch; the logits of each sampling chunk
-    /// (one row, and one more per guessed token), in plan order.
-    fn forward(&mut self, plan: &Plan) -> Result<Vec<Vec<f32>>, String> {
+    /// (one row, and one more per guessed token), in plan order, as the
+    /// pass's own tensor.
+    fn forward(&mut self, plan: &Plan) -> Result<candle_core::Tensor, String> {
         // A chunk with guesses runs its last known token and the guesses.
         let guessed: Vec<Option<Vec<u32>>> = plan
             .chunks
@@ -977,18 +979,18 @@ impl EngineLoop {
         self.counters
             .prefill_tokens
             .fetch_add(prefill as u64, Ordering::Relaxed);
-        let logits = self
-            .model
+        self.model
             .model
             .forward_batch(&chunks, &mut self.kv)
-            .map_err(|e| e.to_string())?;
-        logits.to_vec2::<f32>().map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())
     }
 
-    fn sample(&mut self, plan: &Plan, rows: &[Vec<f32>]) {
-        let mut rows = rows.iter();
+    /// Sample each sampling chunk of `plan` from its rows of `rows`, the
+    /// step's logits `vocab` wide.
+    fn sample(&mut self, plan: &Plan, rows: &[f32], vocab: usize) {
+        let mut rows = rows.chunks_exact(vocab.max(1));
         for chunk in plan.chunks.iter().filter(|c| c.samples) {
-            let logits: Vec<&[f32]> = rows.by_ref().take(1 + chunk.draft).map(Vec::as_slice).collect();
+            let logits: Vec<&[f32]> = rows.by_ref().take(1 + chunk.draft).collect();
             let Some(active) = self.active.get_mut(&chunk.id) else {
                 continue;
             };
@@ -1099,6 +1101,52 @@ fn account_key(account: Option<&str>) -> AccountKey {
     let mut hasher = std::hash::DefaultHasher::new();
     account.hash(&mut hasher);
     hasher.finish()
+}
+
+/// A step's logits: read in place from the pass's own tensor, or, where that
+/// is not a contiguous f32 tensor in memory, copied once. At a large
+/// vocabulary they are megabytes a step (64 rows of SmolLM2's 49,152: 12.6
+/// MB), and a copy of them doubled what a step holds.
+enum StepLogits {
+    InPlace(candle_core::Tensor, usize),
+    Copied(Vec<f32>, usize),
+}
+
+impl StepLogits {
+    fn new(logits: candle_core::Tensor) -> candle_core::Result<Self> {
+        let vocab = logits.dims().last().copied().unwrap_or(0);
+        let readable = {
+            let (storage, layout) = logits.storage_and_layout();
+            in_place(&storage, layout).is_some()
+        };
+        Ok(if readable {
+            StepLogits::InPlace(logits, vocab)
+        } else {
+            let rows = logits.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+            StepLogits::Copied(rows, vocab)
+        })
+    }
+
+    /// `f` on the rows, one after another, and their width.
+    fn read<R>(&self, f: impl FnOnce(&[f32], usize) -> R) -> R {
+        match self {
+            StepLogits::Copied(rows, vocab) => f(rows, *vocab),
+            StepLogits::InPlace(logits, vocab) => {
+                let (storage, layout) = logits.storage_and_layout();
+                // Readable: checked when made, and a tensor does not change.
+                f(in_place(&storage, layout).unwrap_or(&[]), *vocab)
+            }
+        }
+    }
+}
+
+/// A tensor's values in order, where it is a contiguous f32 tensor in memory.
+fn in_place<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> Option<&'a [f32]> {
+    let (start, end) = layout.contiguous_offsets()?;
+    match storage {
+        candle_core::Storage::Cpu(cpu) => cpu.as_slice::<f32>().ok().and_then(|values| values.get(start..end)),
+        _ => None,
+    }
 }
 
 fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
