@@ -1187,7 +1187,29 @@ fn step_bound_ms(step_max_ms: f64, rt_step_max_ms: f64, near: bool) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::step_bound_ms;
+    use super::{step_bound_ms, StepLogits};
+
+    #[test]
+    fn a_steps_logits_are_read_row_after_row_in_place_or_copied() {
+        let values: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let rows = candle_core::Tensor::from_vec(values.clone(), (3, 4), &candle_core::Device::Cpu).unwrap();
+        let read = |logits: StepLogits| logits.read(|rows, vocab| (rows.to_vec(), vocab));
+        // Contiguous f32: the tensor itself.
+        let logits = StepLogits::new(rows.clone()).unwrap();
+        assert!(matches!(logits, StepLogits::InPlace(..)));
+        assert_eq!(read(logits), (values.clone(), 4));
+        // A narrowed view starts inside its storage: read from its offset.
+        let tail = rows.narrow(0, 1, 2).unwrap();
+        assert_eq!(read(StepLogits::new(tail).unwrap()), (values[4..].to_vec(), 4));
+        // Not laid out in order, or not f32: copied once, in row order.
+        let transposed = rows.t().unwrap();
+        let logits = StepLogits::new(transposed.clone()).unwrap();
+        assert!(matches!(logits, StepLogits::Copied(..)));
+        let expected: Vec<f32> = transposed.to_vec2::<f32>().unwrap().concat();
+        assert_eq!(read(logits), (expected, 3));
+        let half = rows.to_dtype(candle_core::DType::F16).unwrap();
+        assert_eq!(read(StepLogits::new(half).unwrap()), (values, 4));
+    }
 
     #[test]
     fn steps_are_bounded_tighter_while_real_time_work_is_near() {
