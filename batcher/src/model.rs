@@ -387,7 +387,8 @@ pub struct Chunk {
     pub behind: u32,
 }
 
-fn is_zero(n: &u32) -> bool {
+/// For `skip_serializing_if`: a count left out of a message when it is 0.
+pub(crate) fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 

@@ -43,7 +43,7 @@ pub enum Reply {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         logprobs: Vec<TokenLogprob>,
         /// Which choice it belongs to (requests with `n` > 1).
-        #[serde(default, skip_serializing_if = "is_zero")]
+        #[serde(default, skip_serializing_if = "crate::model::is_zero")]
         choice: u32,
     },
     /// The final result.
@@ -89,10 +89,6 @@ impl Reply {
     pub fn is_last(&self) -> bool {
         !matches!(self, Reply::Token { .. })
     }
-}
-
-fn is_zero(n: &u32) -> bool {
-    *n == 0
 }
 
 /// Where a worker sends one request's replies.

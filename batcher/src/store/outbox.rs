@@ -197,9 +197,9 @@ impl Store {
     /// An account at least half `room.queue_depth` chunks in flight behind
     /// another goes to the lane's queue ahead ([`crate::broker::ahead_queue`])
     /// instead, up to `room.ahead` chunks, and while it is that far behind and
-    /// there was room ahead takes no place in the lane's queue: workers consume the queue ahead
-    /// beside the lane's, so its chunks wait neither for the chunks ready in
-    /// the lane's queue nor for a worker to ack one.
+    /// there was room ahead takes no place in the lane's queue: workers
+    /// consume the queue ahead beside the lane's, so its chunks wait neither
+    /// for the chunks ready in the lane's queue nor for a worker to ack one.
     pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<usize>
     where
         F: FnOnce(Vec<OutboxMessage>) -> Fut,
