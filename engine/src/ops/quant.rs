@@ -1233,6 +1233,10 @@ mod x86 {
 
     use super::{QuantKernel, QuantType, QuantizedRows, QK};
 
+    /// How far ahead of the block a tile is on the kernel asks for the
+    /// group's next blocks, in bytes.
+    const PREFETCH_BYTES: usize = 2048;
+
     /// A group's tile: its [`super::WR`] weight rows (of which `cols` are
     /// real) times token rows `row..row + X` of `x`.
     pub(super) struct Tile<'a> {
@@ -1459,6 +1463,14 @@ mod x86 {
                 }
                 let nibble = _mm256_set1_epi8(0x0f);
                 for fb in 0..nb / subs {
+                    // The group's blocks [`PREFETCH_BYTES`] on, every line of
+                    // this block's length: the hardware prefetchers stop at
+                    // page boundaries, and with few token rows a tile is over
+                    // before a missed line would arrive.
+                    let ahead = blocks.wrapping_add(fb * gb + PREFETCH_BYTES);
+                    for line in (0..gb).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                    }
                     // SAFETY: the caller's contract: group block `fb` and the
                     // rows' blocks lie in range; unaligned reads.
                     unsafe {
