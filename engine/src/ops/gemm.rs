@@ -762,25 +762,137 @@ impl<'e, 'a> Fused<'e, 'a> {
         }
     }
 
-    /// Add the parts on panel `p` to rows `rows` of `out` (`· × ldo`), up
-    /// to [`EXPAND_ROWS`] rows at a time whose `B` share a precision and a
-    /// rank, so that their chains of multiply-adds run side by side.
+    /// Ask for every line of the `B` panels that panel `p`'s expand reads
+    /// for `rows`, into L2: what a product's tiles do for the panel they
+    /// compute next, so that its expand finds them there.
+    pub(crate) fn prefetch(self, rows: std::ops::Range<usize>, p: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for parts in self.expand.get(rows).unwrap_or_default() {
+            if let Some((part, q)) = Self::part(parts, p) {
+                let bytes = part.b.k * NR * part.b.precision().bytes();
+                let start = part.b.start().wrapping_add(q * bytes);
+                for at in (0..bytes).step_by(64) {
+                    // SAFETY: a prefetch only; the line lies in the part's `B`.
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                            start.wrapping_add(at) as *const i8
+                        )
+                    };
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (rows, p);
+    }
+
+    /// Add the parts on panel `p` to rows `rows` of `out` (`· × ldo`):
+    /// whole panels up to [`EXPAND_WIDE_ROWS`] rows at a time (four on
+    /// AVX2) whose `B` share a precision and a rank, a part's last, partial
+    /// panel up to [`EXPAND_ROWS`] rows at a time, so that their chains of
+    /// multiply-adds run side by side.
     ///
     /// # Safety
     /// The caller alone writes panel `p`'s columns of those rows of `out`.
     pub(crate) unsafe fn add(self, rows: std::ops::Range<usize>, p: usize, out: *mut f32, ldo: usize) {
-        let mut batch = PanelBatch::default();
+        let mut partial = PanelBatch::default();
+        let mut whole = WholeBatch::default();
         for (r, parts) in rows.clone().zip(self.expand.get(rows).unwrap_or_default()) {
             if let Some((part, q)) = Self::part(parts, p) {
                 // SAFETY: the caller's contract; `matmul_expand` checked that the
                 // part lies inside the outputs.
                 let out = unsafe { out.add(r * ldo + p * NR) };
                 // SAFETY: as above; the shrunk input holds `rank` values.
-                unsafe { batch.push(part.b, q, part.shrunk.as_ptr(), out, part.scale) };
+                unsafe {
+                    if part.b.n - q * NR >= NR {
+                        whole.push(part.b, q, part.shrunk.as_ptr(), out, part.scale);
+                    } else {
+                        partial.push(part.b, q, part.shrunk.as_ptr(), out, part.scale);
+                    }
+                }
             }
         }
         // SAFETY: as above.
-        unsafe { batch.run() };
+        unsafe {
+            whole.run();
+            partial.run();
+        }
+    }
+}
+
+/// Rows of a fused expand run side by side on AVX-512, one register of
+/// [`NR`] outputs each.
+pub(crate) const EXPAND_WIDE_ROWS: usize = 8;
+
+/// Up to [`EXPAND_WIDE_ROWS`] rows' expands on whole panels of their own,
+/// of one precision and one rank, run together when full (or when the
+/// next differs): [`Fused::add`]'s batch.
+#[derive(Default)]
+struct WholeBatch<'w> {
+    rows: [Option<PendingRow<'w>>; EXPAND_WIDE_ROWS],
+    len: usize,
+}
+
+impl<'w> WholeBatch<'w> {
+    /// As [`PanelBatch::push`], for a whole panel.
+    ///
+    /// # Safety
+    /// As [`PanelBatch::push`]; panel `q` of `w` holds [`NR`] outputs.
+    unsafe fn push(&mut self, w: &'w PackedMatrix, q: usize, x: *const f32, out: *mut f32, scale: f32) {
+        let fits = match self.rows[0] {
+            Some((first, ..)) => first.precision() == w.precision() && first.k == w.k,
+            None => true,
+        };
+        if self.len == EXPAND_WIDE_ROWS || !fits {
+            // SAFETY: the caller's contract.
+            unsafe { self.run() };
+        }
+        self.rows[self.len] = Some((w, q, x, out, scale));
+        self.len += 1;
+    }
+
+    /// Run what is pending.
+    ///
+    /// # Safety
+    /// As [`WholeBatch::push`].
+    unsafe fn run(&mut self) {
+        let batch = &self.rows[..self.len];
+        self.len = 0;
+        let Some(Some((first, ..))) = batch.first() else { return };
+        let (k, wide) = (first.k, Kernel::best() == Kernel::Avx512);
+        macro_rules! run {
+            ($variant:ident, $kernel:ident, $t:ty) => {{
+                let mut rows: [PanelRow<$t>; EXPAND_WIDE_ROWS] = [PanelRow {
+                    panel: std::ptr::null(),
+                    x: std::ptr::null(),
+                    out: std::ptr::null_mut(),
+                    cols: NR,
+                    scale: 0.0,
+                }; EXPAND_WIDE_ROWS];
+                for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
+                    let Panels::$variant(panels) = &*w.panels else {
+                        unreachable!("one precision a batch")
+                    };
+                    *slot = PanelRow {
+                        panel: panels.as_slice()[q * k * NR..(q + 1) * k * NR].as_ptr(),
+                        x,
+                        out,
+                        cols: NR,
+                        scale,
+                    };
+                }
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller's contract; each panel holds `k × NR` weights.
+                unsafe {
+                    x86::$kernel(&rows[..batch.len()], k, wide)
+                };
+            }};
+        }
+        match &*first.panels {
+            Panels::F32(_) => run!(F32, expand_f32, f32),
+            Panels::F16(_) => run!(F16, expand_f16, f16),
+            Panels::Bf16(_) => run!(Bf16, expand_bf16, bf16),
+            Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
+        }
     }
 }
 
@@ -1270,6 +1382,121 @@ mod x86 {
     row_kernel!(row_f16, f16, load_f16);
     row_kernel!(row_bf16, bf16, load_bf16);
 
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    unsafe fn load_f32_wide(p: *const f32) -> __m512 {
+        // SAFETY: the caller reads within its panel.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    unsafe fn load_f16_wide(p: *const f16) -> __m512 {
+        // SAFETY: as above; 16 halves are 32 bytes.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    unsafe fn load_bf16_wide(p: *const bf16) -> __m512 {
+        // SAFETY: as above. A bfloat16 is the top half of an f32.
+        unsafe {
+            let halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
+        }
+    }
+
+    /// The fused expand on whole panels: rows through a panel of their own
+    /// each (`cols` = [`NR`]), over a rank's worth of `k`, side by side —
+    /// the short chains of an expand need many rows in flight, and nothing
+    /// is asked for ahead (the product's tiles asked for these lines). Each
+    /// output summed over `k` as [`row_kernel`] sums it: one fused
+    /// multiply-add a step in order, then `out + scale · sum`.
+    macro_rules! expand_kernel {
+        ($name:ident, $t:ty, $load:ident, $load_wide:ident) => {
+            /// # Safety
+            /// The CPU must have AVX2, FMA and F16C (and AVX-512F/VL for
+            /// `on_avx512`); every row's panel must hold `k × NR` weights, its
+            /// input `k` values, its output `NR`.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize, on_avx512: bool) {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn narrow<const N: usize>(rows: &[PanelRow<$t>], k: usize) {
+                    // SAFETY (body): the caller's contract, for these `N` rows.
+                    unsafe {
+                        let mut lo = [_mm256_setzero_ps(); N];
+                        let mut hi = [_mm256_setzero_ps(); N];
+                        for kk in 0..k {
+                            for g in 0..N {
+                                let a = _mm256_broadcast_ss(&*rows[g].x.add(kk));
+                                let b = rows[g].panel.add(kk * NR);
+                                lo[g] = _mm256_fmadd_ps(a, $load(b), lo[g]);
+                                hi[g] = _mm256_fmadd_ps(a, $load(b.add(8)), hi[g]);
+                            }
+                        }
+                        for g in 0..N {
+                            let (out, scale) = (rows[g].out, _mm256_set1_ps(rows[g].scale));
+                            let lo = _mm256_add_ps(_mm256_loadu_ps(out), _mm256_mul_ps(scale, lo[g]));
+                            let hi = _mm256_add_ps(_mm256_loadu_ps(out.add(8)), _mm256_mul_ps(scale, hi[g]));
+                            _mm256_storeu_ps(out, lo);
+                            _mm256_storeu_ps(out.add(8), hi);
+                        }
+                    }
+                }
+                #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+                unsafe fn wide<const N: usize>(rows: &[PanelRow<$t>], k: usize) {
+                    // SAFETY (body): the caller's contract, for these `N` rows.
+                    unsafe {
+                        let mut acc = [_mm512_setzero_ps(); N];
+                        for kk in 0..k {
+                            for g in 0..N {
+                                let a = _mm512_set1_ps(*rows[g].x.add(kk));
+                                acc[g] = _mm512_fmadd_ps(a, $load_wide(rows[g].panel.add(kk * NR)), acc[g]);
+                            }
+                        }
+                        for g in 0..N {
+                            let (out, scale) = (rows[g].out, _mm512_set1_ps(rows[g].scale));
+                            _mm512_storeu_ps(
+                                out,
+                                _mm512_add_ps(_mm512_loadu_ps(out), _mm512_mul_ps(scale, acc[g])),
+                            );
+                        }
+                    }
+                }
+                // SAFETY (block): the caller's contract.
+                unsafe {
+                    if on_avx512 {
+                        for rows in rows.chunks(super::EXPAND_WIDE_ROWS) {
+                            match rows.len() {
+                                1 => wide::<1>(rows, k),
+                                2 => wide::<2>(rows, k),
+                                3 => wide::<3>(rows, k),
+                                4 => wide::<4>(rows, k),
+                                5 => wide::<5>(rows, k),
+                                6 => wide::<6>(rows, k),
+                                7 => wide::<7>(rows, k),
+                                _ => wide::<8>(rows, k),
+                            }
+                        }
+                    } else {
+                        for rows in rows.chunks(super::EXPAND_ROWS) {
+                            match rows.len() {
+                                1 => narrow::<1>(rows, k),
+                                2 => narrow::<2>(rows, k),
+                                3 => narrow::<3>(rows, k),
+                                _ => narrow::<4>(rows, k),
+                            }
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    expand_kernel!(expand_f32, f32, load_f32, load_f32_wide);
+    expand_kernel!(expand_f16, f16, load_f16, load_f16_wide);
+    expand_kernel!(expand_bf16, bf16, load_bf16, load_bf16_wide);
+
     /// Dispatch on the kernel and the tile's height, for one element type.
     macro_rules! tile {
         ($t:ty, $narrow:ident, $wide:ident) => {
@@ -1532,6 +1759,84 @@ mod tests {
                 }
                 assert_eq!(got, want, "{m} rows, bf16 pairs: {}", w.bf16_dot());
                 assert_eq!(w.matmul_expand(&x, m, &[]), w.matmul(&x, m), "{m} rows, no parts");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_expand_kernels_on_whole_panels_add_what_row_add_adds_on_every_kernel_here() {
+        if !PackedMatrix::rows_direct() {
+            return; // no AVX2 here: callers add the adapters after the product.
+        }
+        let mut rng = SplitMix::new(31);
+        // Wide registers where this CPU has them, AVX2's pairs everywhere.
+        let kernels: Vec<bool> = [false, true]
+            .into_iter()
+            .filter(|&wide| !wide || Kernel::best() == Kernel::Avx512)
+            .collect();
+        for rank in [1, 4, 16, 33] {
+            for rows in 1..=(EXPAND_WIDE_ROWS + 3) {
+                // Each row its own `B` (two panels of outputs) in one precision.
+                let values: Vec<Vec<f32>> = (0..rows).map(|_| random(2 * NR * rank, &mut rng)).collect();
+                let shrunk: Vec<Vec<f32>> = (0..rows).map(|_| random(rank, &mut rng)).collect();
+                let scales: Vec<f32> = (0..rows).map(|r| 0.25 * (r + 1) as f32).collect();
+                for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+                    let bs: Vec<PackedMatrix> = values
+                        .iter()
+                        .map(|v| match precision {
+                            Precision::F32 => PackedMatrix::from_f32(v, 2 * NR, rank),
+                            Precision::F16 => {
+                                let h: Vec<f16> = v.iter().map(|&v| f16::from_f32(v)).collect();
+                                PackedMatrix::from_f16(&h, 2 * NR, rank)
+                            }
+                            Precision::Bf16 => {
+                                let h: Vec<bf16> = v.iter().map(|&v| bf16::from_f32(v)).collect();
+                                PackedMatrix::from_bf16(&h, 2 * NR, rank)
+                            }
+                        })
+                        .collect();
+                    let start: Vec<Vec<f32>> = (0..rows).map(|_| random(2 * NR, &mut rng)).collect();
+                    let mut want = start.clone();
+                    for ((b, out), (x, &scale)) in bs.iter().zip(&mut want).zip(shrunk.iter().zip(&scales)) {
+                        assert!(b.row_add(x, out, scale));
+                    }
+                    for &wide in &kernels {
+                        let mut got = start.clone();
+                        for q in 0..2 {
+                            macro_rules! run {
+                                ($variant:ident, $kernel:ident) => {{
+                                    let jobs: Vec<_> = bs
+                                        .iter()
+                                        .zip(&mut got)
+                                        .zip(shrunk.iter().zip(&scales))
+                                        .map(|((b, out), (x, &scale))| {
+                                            let Panels::$variant(panels) = &*b.panels else {
+                                                unreachable!()
+                                            };
+                                            PanelRow {
+                                                panel: panels.as_slice()[q * rank * NR..].as_ptr(),
+                                                x: x.as_ptr(),
+                                                out: out[q * NR..].as_mut_ptr(),
+                                                cols: NR,
+                                                scale,
+                                            }
+                                        })
+                                        .collect();
+                                    // SAFETY: AVX2 (and AVX-512 where `wide`) checked above;
+                                    // each panel holds `rank × NR` weights, each output `NR`.
+                                    unsafe { x86::$kernel(&jobs, rank, wide) };
+                                }};
+                            }
+                            match precision {
+                                Precision::F32 => run!(F32, expand_f32),
+                                Precision::F16 => run!(F16, expand_f16),
+                                Precision::Bf16 => run!(Bf16, expand_bf16),
+                            }
+                        }
+                        assert_eq!(got, want, "rank {rank}, {rows} rows, {precision:?}, AVX-512: {wide}");
+                    }
+                }
             }
         }
     }

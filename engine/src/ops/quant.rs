@@ -1155,8 +1155,6 @@ unsafe fn part_product(
     let (gb, file_blocks) = (part.ty.group_bytes(), nb / part.ty.sub_blocks());
     let m = x.q.len() / x.k;
     let per_panel = NR / WR;
-    // The lines of the adapters' `B` that the next panel's expand reads.
-    let mut lines = Vec::new();
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
@@ -1176,30 +1174,30 @@ unsafe fn part_product(
             #[cfg(target_arch = "x86_64")]
             {
                 let in_panel = (g - groups.start) % per_panel;
-                if !expand.is_none() && in_panel == 0 {
-                    lines.clear();
-                    if g + per_panel < groups.end {
-                        expand.lines(chunk.clone(), panel + 1, &mut lines);
-                    }
-                }
+                // The next panel's expand, if this task computes it: its
+                // rows' `B` lines asked for a slice before each tile of the
+                // panel's groups.
+                let next_panel = !expand.is_none() && g - in_panel + per_panel < groups.end;
                 let blocks = part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
-                // This group's share of the next panel's lines, a slice before
-                // each of its tiles.
-                let tiles = chunk.len().div_ceil(height);
-                let share = lines.len().div_ceil(per_panel);
-                let mine = &lines[(in_panel * share).min(lines.len())..((in_panel + 1) * share).min(lines.len())];
+                let tile_rows = |r: usize| 1usize << height.min(chunk.end - r).ilog2();
+                let tiles = {
+                    let (mut r, mut tiles) = (chunk.start, 0);
+                    while r < chunk.end {
+                        r += tile_rows(r);
+                        tiles += 1;
+                    }
+                    tiles
+                };
+                let slots = per_panel * tiles;
                 let (mut r, mut tile_index) = (chunk.start, 0);
                 while r < chunk.end {
                     // Tiles of a power of two rows: 3 rows are 2 and 1.
-                    let rows = 1 << height.min(chunk.end - r).ilog2();
-                    let ask = &mine[(tile_index * mine.len() / tiles).min(mine.len())
-                        ..((tile_index + 1) * mine.len() / tiles).min(mine.len())];
-                    for &line in ask {
-                        // SAFETY: a prefetch only; the line lies in a `B`.
-                        unsafe {
-                            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line as *const i8)
-                        };
+                    let rows = tile_rows(r);
+                    if next_panel {
+                        let slot = in_panel * tiles + tile_index;
+                        let share = |s: usize| chunk.start + s * chunk.len() / slots;
+                        expand.prefetch(share(slot)..share(slot + 1), panel + 1);
                     }
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
