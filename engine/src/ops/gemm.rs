@@ -823,26 +823,52 @@ impl<'e, 'a> Fused<'e, 'a> {
 /// [`NR`] outputs each.
 pub(crate) const EXPAND_WIDE_ROWS: usize = 8;
 
-/// Up to [`EXPAND_WIDE_ROWS`] rows' expands on whole panels of their own,
-/// of one precision and one rank, run together when full (or when the
-/// next differs): [`Fused::add`]'s batch.
-#[derive(Default)]
-struct WholeBatch<'w> {
-    rows: [Option<PendingRow<'w>>; EXPAND_WIDE_ROWS],
+/// Rows whose products run side by side, each on one panel of its own.
+pub(crate) const EXPAND_ROWS: usize = 4;
+
+/// A matrix, one of its panels, the input row and where the outputs go, and
+/// the scale: one entry of a [`RowBatch`].
+type PendingRow<'w> = (&'w PackedMatrix, usize, *const f32, *mut f32, f32);
+
+/// Up to `N` single-row products on one panel each, of one precision and
+/// one `k`, run together when full (or when the next differs): through the
+/// rows kernel (any panel, each weight line asked for ahead), or, `WHOLE`,
+/// through the expand kernel (whole panels of [`NR`] outputs, a rank's
+/// worth of `k`, nothing asked for).
+struct RowBatch<'w, const N: usize, const WHOLE: bool> {
+    rows: [Option<PendingRow<'w>>; N],
     len: usize,
 }
 
-impl<'w> WholeBatch<'w> {
-    /// As [`PanelBatch::push`], for a whole panel.
+/// [`RowBatch`] on the rows kernel: shrinks and a part's partial last panel.
+type PanelBatch<'w> = RowBatch<'w, EXPAND_ROWS, false>;
+
+/// [`RowBatch`] on the expand kernel: [`Fused::add`]'s whole panels.
+type WholeBatch<'w> = RowBatch<'w, EXPAND_WIDE_ROWS, true>;
+
+impl<const N: usize, const WHOLE: bool> Default for RowBatch<'_, N, WHOLE> {
+    fn default() -> Self {
+        RowBatch {
+            rows: [None; N],
+            len: 0,
+        }
+    }
+}
+
+impl<'w, const N: usize, const WHOLE: bool> RowBatch<'w, N, WHOLE> {
+    /// `out[j] += scale · Σₖ x[k] · W[q·NR + j][k]` for the (up to `NR`;
+    /// `WHOLE`: exactly `NR`) outputs of panel `q` of `w`.
     ///
     /// # Safety
-    /// As [`PanelBatch::push`]; panel `q` of `w` holds [`NR`] outputs.
+    /// `x` must hold `w.k` values and `out` the panel's outputs, written by
+    /// nothing else until [`RowBatch::run`]; the CPU must have
+    /// [`PackedMatrix::rows_direct`].
     unsafe fn push(&mut self, w: &'w PackedMatrix, q: usize, x: *const f32, out: *mut f32, scale: f32) {
         let fits = match self.rows[0] {
             Some((first, ..)) => first.precision() == w.precision() && first.k == w.k,
             None => true,
         };
-        if self.len == EXPAND_WIDE_ROWS || !fits {
+        if self.len == N || !fits {
             // SAFETY: the caller's contract.
             unsafe { self.run() };
         }
@@ -853,21 +879,21 @@ impl<'w> WholeBatch<'w> {
     /// Run what is pending.
     ///
     /// # Safety
-    /// As [`WholeBatch::push`].
+    /// As [`RowBatch::push`].
     unsafe fn run(&mut self) {
         let batch = &self.rows[..self.len];
         self.len = 0;
         let Some(Some((first, ..))) = batch.first() else { return };
         let (k, wide) = (first.k, Kernel::best() == Kernel::Avx512);
         macro_rules! run {
-            ($variant:ident, $kernel:ident, $t:ty) => {{
-                let mut rows: [PanelRow<$t>; EXPAND_WIDE_ROWS] = [PanelRow {
+            ($variant:ident, $rows:ident, $expand:ident) => {{
+                let mut rows = [PanelRow {
                     panel: std::ptr::null(),
                     x: std::ptr::null(),
                     out: std::ptr::null_mut(),
-                    cols: NR,
+                    cols: 0,
                     scale: 0.0,
-                }; EXPAND_WIDE_ROWS];
+                }; N];
                 for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
                     let Panels::$variant(panels) = &*w.panels else {
                         unreachable!("one precision a batch")
@@ -876,97 +902,27 @@ impl<'w> WholeBatch<'w> {
                         panel: panels.as_slice()[q * k * NR..(q + 1) * k * NR].as_ptr(),
                         x,
                         out,
-                        cols: NR,
-                        scale,
-                    };
-                }
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the caller's contract; each panel holds `k × NR` weights.
-                unsafe {
-                    x86::$kernel(&rows[..batch.len()], k, wide)
-                };
-            }};
-        }
-        match &*first.panels {
-            Panels::F32(_) => run!(F32, expand_f32, f32),
-            Panels::F16(_) => run!(F16, expand_f16, f16),
-            Panels::Bf16(_) => run!(Bf16, expand_bf16, bf16),
-            Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
-        }
-    }
-}
-
-/// Rows whose products run side by side, each on one panel of its own.
-pub(crate) const EXPAND_ROWS: usize = 4;
-
-/// A matrix, one of its panels, the input row and where the outputs go, and
-/// the scale: one entry of a [`PanelBatch`].
-type PendingRow<'w> = (&'w PackedMatrix, usize, *const f32, *mut f32, f32);
-
-/// Up to [`EXPAND_ROWS`] single-row products on one panel each, of one
-/// precision and one `k`, run together when full (or when the next differs).
-#[derive(Default)]
-struct PanelBatch<'w> {
-    rows: [Option<PendingRow<'w>>; EXPAND_ROWS],
-    len: usize,
-}
-
-impl<'w> PanelBatch<'w> {
-    /// `out[j] += scale · Σₖ x[k] · W[q·NR + j][k]` for the (up to `NR`)
-    /// outputs of panel `q` of `w`.
-    ///
-    /// # Safety
-    /// `x` must hold `w.k` values and `out` the panel's outputs, written by
-    /// nothing else until [`PanelBatch::run`]; the CPU must have
-    /// [`PackedMatrix::rows_direct`].
-    unsafe fn push(&mut self, w: &'w PackedMatrix, q: usize, x: *const f32, out: *mut f32, scale: f32) {
-        let fits = match self.rows[0] {
-            Some((first, ..)) => first.precision() == w.precision() && first.k == w.k,
-            None => true,
-        };
-        if self.len == EXPAND_ROWS || !fits {
-            // SAFETY: the caller's contract.
-            unsafe { self.run() };
-        }
-        self.rows[self.len] = Some((w, q, x, out, scale));
-        self.len += 1;
-    }
-
-    /// Run what is pending.
-    ///
-    /// # Safety
-    /// As [`PanelBatch::push`].
-    unsafe fn run(&mut self) {
-        let batch = &self.rows[..self.len];
-        self.len = 0;
-        let Some(Some((first, ..))) = batch.first() else { return };
-        let k = first.k;
-        macro_rules! run {
-            ($variant:ident, $kernel:ident) => {{
-                let mut rows = [None; EXPAND_ROWS];
-                for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
-                    let Panels::$variant(panels) = &*w.panels else {
-                        unreachable!("one precision a batch")
-                    };
-                    *slot = Some(PanelRow {
-                        panel: panels.as_slice()[q * k * NR..(q + 1) * k * NR].as_ptr(),
-                        x,
-                        out,
                         cols: NR.min(w.n - q * NR),
                         scale,
-                    });
+                    };
                 }
+                let rows = &rows[..batch.len()];
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the caller's contract; each panel holds `k × NR` weights.
+                // SAFETY: the caller's contract; each panel holds `k × NR`
+                // weights (and `NR` outputs where `WHOLE`).
                 unsafe {
-                    x86::$kernel(&rows[..batch.len()], k)
+                    if WHOLE {
+                        x86::$expand(rows, k, wide)
+                    } else {
+                        x86::$rows(rows, k)
+                    }
                 };
             }};
         }
         match &*first.panels {
-            Panels::F32(_) => run!(F32, rows_f32),
-            Panels::F16(_) => run!(F16, rows_f16),
-            Panels::Bf16(_) => run!(Bf16, rows_bf16),
+            Panels::F32(_) => run!(F32, rows_f32, expand_f32),
+            Panels::F16(_) => run!(F16, rows_f16, expand_f16),
+            Panels::Bf16(_) => run!(Bf16, rows_bf16, expand_bf16),
             Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
         }
     }
@@ -1309,11 +1265,11 @@ mod x86 {
             /// `k × NR` weights, its input `k` values, its output `cols ≤ NR`.
             #[target_feature(enable = "avx2,fma,f16c")]
             #[allow(clippy::modulo_one)] // a line holds one step of an f32 panel
-            pub(super) unsafe fn $name(rows: &[Option<PanelRow<$t>>], k: usize) {
+            pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize) {
                 let mut lo = [_mm256_setzero_ps(); super::EXPAND_ROWS];
                 let mut hi = [_mm256_setzero_ps(); super::EXPAND_ROWS];
                 let rows: [PanelRow<$t>; super::EXPAND_ROWS] = std::array::from_fn(|g| {
-                    rows.get(g).copied().flatten().unwrap_or(PanelRow {
+                    rows.get(g).copied().unwrap_or(PanelRow {
                         panel: std::ptr::null(),
                         x: std::ptr::null(),
                         out: std::ptr::null_mut(),
