@@ -887,13 +887,7 @@ impl<'w, const N: usize, const WHOLE: bool> RowBatch<'w, N, WHOLE> {
         let (k, wide) = (first.k, Kernel::best() == Kernel::Avx512);
         macro_rules! run {
             ($variant:ident, $rows:ident, $expand:ident) => {{
-                let mut rows = [PanelRow {
-                    panel: std::ptr::null(),
-                    x: std::ptr::null(),
-                    out: std::ptr::null_mut(),
-                    cols: 0,
-                    scale: 0.0,
-                }; N];
+                let mut rows = [PanelRow::NONE; N];
                 for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
                     let Panels::$variant(panels) = &*w.panels else {
                         unreachable!("one precision a batch")
@@ -1011,6 +1005,17 @@ struct PanelRow<T> {
     out: *mut f32,
     cols: usize,
     scale: f32,
+}
+
+impl<T> PanelRow<T> {
+    /// No row: what fills a kernel's slots beyond the rows it was given.
+    const NONE: Self = PanelRow {
+        panel: std::ptr::null(),
+        x: std::ptr::null(),
+        out: std::ptr::null_mut(),
+        cols: 0,
+        scale: 0.0,
+    };
 }
 
 /// One tile of a product: `rows` token rows times one panel, into `cols`
@@ -1268,16 +1273,9 @@ mod x86 {
             pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize) {
                 let mut lo = [_mm256_setzero_ps(); super::EXPAND_ROWS];
                 let mut hi = [_mm256_setzero_ps(); super::EXPAND_ROWS];
-                let rows: [PanelRow<$t>; super::EXPAND_ROWS] = std::array::from_fn(|g| {
-                    rows.get(g).copied().unwrap_or(PanelRow {
-                        panel: std::ptr::null(),
-                        x: std::ptr::null(),
-                        out: std::ptr::null_mut(),
-                        cols: 0,
-                        scale: 0.0,
-                    })
-                });
-                let live = rows.iter().take_while(|r| !r.panel.is_null()).count();
+                let live = rows.len().min(super::EXPAND_ROWS);
+                let rows: [PanelRow<$t>; super::EXPAND_ROWS] =
+                    std::array::from_fn(|g| rows.get(g).copied().unwrap_or(PanelRow::NONE));
                 // SAFETY (whole body): the caller's contract, for the `live` rows.
                 unsafe {
                     // Each row's weights, a line ahead at a time.

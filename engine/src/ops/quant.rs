@@ -1181,14 +1181,8 @@ unsafe fn part_product(
                 let blocks = part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let tile_rows = |r: usize| 1usize << height.min(chunk.end - r).ilog2();
-                let tiles = {
-                    let (mut r, mut tiles) = (chunk.start, 0);
-                    while r < chunk.end {
-                        r += tile_rows(r);
-                        tiles += 1;
-                    }
-                    tiles
-                };
+                // Whole tiles, then one for each power of two in the rest.
+                let tiles = chunk.len() / height + (chunk.len() % height).count_ones() as usize;
                 let slots = per_panel * tiles;
                 let (mut r, mut tile_index) = (chunk.start, 0);
                 while r < chunk.end {
