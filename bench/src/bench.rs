@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use lorry_engine::adapters::{AdapterRef, Adapters, AdaptersConfig, LocalFiles};
 use lorry_engine::lora::{Adapter, AdapterLimits, LoraWeights, PackedAdapter, Target};
 use lorry_engine::models::llama::{Config, Products};
-use lorry_engine::ops::gemm::{self, Kernel, PackedMatrix, Precision};
+use lorry_engine::ops::gemm::{self, Kernel, PackedMatrix, PairKernel, Precision};
 use lorry_engine::ops::quant::{QuantKernel, QuantMatrix, QuantType};
 
 use anyhow::{bail, Context as _};
@@ -362,6 +362,16 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         Ok((name, matrices))
     })
     .collect::<anyhow::Result<_>>()?;
+    // Half precision as bf16 pairs (the models' f16 and bf16 weights where
+    // the CPU multiplies bf16) on every pair kernel this CPU has.
+    let pairs: Vec<PackedMatrix> = if gemm::bf16_dot_available() {
+        weights
+            .iter()
+            .map(|w| PackedMatrix::from_tensor_dot(&w.to_dtype(DType::BF16)?))
+            .collect::<candle_core::Result<_>>()?
+    } else {
+        Vec::new()
+    };
     let mut runs: Vec<(String, Run<'_>)> = Vec::new();
     for (i, (name, matrices)) in packed.iter().enumerate() {
         if i == 0 {
@@ -371,6 +381,19 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         } else {
             runs.push((format!("{name} {best:?}"), panel_run(matrices, best)));
         }
+    }
+    // Half precision as bf16 pairs on every pair kernel this CPU has.
+    for kernel in PairKernel::available()
+        .into_iter()
+        .filter(|k| !pairs.is_empty() && *k != PairKernel::Portable)
+    {
+        let pairs = &pairs;
+        let run: Run<'_> = Box::new(move |i, x, m| {
+            let mut out = vec![0f32; m * pairs[i].outputs()];
+            pairs[i].matmul_pairs_into(x, m, &mut out, kernel);
+            out
+        });
+        runs.push((format!("bf16 pairs {kernel:?}"), run));
     }
     // The 32-weight blocks on every quantized kernel this CPU has, the
     // K-quants on the best.

@@ -199,6 +199,52 @@ pub fn bf16_dot_available() -> bool {
     })
 }
 
+/// Which kernel a product on bf16 pairs runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairKernel {
+    /// AMX tiles (`tdpbf16ps` on 16 × 16 tiles), where the CPU has AMX-BF16
+    /// and lets this process use it.
+    Amx,
+    /// AVX-512 BF16's `vdpbf16ps` on registers.
+    Dot,
+    /// Plain Rust: [`dot_pair`] chains.
+    Portable,
+}
+
+impl PairKernel {
+    /// The kernels on bf16 pairs this CPU runs, best first (always ending
+    /// with `Portable`).
+    pub fn available() -> Vec<PairKernel> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if bf16_dot_available() {
+            if super::amx::available() {
+                kernels.push(PairKernel::Amx);
+            }
+            kernels.push(PairKernel::Dot);
+        }
+        kernels.push(PairKernel::Portable);
+        kernels
+    }
+
+    /// The best this CPU runs (found once): what every product on pairs
+    /// runs on, whatever its number of rows, so that a row's sums never
+    /// depend on what shares its product.
+    pub fn best() -> PairKernel {
+        static BEST: std::sync::OnceLock<PairKernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| PairKernel::available()[0])
+    }
+
+    /// The pair kernel a product asked to run on `kernel` takes.
+    fn of(kernel: Kernel) -> PairKernel {
+        if kernel == Kernel::Portable {
+            PairKernel::Portable
+        } else {
+            PairKernel::best()
+        }
+    }
+}
+
 /// `acc + x·w` for one pair of bf16 inputs and weights (the even one in the
 /// low half of each `u32`): the odd products added first, then the even,
 /// each sum rounded to f32 (the products of two bf16 values are exact), as
@@ -218,8 +264,27 @@ fn pair_of(two: &[bf16]) -> u32 {
 /// `x` rounded to bf16 pairs ([`pair_of`]), an odd length's last pair
 /// holding a zero.
 fn bf16_pairs(x: &[f32], pairs: &mut [u32]) {
-    for (pair, two) in pairs.iter_mut().zip(x.chunks(2)) {
-        *pair = pair_of(&[bf16::from_f32(two[0]), bf16::from_f32(*two.get(1).unwrap_or(&0.0))]);
+    let whole = x.len() / 2;
+    for (pair, two) in pairs.iter_mut().zip(x.chunks_exact(2)) {
+        *pair = to_bf16(two[0]) | (to_bf16(two[1]) << 16);
+    }
+    if let (Some(&last), Some(pair)) = (x.get(2 * whole), pairs.get_mut(whole)) {
+        *pair = to_bf16(last);
+    }
+}
+
+/// `v` rounded to bf16 (to nearest, ties to even; a NaN stays a quiet NaN),
+/// the bits of `half::bf16::from_f32`, without branches so that the
+/// compiler runs it on whole vectors of a row.
+#[inline(always)]
+fn to_bf16(v: f32) -> u32 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x40;
+    if bits & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
     }
 }
 
@@ -463,7 +528,7 @@ impl PackedMatrix {
             Panels::F32(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
             Panels::F16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
             Panels::Bf16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
-            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, &mut out, kernel, true, expand),
+            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, &mut out, PairKernel::of(kernel), true, expand),
         }
         out
     }
@@ -483,6 +548,28 @@ impl PackedMatrix {
         self.product(x, m, out, kernel, true);
     }
 
+    /// [`PackedMatrix::matmul_into`] on bf16 pairs, on the pair kernel chosen
+    /// (one this CPU lacks falls back to the best it has): for tests and
+    /// benchmarks that hold the kernels side by side.
+    ///
+    /// # Panics
+    /// When the panels are not bf16 pairs, or on misshapen `x` or `out`.
+    pub fn matmul_pairs_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: PairKernel) {
+        let Panels::Pairs(p) = &*self.panels else {
+            panic!("the panels are not bf16 pairs")
+        };
+        assert_eq!(x.len(), m * self.k, "input shape");
+        assert_eq!(out.len(), m * self.n, "output shape");
+        let kernel = if PairKernel::available().contains(&kernel) {
+            kernel
+        } else {
+            PairKernel::best()
+        };
+        if !out.is_empty() {
+            self.run_pairs(p.as_slice(), x, m, out, kernel, true, Fused::NONE);
+        }
+    }
+
     fn product(&self, x: &[f32], m: usize, out: &mut [f32], kernel: Kernel, parallel: bool) {
         assert_eq!(x.len(), m * self.k, "input shape");
         assert_eq!(out.len(), m * self.n, "output shape");
@@ -494,7 +581,7 @@ impl PackedMatrix {
             Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
             Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
             Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
-            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, out, PairKernel::of(kernel), parallel, Fused::NONE),
         }
     }
 
@@ -507,17 +594,21 @@ impl PackedMatrix {
         x: &[f32],
         m: usize,
         out: &mut [f32],
-        kernel: Kernel,
+        kernel: PairKernel,
         parallel: bool,
         expand: Fused<'_, '_>,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if kernel == PairKernel::Amx {
+            return self.run_pairs_amx(panels, x, m, out, parallel, expand);
+        }
         let (n, k, k2) = (self.n, self.k, self.k.div_ceil(2));
         let count = n.div_ceil(NR);
         let groups = count.div_ceil(DOT_PANELS);
         let per_task = groups.div_ceil(4 * rayon::current_num_threads()).max(1);
         let tasks = groups.div_ceil(per_task);
         let target = OutPtr(out.as_mut_ptr());
-        let simd = kernel != Kernel::Portable && bf16_dot_available();
+        let simd = kernel == PairKernel::Dot;
         let mut pairs = Vec::new();
         for first_row in (0..m).step_by(MC) {
             let block_end = (first_row + MC).min(m);
@@ -571,6 +662,113 @@ impl PackedMatrix {
                         unsafe { expand.add(first_row..block_end, p, target.get(), n) };
                     }
                 }
+            };
+            if parallel {
+                (0..tasks).into_par_iter().for_each(task);
+            } else {
+                (0..tasks).for_each(task);
+            }
+        }
+    }
+
+    /// [`PackedMatrix::run_pairs`] on AMX tiles: each task takes pairs of
+    /// panels and runs every token row past them, two tiles of 16 rows at
+    /// a time (fewer rows than 16: one tile of that many).
+    #[cfg(target_arch = "x86_64")]
+    fn run_pairs_amx(
+        &self,
+        panels: &[u32],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        parallel: bool,
+        expand: Fused<'_, '_>,
+    ) {
+        use super::amx::{self, Sums, Tiles};
+        let (n, k, k2) = (self.n, self.k, self.k.div_ceil(2));
+        // Each token row's pairs, padded with zero pairs to whole tiles.
+        let lda = k2.next_multiple_of(amx::PAIRS);
+        let count = n.div_ceil(NR);
+        let groups = count.div_ceil(2);
+        let per_task = groups.div_ceil(4 * rayon::current_num_threads()).max(1);
+        let tasks = groups.div_ceil(per_task);
+        let target = OutPtr(out.as_mut_ptr());
+        let height = m.min(amx::ROWS);
+        // Rows per pass over the weights: as many pairs of tiles as keep the
+        // rows' pairs within about 1 MiB (the core's L2), at least one pair.
+        let pass = ((1 << 20) / (lda * 4)).max(2 * amx::ROWS) / (2 * amx::ROWS) * (2 * amx::ROWS);
+        let mut pairs: Vec<u32> = Vec::new();
+        for first_row in (0..m).step_by(pass) {
+            let block_end = (first_row + pass).min(m);
+            let len = block_end - first_row;
+            let padded = len.next_multiple_of(height);
+            pairs.clear();
+            pairs.resize(padded * lda, 0);
+            let rows_in = &x[first_row * k..block_end * k];
+            let round = |(to, from): (&mut [u32], &[f32])| bf16_pairs(from, &mut to[..k2]);
+            if parallel && len >= amx::ROWS {
+                pairs.par_chunks_mut(lda).zip(rows_in.par_chunks(k)).for_each(round);
+            } else {
+                pairs.chunks_mut(lda).zip(rows_in.chunks(k)).for_each(round);
+            }
+            let pairs = &pairs;
+            let tiles = padded / height;
+            let task = |t: usize| {
+                // SAFETY: `PairKernel::Amx` is only available where the tiles are.
+                let unit = unsafe { Tiles::new(height) };
+                let mut sums = [
+                    [Sums([0.0; 256]), Sums([0.0; 256])],
+                    [Sums([0.0; 256]), Sums([0.0; 256])],
+                ];
+                for g in t * per_task..((t + 1) * per_task).min(groups) {
+                    let first_panel = 2 * g;
+                    let panel_count = 2.min(count - first_panel);
+                    let b = [
+                        panels[first_panel * k2 * NR..].as_ptr(),
+                        panels[(first_panel + panel_count - 1) * k2 * NR..].as_ptr(),
+                    ];
+                    for tile in (0..tiles).step_by(2) {
+                        let blocks = 2.min(tiles - tile);
+                        // SAFETY: `pairs` holds `tiles` tiles of `height` rows of
+                        // `lda` pairs, zero past `k2`; each panel `k2` rows of `NR`.
+                        unsafe {
+                            unit.multiply(
+                                pairs[tile * height * lda..].as_ptr(),
+                                lda,
+                                blocks,
+                                b,
+                                panel_count,
+                                k2,
+                                &mut sums,
+                            )
+                        };
+                        for (block, sums) in sums.iter().enumerate().take(blocks) {
+                            let row = first_row + (tile + block) * height;
+                            let rows = height.min(block_end.saturating_sub(row));
+                            for (p, sums) in sums.iter().enumerate().take(panel_count) {
+                                let column = (first_panel + p) * NR;
+                                let cols = NR.min(n - column);
+                                for r in 0..rows {
+                                    // SAFETY: inside `out` (`m × n`); this task alone
+                                    // writes these panels' columns, and nothing reads
+                                    // `out` until every task is done.
+                                    unsafe {
+                                        std::ptr::copy_nonoverlapping(
+                                            sums.0[r * NR..].as_ptr(),
+                                            target.get().add((row + r) * n + column),
+                                            cols,
+                                        )
+                                    };
+                                }
+                            }
+                        }
+                    }
+                    for p in first_panel..first_panel + panel_count {
+                        // SAFETY: as for the tiles: this task's own columns, all written.
+                        unsafe { expand.add(first_row..block_end, p, target.get(), n) };
+                    }
+                }
+                drop(unit);
             };
             if parallel {
                 (0..tasks).into_par_iter().for_each(task);
@@ -1838,18 +2036,18 @@ mod tests {
     #[test]
     fn bf16_pair_products_follow_the_reference_on_odd_shapes_and_every_batch_size() {
         let mut rng = SplitMix::new(41);
-        let kernels: Vec<Kernel> = if bf16_dot_available() {
-            vec![Kernel::Auto, Kernel::Portable]
-        } else {
-            vec![Kernel::Portable]
-        };
-        let mut bit_exact = true;
-        for (n, k) in [(1, 1), (16, 2), (37, 33), (64, 1024), (100, 200), (200, 7)] {
+        let kernels = PairKernel::available();
+        let mut bit_exact = vec![true; kernels.len()];
+        // The last shape's rows pass over the weights in several blocks on AMX
+        // (each row's 2,050 pairs: 96 rows a pass).
+        let shapes = [(1, 1), (16, 2), (37, 33), (64, 1024), (100, 200), (200, 7), (24, 4100)];
+        for (n, k) in shapes {
+            let batches: &[usize] = if k > 2048 { &[200] } else { &[1, 2, 5, 6, 7, 13, 37, 64] };
             let w: Vec<bf16> = random(n * k, &mut rng).iter().map(|&v| bf16::from_f32(v)).collect();
             let packed = PackedMatrix::from_bf16_pairs(&w, n, k);
             assert!(packed.bf16_dot());
             assert_eq!(packed.bytes(), n.div_ceil(NR) * NR * 2 * k.div_ceil(2) * 2);
-            for m in [1, 2, 5, 6, 7, 13, 64] {
+            for &m in batches {
                 let x = random(m * k, &mut rng);
                 // The reference: each output one chain of `dot_pair` over its pairs.
                 let mut want = vec![0f32; m * n];
@@ -1863,11 +2061,17 @@ mod tests {
                         want[r * n + c] = pairs.iter().zip(&wp).fold(0f32, |acc, (&x, &w)| dot_pair(acc, x, w));
                     }
                 }
-                for &kernel in &kernels {
+                for (&kernel, bit_exact) in kernels.iter().zip(&mut bit_exact) {
                     let mut got = vec![f32::NAN; m * n];
-                    packed.matmul_into(&x, m, &mut got, kernel);
+                    packed.matmul_pairs_into(&x, m, &mut got, kernel);
+                    if kernel == PairKernel::best() {
+                        let mut auto = vec![f32::NAN; m * n];
+                        packed.matmul_into(&x, m, &mut auto, Kernel::Auto);
+                        assert_eq!(auto, got, "{n}x{k}, {m} rows: the product runs on {kernel:?}");
+                    }
                     // Within f32 rounding of the sums of |x·w| (the hardware may
-                    // round its two additions as one).
+                    // round its two additions as one, and the tile unit adds a
+                    // tile's pairs in its own order).
                     for r in 0..m {
                         let xb: Vec<f32> = x[r * k..(r + 1) * k]
                             .iter()
@@ -1880,7 +2084,7 @@ mod tests {
                                 .map(|(w, x)| (w.to_f32() * x).abs())
                                 .sum();
                             let (g, e) = (got[r * n + c], want[r * n + c]);
-                            bit_exact &= g.to_bits() == e.to_bits();
+                            *bit_exact &= g.to_bits() == e.to_bits();
                             assert!(
                                 (g - e).abs() <= magnitude * k as f32 * f32::EPSILON,
                                 "{n}x{k}, {m} rows, {kernel:?}: ({r}, {c}) {g} against {e}"
@@ -1890,13 +2094,57 @@ mod tests {
                     // A row alone gives what it gives among the others.
                     for r in [0, m / 2, m - 1] {
                         let mut alone = vec![0f32; n];
-                        packed.matmul_into(&x[r * k..(r + 1) * k], 1, &mut alone, kernel);
+                        packed.matmul_pairs_into(&x[r * k..(r + 1) * k], 1, &mut alone, kernel);
                         assert_eq!(alone, got[r * n..(r + 1) * n], "{n}x{k}, row {r} of {m}, {kernel:?}");
                     }
                 }
             }
         }
-        eprintln!("bf16 pair kernel bit for bit with the reference: {bit_exact}");
+        for (kernel, bit_exact) in kernels.iter().zip(&bit_exact) {
+            eprintln!("bf16 pairs on {kernel:?}, bit for bit with the reference: {bit_exact}");
+        }
+        assert!(
+            bit_exact.last().is_some_and(|&exact| exact),
+            "the portable kernel is the reference"
+        );
+    }
+
+    #[test]
+    fn rows_round_to_bf16_as_the_half_crate_does() {
+        let mut rng = SplitMix::new(47);
+        let mut values: Vec<f32> = [
+            0.0,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xff80_8000),
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x3f80_8001),
+            f32::from_bits(0x7f7f_ffff),
+        ]
+        .to_vec();
+        values.extend((0..100_000).map(|_| f32::from_bits((rng.next_u64() >> 32) as u32)));
+        for &v in &values {
+            assert_eq!(
+                to_bf16(v),
+                bf16::from_f32(v).to_bits() as u32,
+                "{v:e} ({:#x})",
+                v.to_bits()
+            );
+        }
+        // Pairs of an odd length end in a zero.
+        let mut pairs = [u32::MAX; 2];
+        bf16_pairs(&[1.0, 2.0, 3.0], &mut pairs);
+        assert_eq!(pairs, [0x4000_3f80, 0x4040]);
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! the CPU has, and every path gives a row the same sums whatever shares its
 //! batch.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub(crate) mod attention;
 pub mod gemm;
 pub mod quant;

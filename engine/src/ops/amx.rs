@@ -1,0 +1,291 @@
+//! Intel AMX tiles for products on bf16 pairs.
+//!
+//! Where the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process
+//! use the tiles' state, a product on bf16 pairs ([`super::gemm`]'s
+//! `Panels::Pairs`) runs on the tile unit: `tdpbf16ps` multiplies a tile of
+//! 16 token rows by 32 inputs (16 pairs) by a tile of one panel's 16 outputs
+//! and adds the 16 × 16 products into an f32 tile, 8,192 multiply-adds an
+//! instruction against `vdpbf16ps`'s 32.
+//!
+//! A panel of pairs is already the layout a tile of weights is read in: row
+//! `i` of panel `p` holds input pair `i` of its 16 outputs, 64 bytes, so 16
+//! consecutive rows are one tile. Token rows are rounded to bf16 pairs and
+//! laid out row by row, each padded with zero pairs to a whole number of
+//! tiles along `k`.
+//!
+//! The tile unit adds a tile's 16 pairs in its own order and roundings, not
+//! as `vdpbf16ps` chains them, so a product's sums may differ from the
+//! other kernels' in their last bits. Where the tiles are used they serve
+//! every product on pairs, whatever its number of rows, so a row's result
+//! still never depends on what shares its product: each output row of a
+//! tile is its own row's inputs against the weights, summed over `k` in
+//! the same order of tiles.
+
+use std::arch::asm;
+
+/// Input pairs per tile along `k` (64 bytes of a tile row).
+pub(crate) const PAIRS: usize = 16;
+
+/// Token rows per tile.
+pub(crate) const ROWS: usize = 16;
+
+/// Whether this CPU multiplies tiles of bf16 pairs (AMX-TILE and AMX-BF16)
+/// and this process may use them: on Linux the kernel hands out the tiles'
+/// state to a process that asks for it, which is asked here, once.
+pub(crate) fn available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+        let (bf16, tile) = (leaf.edx & (1 << 22) != 0, leaf.edx & (1 << 24) != 0);
+        bf16 && tile && permitted()
+    })
+}
+
+/// Ask the kernel for the tiles' state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`): granted once for every thread of the process.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn permitted() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a request about this process's own state, no memory passed.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn permitted() -> bool {
+    false
+}
+
+/// The tiles' shapes (`ldtilecfg`'s 64 bytes, palette 1): `tmm0`–`tmm3` the
+/// sums (two row blocks × two panels), `tmm4`–`tmm5` the token rows,
+/// `tmm6`–`tmm7` the panels; with one block of rows, `tmm2`–`tmm3` take
+/// panels too.
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// The tile unit configured on this thread for token tiles of `rows` rows,
+/// released (`tilerelease`) when dropped.
+pub(crate) struct Tiles {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// A tile's worth of f32 sums, 16 × 16, row by row.
+#[repr(C, align(64))]
+pub(crate) struct Sums(pub(crate) [f32; ROWS * 16]);
+
+/// 16 rows of a panel, for a tile at the end of `k` that the panel does
+/// not fill (the rest zero).
+#[repr(C, align(64))]
+struct Tail([u32; PAIRS * 16]);
+
+impl Tiles {
+    /// Configure this thread's tiles: token and sum tiles of `rows` rows
+    /// (1 to [`ROWS`]), weight tiles of [`PAIRS`].
+    ///
+    /// # Safety
+    /// [`available`] must have said yes.
+    pub(crate) unsafe fn new(rows: usize) -> Tiles {
+        assert!((1..=ROWS).contains(&rows));
+        let mut config = Config {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..8 {
+            config.bytes_per_row[t] = 64;
+            // `tmm2` and `tmm3` hold a second block's sums (only where
+            // blocks are whole, 16 rows) or, beside one block, panels.
+            config.rows[t] = if matches!(t, 0 | 1 | 4 | 5) {
+                rows as u8
+            } else {
+                PAIRS as u8
+            };
+        }
+        // SAFETY: the caller found the tiles usable; the configuration is valid.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly, preserves_flags)) };
+        Tiles {
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// `sums[b][p]` = rows block `b` of `a` times panel `p`, over `k2`
+    /// pairs: for `blocks` (1 or 2) blocks of the configured rows, the
+    /// second [`ROWS`] rows after the first, and `panels` (1 or 2) panels.
+    ///
+    /// # Safety
+    /// `a` must hold `blocks` blocks of rows `lda` pairs apart, `lda` at
+    /// least `k2` rounded up to [`PAIRS`], zero beyond `k2`; each
+    /// `b[p]` (`p < panels`) a panel of `k2` rows of 16 pairs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn multiply(
+        &self,
+        a: *const u32,
+        lda: usize,
+        blocks: usize,
+        b: [*const u32; 2],
+        panels: usize,
+        k2: usize,
+        sums: &mut [[Sums; 2]; 2],
+    ) {
+        let stride = 64usize;
+        // SAFETY (whole body): the caller's contract bounds every tile read.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem, preserves_flags)
+            );
+            let whole = k2 / PAIRS;
+            for t in 0..whole {
+                let at = t * PAIRS * 16;
+                let (a, b) = (a.add(t * PAIRS), [b[0].add(at), b[1].wrapping_add(at)]);
+                if blocks == 1 && t % 2 == 1 {
+                    // One block of rows leaves the second block's tiles free:
+                    // every other step loads into them, so that its loads need
+                    // not wait for the step before to have read its tiles.
+                    step_spare(a, lda, b, panels);
+                } else {
+                    step(a, lda, blocks, b, panels);
+                }
+            }
+            if whole * PAIRS < k2 {
+                // The last, partial tile of pairs from a zeroed copy.
+                let (at, rows) = (whole * PAIRS * 16, k2 - whole * PAIRS);
+                let mut tail = [Tail([0; PAIRS * 16]), Tail([0; PAIRS * 16])];
+                for (p, tail) in tail.iter_mut().enumerate().take(panels) {
+                    std::ptr::copy_nonoverlapping(b[p].add(at), tail.0.as_mut_ptr(), rows * 16);
+                }
+                step(
+                    a.add(whole * PAIRS),
+                    lda,
+                    blocks,
+                    [tail[0].0.as_ptr(), tail[1].0.as_ptr()],
+                    panels,
+                );
+            }
+            asm!(
+                "tilestored [{c} + {s}*1], tmm0",
+                c = in(reg) sums[0][0].0.as_mut_ptr(),
+                s = in(reg) stride,
+                options(nostack, preserves_flags)
+            );
+            if panels == 2 {
+                asm!(
+                    "tilestored [{c} + {s}*1], tmm1",
+                    c = in(reg) sums[0][1].0.as_mut_ptr(),
+                    s = in(reg) stride,
+                    options(nostack, preserves_flags)
+                );
+            }
+            if blocks == 2 {
+                asm!(
+                    "tilestored [{c} + {s}*1], tmm2",
+                    c = in(reg) sums[1][0].0.as_mut_ptr(),
+                    s = in(reg) stride,
+                    options(nostack, preserves_flags)
+                );
+                if panels == 2 {
+                    asm!(
+                        "tilestored [{c} + {s}*1], tmm3",
+                        c = in(reg) sums[1][1].0.as_mut_ptr(),
+                        s = in(reg) stride,
+                        options(nostack, preserves_flags)
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One tile of pairs along `k`: `tmm0 += a₀·b₀`, `tmm1 += a₀·b₁`, `tmm2 +=
+/// a₁·b₀`, `tmm3 += a₁·b₁` for the blocks and panels there are.
+///
+/// # Safety
+/// As [`Tiles::multiply`], at this tile's place along `k`.
+#[inline(always)]
+unsafe fn step(a: *const u32, lda: usize, blocks: usize, b: [*const u32; 2], panels: usize) {
+    let stride_a = lda * 4;
+    // SAFETY: the caller's contract bounds every tile read.
+    unsafe {
+        asm!(
+            "tileloadd tmm6, [{b0} + {s}*1]",
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            b0 = in(reg) b[0],
+            a0 = in(reg) a,
+            s = in(reg) 64usize,
+            sa = in(reg) stride_a,
+            options(nostack, readonly, preserves_flags)
+        );
+        if panels == 2 {
+            asm!(
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                b1 = in(reg) b[1],
+                s = in(reg) 64usize,
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+        if blocks == 2 {
+            asm!(
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                a1 = in(reg) a.add(ROWS * lda),
+                sa = in(reg) stride_a,
+                options(nostack, readonly, preserves_flags)
+            );
+            if panels == 2 {
+                asm!("tdpbf16ps tmm3, tmm5, tmm7", options(nostack, nomem, preserves_flags));
+            }
+        }
+    }
+}
+
+/// [`step`] for one block of rows, loading into the second block's tiles:
+/// `tmm0 += a·b₀`, `tmm1 += a·b₁` with `a` in `tmm5` and the panels in
+/// `tmm2` and `tmm3`.
+///
+/// # Safety
+/// As [`step`].
+#[inline(always)]
+unsafe fn step_spare(a: *const u32, lda: usize, b: [*const u32; 2], panels: usize) {
+    // SAFETY: the caller's contract bounds every tile read.
+    unsafe {
+        asm!(
+            "tileloadd tmm2, [{b0} + {s}*1]",
+            "tileloadd tmm5, [{a0} + {sa}*1]",
+            "tdpbf16ps tmm0, tmm5, tmm2",
+            b0 = in(reg) b[0],
+            a0 = in(reg) a,
+            s = in(reg) 64usize,
+            sa = in(reg) lda * 4,
+            options(nostack, readonly, preserves_flags)
+        );
+        if panels == 2 {
+            asm!(
+                "tileloadd tmm3, [{b1} + {s}*1]",
+                "tdpbf16ps tmm1, tmm5, tmm3",
+                b1 = in(reg) b[1],
+                s = in(reg) 64usize,
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: the tiles were configured by `new` on this thread.
+        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+    }
+}
