@@ -32,9 +32,14 @@ pub(crate) const ROWS: usize = 16;
 /// Whether this CPU multiplies tiles of bf16 pairs (AMX-TILE and AMX-BF16)
 /// and this process may use them: on Linux the kernel hands out the tiles'
 /// state to a process that asks for it, which is asked here, once.
+/// `LORRY_AMX=off` leaves the tiles alone (the products on pairs then run
+/// on AVX-512 BF16's registers).
 pub(crate) fn available() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
+        if std::env::var("LORRY_AMX").is_ok_and(|v| v.eq_ignore_ascii_case("off")) {
+            return false;
+        }
         let leaf = std::arch::x86_64::__cpuid_count(7, 0);
         let (bf16, tile) = (leaf.edx & (1 << 22) != 0, leaf.edx & (1 << 24) != 0);
         bf16 && tile && permitted()

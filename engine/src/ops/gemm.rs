@@ -31,6 +31,14 @@
 //! chains; every output is one chain over its pairs in order, whatever the
 //! tile, so a row's result never depends on what shares its product.
 //! [`dot_pair`] writes that arithmetic out; it is the portable kernel.
+//!
+//! Where the CPU also has AMX-BF16 and the kernel grants this process the
+//! tiles, every product on bf16 pairs runs on them instead ([`super::amx`]:
+//! 16 token rows by two panels a tile pair, 8,192 multiply-adds an
+//! instruction). The tile unit adds a tile's pairs in its own order, so its
+//! sums can differ from the chains' in their last bits; since it then serves
+//! every product on pairs, whatever its rows, a row's result still never
+//! depends on what shares its product. [`PairKernel`] names the three.
 
 use std::sync::Arc;
 
