@@ -140,7 +140,6 @@ impl Tiles {
         k2: usize,
         sums: &mut [[Sums; 2]; 2],
     ) {
-        let stride = 64usize;
         // SAFETY (whole body): the caller's contract bounds every tile read.
         unsafe {
             asm!(
@@ -178,38 +177,51 @@ impl Tiles {
                     panels,
                 );
             }
-            asm!(
-                "tilestored [{c} + {s}*1], tmm0",
-                c = in(reg) sums[0][0].0.as_mut_ptr(),
-                s = in(reg) stride,
-                options(nostack, preserves_flags)
-            );
-            if panels == 2 {
-                asm!(
-                    "tilestored [{c} + {s}*1], tmm1",
-                    c = in(reg) sums[0][1].0.as_mut_ptr(),
-                    s = in(reg) stride,
-                    options(nostack, preserves_flags)
-                );
+            // Each sum tile there is into its place in `sums`.
+            macro_rules! store {
+                ($tile:literal, $block:literal, $panel:literal) => {
+                    if $block < blocks && $panel < panels {
+                        asm!(
+                            concat!("tilestored [{c} + {s}*1], ", $tile),
+                            c = in(reg) sums[$block][$panel].0.as_mut_ptr(),
+                            s = in(reg) 64usize,
+                            options(nostack, preserves_flags)
+                        );
+                    }
+                };
             }
-            if blocks == 2 {
-                asm!(
-                    "tilestored [{c} + {s}*1], tmm2",
-                    c = in(reg) sums[1][0].0.as_mut_ptr(),
-                    s = in(reg) stride,
-                    options(nostack, preserves_flags)
-                );
-                if panels == 2 {
-                    asm!(
-                        "tilestored [{c} + {s}*1], tmm3",
-                        c = in(reg) sums[1][1].0.as_mut_ptr(),
-                        s = in(reg) stride,
-                        options(nostack, preserves_flags)
-                    );
-                }
-            }
+            store!("tmm0", 0, 0);
+            store!("tmm1", 0, 1);
+            store!("tmm2", 1, 0);
+            store!("tmm3", 1, 1);
         }
     }
+}
+
+/// One block of rows' step: `tmm0 += a·b₀` and, with two panels, `tmm1 +=
+/// a·b₁`, with `a` loaded into the tile `$a` and the panels into `$b0`, `$b1`.
+macro_rules! block_step {
+    ($a:literal, $b0:literal, $b1:literal, $rows:expr, $lda:expr, $b:expr, $panels:expr) => {{
+        asm!(
+            concat!("tileloadd ", $b0, ", [{b0} + {s}*1]"),
+            concat!("tileloadd ", $a, ", [{a0} + {sa}*1]"),
+            concat!("tdpbf16ps tmm0, ", $a, ", ", $b0),
+            b0 = in(reg) $b[0],
+            a0 = in(reg) $rows,
+            s = in(reg) 64usize,
+            sa = in(reg) $lda * 4,
+            options(nostack, readonly, preserves_flags)
+        );
+        if $panels == 2 {
+            asm!(
+                concat!("tileloadd ", $b1, ", [{b1} + {s}*1]"),
+                concat!("tdpbf16ps tmm1, ", $a, ", ", $b1),
+                b1 = in(reg) $b[1],
+                s = in(reg) 64usize,
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+    }};
 }
 
 /// One tile of pairs along `k`: `tmm0 += a₀·b₀`, `tmm1 += a₀·b₁`, `tmm2 +=
@@ -219,34 +231,15 @@ impl Tiles {
 /// As [`Tiles::multiply`], at this tile's place along `k`.
 #[inline(always)]
 unsafe fn step(a: *const u32, lda: usize, blocks: usize, b: [*const u32; 2], panels: usize) {
-    let stride_a = lda * 4;
     // SAFETY: the caller's contract bounds every tile read.
     unsafe {
-        asm!(
-            "tileloadd tmm6, [{b0} + {s}*1]",
-            "tileloadd tmm4, [{a0} + {sa}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            b0 = in(reg) b[0],
-            a0 = in(reg) a,
-            s = in(reg) 64usize,
-            sa = in(reg) stride_a,
-            options(nostack, readonly, preserves_flags)
-        );
-        if panels == 2 {
-            asm!(
-                "tileloadd tmm7, [{b1} + {s}*1]",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                b1 = in(reg) b[1],
-                s = in(reg) 64usize,
-                options(nostack, readonly, preserves_flags)
-            );
-        }
+        block_step!("tmm4", "tmm6", "tmm7", a, lda, b, panels);
         if blocks == 2 {
             asm!(
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 a1 = in(reg) a.add(ROWS * lda),
-                sa = in(reg) stride_a,
+                sa = in(reg) lda * 4,
                 options(nostack, readonly, preserves_flags)
             );
             if panels == 2 {
@@ -265,27 +258,7 @@ unsafe fn step(a: *const u32, lda: usize, blocks: usize, b: [*const u32; 2], pan
 #[inline(always)]
 unsafe fn step_spare(a: *const u32, lda: usize, b: [*const u32; 2], panels: usize) {
     // SAFETY: the caller's contract bounds every tile read.
-    unsafe {
-        asm!(
-            "tileloadd tmm2, [{b0} + {s}*1]",
-            "tileloadd tmm5, [{a0} + {sa}*1]",
-            "tdpbf16ps tmm0, tmm5, tmm2",
-            b0 = in(reg) b[0],
-            a0 = in(reg) a,
-            s = in(reg) 64usize,
-            sa = in(reg) lda * 4,
-            options(nostack, readonly, preserves_flags)
-        );
-        if panels == 2 {
-            asm!(
-                "tileloadd tmm3, [{b1} + {s}*1]",
-                "tdpbf16ps tmm1, tmm5, tmm3",
-                b1 = in(reg) b[1],
-                s = in(reg) 64usize,
-                options(nostack, readonly, preserves_flags)
-            );
-        }
-    }
+    unsafe { block_step!("tmm5", "tmm2", "tmm3", a, lda, b, panels) };
 }
 
 impl Drop for Tiles {
