@@ -77,6 +77,7 @@ struct Config {
 /// The tile unit configured on this thread for token tiles of `rows` rows,
 /// released (`tilerelease`) when dropped.
 pub(crate) struct Tiles {
+    rows: usize,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -117,6 +118,7 @@ impl Tiles {
         // SAFETY: the caller found the tiles usable; the configuration is valid.
         unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly, preserves_flags)) };
         Tiles {
+            rows,
             _not_send: std::marker::PhantomData,
         }
     }
@@ -140,6 +142,9 @@ impl Tiles {
         k2: usize,
         sums: &mut [[Sums; 2]; 2],
     ) {
+        // The second block's sums live in tiles configured for 16 rows.
+        assert!(blocks == 1 || (blocks == 2 && self.rows == ROWS));
+        assert!((1..=2).contains(&panels));
         // SAFETY (whole body): the caller's contract bounds every tile read.
         unsafe {
             asm!(
