@@ -396,12 +396,12 @@ fn products(config: &Config, batches: &[usize]) -> anyhow::Result<()> {
         runs.push((format!("bf16 pairs {kernel:?}"), run));
     }
     // The 32-weight blocks on every quantized kernel this CPU has, the
-    // K-quants on the best.
+    // K-quants on the best two.
     for (name, matrices) in &blocks {
         for kernel in QuantKernel::available()
             .into_iter()
             .filter(|k| *k != QuantKernel::Portable)
-            .take(if name.ends_with("_K") { 1 } else { usize::MAX })
+            .take(if name.ends_with("_K") { 2 } else { usize::MAX })
         {
             let run: Run<'_> = Box::new(move |i, x, m| {
                 let mut out = vec![0f32; m * matrices[i].outputs()];

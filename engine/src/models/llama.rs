@@ -28,6 +28,7 @@ use std::path::Path;
 
 use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor};
 use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
+use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::{load_tensors, read_config, ModelError};
@@ -690,6 +691,17 @@ fn rows(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
+/// `f` on an f32 tensor's values, row-major: read where they lie when the
+/// tensor is contiguous on the CPU, copied otherwise.
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    if let (Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+        return Ok(f(&values[start..end]));
+    }
+    drop(storage);
+    Ok(f(&rows(t)?))
+}
+
 impl Attention {
     fn load(vb: VarBuilder, cfg: &Config, p: Projections<'_>) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
@@ -713,9 +725,21 @@ impl Attention {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Target::Q, 0), (Target::K, q_width), (Target::V, q_width + kv_width)];
         let qkv = self.qkv_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
-        let mut q = rows(&qkv.narrow(1, 0, q_width)?)?;
-        let mut k = rows(&qkv.narrow(1, q_width, kv_width)?)?;
-        let v = rows(&qkv.narrow(1, q_width + kv_width, kv_width)?)?;
+        let (mut q, mut k, v) = with_values(&qkv, |all| {
+            let (mut q, mut k, mut v) = (
+                Vec::with_capacity(tokens * q_width),
+                Vec::with_capacity(tokens * kv_width),
+                Vec::with_capacity(tokens * kv_width),
+            );
+            for row in all.chunks_exact(q_width + 2 * kv_width) {
+                let (row_q, rest) = row.split_at(q_width);
+                let (row_k, row_v) = rest.split_at(kv_width);
+                q.extend_from_slice(row_q);
+                k.extend_from_slice(row_k);
+                v.extend_from_slice(row_v);
+            }
+            (q, k, v)
+        })?;
         pass.rotary.apply(&mut q, self.num_heads, &pass.positions);
         pass.rotary.apply(&mut k, self.num_kv_heads, &pass.positions);
         kv.write(layer, &pass.seqs, &k, &v);
@@ -824,13 +848,30 @@ impl Mlp {
     fn forward(&self, x: &Tensor, pass: &Pass<'_>, layer: usize) -> Result<Tensor> {
         let parts = [(Target::Gate, 0), (Target::Up, self.intermediate)];
         let gate_up = self.gate_up_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
-        let gate = gate_up.narrow(1, 0, self.intermediate)?;
-        let up = gate_up.narrow(1, self.intermediate, self.intermediate)?;
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
+        let i = self.intermediate;
+        let hidden = match self.activation {
+            // `silu(gate)·up` in one pass over each row, in candle's
+            // arithmetic (`g / (1 + e^−g)`, then the product).
+            Activation::Silu if gate_up.device().is_cpu() => {
+                let hidden = with_values(&gate_up, |all| {
+                    let mut hidden = vec![0f32; all.len() / 2];
+                    hidden
+                        .par_chunks_mut(i)
+                        .zip(all.par_chunks(2 * i))
+                        .with_min_len(16)
+                        .for_each(|(out, row)| {
+                            let (gate, up) = row.split_at(i);
+                            for ((y, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                                *y = g / (1.0 + (-g).exp()) * u;
+                            }
+                        });
+                    hidden
+                })?;
+                Tensor::from_vec(hidden, (gate_up.dim(0)?, i), gate_up.device())?
+            }
+            Activation::Silu => (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?,
+            Activation::GeluTanh => (gate_up.narrow(1, 0, i)?.gelu()? * gate_up.narrow(1, i, i)?)?,
         };
-        let hidden = (gate * up)?;
         self.down_proj
             .forward_adapted(&hidden, pass.lora_for(layer, &[(Target::Down, 0)]))
     }

@@ -1,4 +1,4 @@
-//! Intel AMX tiles for products on bf16 pairs.
+//! Intel AMX tiles for products on bf16 pairs and on bytes.
 //!
 //! Where the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process
 //! use the tiles' state, a product on bf16 pairs ([`super::gemm`]'s
@@ -20,6 +20,11 @@
 //! still never depends on what shares its product: each output row of a
 //! tile is its own row's inputs against the weights, summed over `k` in
 //! the same order of tiles.
+//!
+//! Products on quantized blocks ([`super::quant`]) take the byte tiles
+//! (AMX-INT8, [`ByteTiles`]): `tdpbssd` sums 16 token rows × 32
+//! inputs × 16 outputs of signed bytes into 32-bit integers, exactly, so
+//! they give the same sums as every other kernel on the blocks.
 
 use std::arch::asm;
 
@@ -36,14 +41,26 @@ pub(crate) const ROWS: usize = 16;
 /// on AVX-512 BF16's registers).
 pub(crate) fn available() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        if std::env::var("LORRY_AMX").is_ok_and(|v| v.eq_ignore_ascii_case("off")) {
-            return false;
-        }
-        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-        let (bf16, tile) = (leaf.edx & (1 << 22) != 0, leaf.edx & (1 << 24) != 0);
-        bf16 && tile && permitted()
-    })
+    *HAS.get_or_init(|| usable(22))
+}
+
+/// Whether this CPU multiplies tiles of bytes (AMX-TILE and AMX-INT8) and
+/// this process may use them, as [`available`] (`LORRY_AMX=off` too).
+pub(crate) fn int8_available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| usable(25))
+}
+
+/// AMX-TILE and the feature at `bit` of CPUID leaf 7's `EDX`, the tiles'
+/// state granted, and `LORRY_AMX` not `off`.
+fn usable(bit: u32) -> bool {
+    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if std::env::var("LORRY_AMX").is_ok_and(|v| v.eq_ignore_ascii_case("off")) {
+        return false;
+    }
+    let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+    let (feature, tile) = (leaf.edx & (1 << bit) != 0, leaf.edx & (1 << 24) != 0);
+    feature && tile && *GRANTED.get_or_init(permitted)
 }
 
 /// Ask the kernel for the tiles' state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
@@ -267,6 +284,202 @@ unsafe fn step_spare(a: *const u32, lda: usize, b: [*const u32; 2], panels: usiz
 }
 
 impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: the tiles were configured by `new` on this thread.
+        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+    }
+}
+
+/// The tiles configured for products on bytes, in one of two shapes.
+/// Narrow ([`ByteTiles::dots`]): `tmm0` and `tmm1` 16 token rows of 32
+/// inputs, `tmm2` and `tmm3` the weights for 32 inputs (8 rows of 4 inputs
+/// × 16 outputs). Wide ([`ByteTiles::digit_dots`]): the same for 64
+/// inputs. Both: `tmm4`–`tmm7` 16 × 16 sums.
+pub(crate) struct ByteTiles {
+    wide: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// A tile's worth of integer sums, 16 × 16, row by row.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct Ints(pub(crate) [i32; ROWS * 16]);
+
+impl ByteTiles {
+    /// Configure this thread's tiles, wide or narrow.
+    ///
+    /// # Safety
+    /// [`int8_available`] must have said yes.
+    pub(crate) unsafe fn new(wide: bool) -> ByteTiles {
+        let mut config = Config {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        let inputs = if wide { 64 } else { 32 };
+        for t in 0..8 {
+            (config.bytes_per_row[t], config.rows[t]) = match t {
+                0 | 1 => (inputs as u16, ROWS as u8),
+                2 | 3 => (64, inputs as u8 / 4),
+                _ => (64, ROWS as u8),
+            };
+        }
+        // SAFETY: the caller found the tiles usable; the configuration is valid.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly, preserves_flags)) };
+        ByteTiles {
+            wide,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// For one or two (`tiles`) tiles of 16 token rows (`a[u]`: four runs
+    /// of 64 inputs, each 16 rows of 64 bytes, 1 KiB after another) and 256 inputs' weights for 16
+    /// outputs in two digits (`b`: four tiles of 64 inputs, each 1 KiB of
+    /// low digits then 1 KiB of high ones, as [`ByteTiles::dots`] lays
+    /// them), `c[2u]` the sums on the low digits and `c[2u + 1]` on the
+    /// high ones, all in signed bytes summed exactly.
+    ///
+    /// # Safety
+    /// The tiles wide; each `a[u]` (`u < tiles`) 4 KiB, `b` 8 KiB.
+    #[inline]
+    pub(crate) unsafe fn digit_dots(&self, a: [*const i8; 2], tiles: usize, b: *const i8, c: &mut [Ints; 4]) {
+        assert!(self.wide && (1..=2).contains(&tiles));
+        // One step along the inputs: `$k` tiles of 64 in.
+        macro_rules! two {
+            ($($k:literal),*) => {
+                asm!(
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    "tilezero tmm6",
+                    "tilezero tmm7",
+                    $(
+                        concat!("tileloadd tmm0, [{a0} + {s}*1 + 1024*", $k, "]"),
+                        concat!("tileloadd tmm1, [{a1} + {s}*1 + 1024*", $k, "]"),
+                        concat!("tileloadd tmm2, [{b} + {s}*1 + 2048*", $k, "]"),
+                        "tdpbssd tmm4, tmm0, tmm2",
+                        "tdpbssd tmm6, tmm1, tmm2",
+                        concat!("tileloadd tmm3, [{b} + {s}*1 + 2048*", $k, " + 1024]"),
+                        "tdpbssd tmm5, tmm0, tmm3",
+                        "tdpbssd tmm7, tmm1, tmm3",
+                    )*
+                    "tilestored [{c} + {s}*1], tmm4",
+                    "tilestored [{c} + {s}*1 + 1024], tmm5",
+                    "tilestored [{c} + {s}*1 + 2048], tmm6",
+                    "tilestored [{c} + {s}*1 + 3072], tmm7",
+                    a0 = in(reg) a[0],
+                    a1 = in(reg) a[1],
+                    b = in(reg) b,
+                    c = in(reg) c.as_mut_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                )
+            };
+        }
+        macro_rules! one {
+            ($($k:literal),*) => {
+                asm!(
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    $(
+                        concat!("tileloadd tmm0, [{a0} + {s}*1 + 1024*", $k, "]"),
+                        concat!("tileloadd tmm2, [{b} + {s}*1 + 2048*", $k, "]"),
+                        "tdpbssd tmm4, tmm0, tmm2",
+                        concat!("tileloadd tmm3, [{b} + {s}*1 + 2048*", $k, " + 1024]"),
+                        "tdpbssd tmm5, tmm0, tmm3",
+                    )*
+                    "tilestored [{c} + {s}*1], tmm4",
+                    "tilestored [{c} + {s}*1 + 1024], tmm5",
+                    a0 = in(reg) a[0],
+                    b = in(reg) b,
+                    c = in(reg) c.as_mut_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                )
+            };
+        }
+        // SAFETY: the caller's contract bounds the reads; `c` are tiles.
+        unsafe {
+            if tiles == 2 {
+                two!("0", "1", "2", "3");
+            } else {
+                one!("0", "1", "2", "3");
+            }
+        }
+    }
+
+    /// `c[i][r][n] = Σ_{j<32} a_i[r][j]·b_i[j/4][4n + j%4]` for each dot
+    /// `i`, every token row `r` and output `n`, in signed bytes summed
+    /// exactly: `a_i` 16 token rows of 32 inputs (`a[i]`, the rows 64
+    /// bytes apart), `b_i` the 32 inputs' weights for 16 outputs (512 bytes
+    /// from `b + 512·i`: 8 rows of 64 bytes, each four inputs of every
+    /// output). Four at a time on the four sum tiles, so that each
+    /// `tdpbssd` need not wait for the one before.
+    ///
+    /// # Safety
+    /// The tiles narrow; each `a[i]` must hold 16 rows of 32 bytes 64
+    /// apart, `b` 512 bytes a dot; `c` one tile of sums per dot.
+    #[inline]
+    pub(crate) unsafe fn dots(&self, a: &[*const i8], b: *const i8, c: &mut [Ints]) {
+        assert!(!self.wide && a.len() == c.len());
+        let whole = a.len() / 4 * 4;
+        for (i, a) in a[..whole].chunks_exact(4).enumerate() {
+            // SAFETY: the caller's contract bounds the reads; `c` are tiles.
+            unsafe {
+                asm!(
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    "tilezero tmm6",
+                    "tilezero tmm7",
+                    "tileloadd tmm2, [{b} + {s}*1]",
+                    "tileloadd tmm0, [{a0} + {s}*1]",
+                    "tdpbssd tmm4, tmm0, tmm2",
+                    "tileloadd tmm3, [{b} + {s}*1 + 512]",
+                    "tileloadd tmm1, [{a1} + {s}*1]",
+                    "tdpbssd tmm5, tmm1, tmm3",
+                    "tileloadd tmm2, [{b} + {s}*1 + 1024]",
+                    "tileloadd tmm0, [{a2} + {s}*1]",
+                    "tdpbssd tmm6, tmm0, tmm2",
+                    "tileloadd tmm3, [{b} + {s}*1 + 1536]",
+                    "tileloadd tmm1, [{a3} + {s}*1]",
+                    "tdpbssd tmm7, tmm1, tmm3",
+                    "tilestored [{c} + {s}*1], tmm4",
+                    "tilestored [{c} + {s}*1 + 1024], tmm5",
+                    "tilestored [{c} + {s}*1 + 2048], tmm6",
+                    "tilestored [{c} + {s}*1 + 3072], tmm7",
+                    a0 = in(reg) a[0],
+                    a1 = in(reg) a[1],
+                    a2 = in(reg) a[2],
+                    a3 = in(reg) a[3],
+                    b = in(reg) b.add(512 * 4 * i),
+                    c = in(reg) c[4 * i..][..4].as_mut_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                );
+            }
+        }
+        for (i, &a) in a.iter().enumerate().skip(whole) {
+            // SAFETY: as above.
+            unsafe {
+                asm!(
+                    "tilezero tmm4",
+                    "tileloadd tmm2, [{b} + {s}*1]",
+                    "tileloadd tmm0, [{a} + {s}*1]",
+                    "tdpbssd tmm4, tmm0, tmm2",
+                    "tilestored [{c} + {s}*1], tmm4",
+                    a = in(reg) a,
+                    b = in(reg) b.add(512 * i),
+                    c = in(reg) c[i].0.as_mut_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                );
+            }
+        }
+    }
+}
+
+impl Drop for ByteTiles {
     fn drop(&mut self) {
         // SAFETY: the tiles were configured by `new` on this thread.
         unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };

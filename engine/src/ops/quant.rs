@@ -76,6 +76,9 @@ const XR: usize = 4;
 /// Token rows per tile with AVX-512VL's 32 registers.
 const XR_WIDE: usize = 8;
 
+/// Token rows per AMX tile.
+const ROWS: usize = 16;
+
 /// Token rows per pass over the weights: a large pre-fill's quantized rows
 /// are taken in chunks that stay in the core's L2 while the weights stream by.
 const MC: usize = 64;
@@ -86,6 +89,9 @@ const MC: usize = 64;
 pub enum QuantKernel {
     /// The best this CPU has.
     Auto,
+    /// AMX-INT8's byte tiles (`tdpbssd`) for every whole 16 token rows of
+    /// two groups, AVX-512 VNNI for the rest.
+    Amx,
     /// AVX-512 VNNI's `vpdpbusd` on 256-bit registers (with AVX-512VL's 32
     /// of them): tiles of [`XR_WIDE`] token rows.
     Avx512Vnni,
@@ -106,6 +112,13 @@ impl QuantKernel {
             let avx2 = std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c");
+            let avx512 = avx2
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl");
+            if avx512 && std::is_x86_feature_detected!("avx512vnni") && super::amx::int8_available() {
+                kernels.push(QuantKernel::Amx);
+            }
             if avx2 && std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
                 kernels.push(QuantKernel::Avx512Vnni);
             }
@@ -954,10 +967,13 @@ impl QuantMatrix {
         // The token rows in blocks of 32 for the 32-weight formats, of 256
         // for the K-quants: each only where a part takes it.
         let quantized = |k_quants: bool| {
-            self.parts
-                .iter()
-                .any(|p| p.ty.is_k() == k_quants)
-                .then(|| QuantizedRows::new(x, m, self.k, if k_quants { QKK } else { QK }))
+            self.parts.iter().any(|p| p.ty.is_k() == k_quants).then(|| {
+                let mut rows = QuantizedRows::new(x, m, self.k, if k_quants { QKK } else { QK });
+                if kernel == QuantKernel::Amx && m >= ROWS {
+                    rows.tile();
+                }
+                rows
+            })
         };
         let (small, large) = (quantized(false), quantized(true));
         let target = OutPtr(out.as_mut_ptr());
@@ -993,6 +1009,11 @@ pub(crate) struct QuantizedRows {
     k: usize,
     block: usize,
     q: Vec<i8>,
+    /// For AMX ([`QuantizedRows::tile`]): `q`'s whole tiles of [`ROWS`]
+    /// rows, each as runs of 64 inputs (1 KiB, a row's 64 bytes after
+    /// another's; `k` padded with zeros to a multiple of 64), so that a
+    /// tile of token rows is one contiguous stretch.
+    tiled: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
     h: Vec<i32>,
@@ -1012,6 +1033,7 @@ impl QuantizedRows {
             k,
             block,
             q: vec![0; m * k],
+            tiled: Vec::new(),
             d: vec![0.0; m * k / block],
             s: vec![0.0; if block == QK { m * k / QK } else { 0 }],
             h: vec![0; m * k / (QK / 2)],
@@ -1045,6 +1067,30 @@ impl QuantizedRows {
             }
         }
         rows
+    }
+
+    /// Lay out the rows' whole tiles of [`ROWS`] for the tile unit
+    /// ([`QuantizedRows::tiled`]).
+    fn tile(&mut self) {
+        let (m, runs) = (self.q.len() / self.k, self.k.div_ceil(64));
+        self.tiled = vec![0; m / ROWS * runs * 64 * ROWS];
+        for (t, tile) in self.tiled.chunks_exact_mut(runs * 64 * ROWS).enumerate() {
+            for r in 0..ROWS {
+                let row = &self.q[(ROWS * t + r) * self.k..][..self.k];
+                for (run, values) in row.chunks(64).enumerate() {
+                    tile[(run * ROWS + r) * 64..][..values.len()].copy_from_slice(values);
+                }
+            }
+        }
+    }
+
+    /// Where the tile of rows `row..row + ROWS` (`row` a multiple of
+    /// [`ROWS`]) holds input `i` (a multiple of 32): rows 64 bytes apart.
+    #[cfg(target_arch = "x86_64")]
+    fn tiled_at(&self, row: usize, i: usize) -> *const i8 {
+        debug_assert!(row.is_multiple_of(ROWS) && i.is_multiple_of(QK) && i < self.k);
+        let runs = self.k.div_ceil(64);
+        self.tiled[((row / ROWS * runs + i / 64) * ROWS) * 64 + i % 64..].as_ptr()
     }
 
     /// [`QK`] blocks a row.
@@ -1155,6 +1201,22 @@ unsafe fn part_product(
     let (gb, file_blocks) = (part.ty.group_bytes(), nb / part.ty.sub_blocks());
     let m = x.q.len() / x.k;
     let per_panel = NR / WR;
+    // AMX: whole tiles of 16 token rows of two groups on the tile unit, the
+    // rest of the rows (and a group left without a pair) on AVX-512 VNNI,
+    // whose sums are the same.
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's contract: the CPU has the kernel.
+    let mut byte_tiles = (kernel == QuantKernel::Amx && m >= ROWS).then(|| {
+        (
+            unsafe { super::amx::ByteTiles::new(part.ty.is_k()) },
+            x86::Scratch::new(),
+        )
+    });
+    let kernel = if kernel == QuantKernel::Amx {
+        QuantKernel::Avx512Vnni
+    } else {
+        kernel
+    };
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
@@ -1173,31 +1235,56 @@ unsafe fn part_product(
             }
             #[cfg(target_arch = "x86_64")]
             {
+                let blocks = |g: usize| part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
+                // The first row the registers take: past the rows the tiles did.
+                let mut from = chunk.start;
+                let whole = chunk.len() / ROWS * ROWS;
+                let pair = g - (g - groups.start) % 2;
+                if let Some((unit, scratch)) = byte_tiles.as_mut().filter(|_| whole > 0 && pair + 1 < groups.end) {
+                    if g == pair {
+                        // SAFETY: the caller's contract; both groups hold
+                        // `nb` blocks, the rows lie in `x` and `out`.
+                        unsafe {
+                            let both = x86::Pair {
+                                blocks: [blocks(g), blocks(g + 1)],
+                                nb,
+                                x,
+                                row: chunk.start,
+                                tiles: whole / ROWS,
+                                out: out.0.add(chunk.start * n + first_col),
+                                ldo: n,
+                                cols: [cols, WR.min(part.rows - (g + 1) * WR)],
+                            };
+                            x86::pair_amx(unit, part.ty, &both, scratch);
+                        }
+                    }
+                    from += whole;
+                }
+                let rest = from..chunk.end;
                 let in_panel = (g - groups.start) % per_panel;
                 // The next panel's expand, if this task computes it: its
                 // rows' `B` lines asked for a slice before each tile of the
                 // panel's groups.
                 let next_panel = !expand.is_none() && g - in_panel + per_panel < groups.end;
-                let blocks = part.data[g * file_blocks * gb..][..file_blocks * gb].as_ptr();
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let tile_rows = |r: usize| 1usize << height.min(chunk.end - r).ilog2();
                 // Whole tiles, then one for each power of two in the rest.
-                let tiles = chunk.len() / height + (chunk.len() % height).count_ones() as usize;
+                let tiles = rest.len() / height + (rest.len() % height).count_ones() as usize;
                 let slots = per_panel * tiles;
-                let (mut r, mut tile_index) = (chunk.start, 0);
-                while r < chunk.end {
+                let (mut r, mut tile_index) = (rest.start, 0);
+                while r < rest.end {
                     // Tiles of a power of two rows: 3 rows are 2 and 1.
                     let rows = tile_rows(r);
                     if next_panel {
                         let slot = in_panel * tiles + tile_index;
-                        let share = |s: usize| chunk.start + s * chunk.len() / slots;
+                        let share = |s: usize| rest.start + s * rest.len() / slots;
                         expand.prefetch(share(slot)..share(slot + 1), panel + 1);
                     }
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
                     unsafe {
                         let tile = x86::Tile {
-                            blocks,
+                            blocks: blocks(g),
                             nb,
                             x,
                             row: r,
@@ -1223,7 +1310,8 @@ unsafe fn part_product(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{QuantKernel, QuantType, QuantizedRows, QK};
+    use super::super::amx::{ByteTiles, Ints};
+    use super::{QuantKernel, QuantType, QuantizedRows, MC, QK, QKK, ROWS, WR};
 
     /// How far ahead of the block a tile is on the kernel asks for the
     /// group's next blocks, in bytes.
@@ -1365,6 +1453,447 @@ mod x86 {
         _mm256_and_si256(set, _mm256_set1_epi8(0x10))
     }
 
+    /// Weights `4c..4c + 3` and `16 + 4c..16 + 4c + 3` of each of a group's
+    /// rows in a (sub-)block of a nibble format, as unsigned bytes (four a
+    /// row, in order), their fifth bits (`fifth`, where the format has
+    /// them) and `Q6_K`'s high bits (at `high_bits`, of sub-block `j`) in
+    /// place.
+    ///
+    /// # Safety
+    /// `q` must hold the (sub-)block's 128 bytes of quants, `high_bits`
+    /// (`Q6_K`) its pair's 256 bytes of high bits.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn quads<const TY: u8>(
+        q: *const u8,
+        fifth: __m256i,
+        high_bits: *const u8,
+        j: usize,
+        c: usize,
+    ) -> (__m256i, __m256i) {
+        let nibble = _mm256_set1_epi8(0x0f);
+        // SAFETY: the caller's contract; unaligned reads.
+        let w = unsafe { _mm256_loadu_si256(q.add(32 * c) as *const __m256i) };
+        let mut low = _mm256_and_si256(w, nibble);
+        let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        if format(TY).has_fifth_bits() {
+            low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
+            high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
+        }
+        if TY == Q6K {
+            // Weight `t`'s two bits at `2·(j % 2)`, weight `t + 16`'s at `4 +
+            // 2·(j % 2)`: masked, then shifted to bits 4–5 (16-bit shifts of
+            // masked bytes carry nothing across bytes).
+            // SAFETY: the caller's contract.
+            let h = unsafe { _mm256_loadu_si256(high_bits.add(32 * c) as *const __m256i) };
+            let (l6, h6) = if j % 2 == 0 {
+                (
+                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4),
+                    _mm256_and_si256(h, _mm256_set1_epi8(0x30)),
+                )
+            } else {
+                (
+                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0c)), 2),
+                    _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0xc0u8 as i8)), 2),
+                )
+            };
+            low = _mm256_or_si256(low, l6);
+            high = _mm256_or_si256(high, h6);
+        }
+        (low, high)
+    }
+
+    /// Two groups' rows times whole tiles of 16 token rows, for [`pair_amx`].
+    pub(super) struct Pair<'a> {
+        /// Each group's first block (each `group_bytes`, `nb` of them).
+        pub blocks: [*const u8; 2],
+        pub nb: usize,
+        pub x: &'a QuantizedRows,
+        pub row: usize,
+        /// Tiles of [`ROWS`] token rows from `row`, at most `MC / ROWS`.
+        pub tiles: usize,
+        /// The first group's first output; the second's follow its [`WR`].
+        pub out: *mut f32,
+        pub ldo: usize,
+        /// Each group's real rows.
+        pub cols: [usize; 2],
+    }
+
+    /// 32 inputs of both groups as tile rows: row `i` holds inputs `4i..4i
+    /// + 3` of the first group's eight outputs, then of the second's, as
+    /// signed bytes.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Weights([i8; 512]);
+
+    /// 64 inputs of both groups as tile rows, as [`Weights`].
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Wide([i8; 1024]);
+
+    /// 16 × 16 f32 of a tile, row by row.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Floats([f32; ROWS * 16]);
+
+    /// The 32-weight blocks [`pair_amx`] takes a step.
+    const STEP: usize = 4;
+
+    /// What [`pair_amx`] works in, made once per task: each tile's sums of
+    /// blocks and of minimums, a step's weights as tile rows (the
+    /// 32-weight blocks') or a super-block's weights times their sub-block
+    /// scales in two digits (the K-quants': four tiles of 64 inputs, each
+    /// its low digits then its high ones), and the tile products' sums.
+    pub(super) struct Scratch {
+        acc: [Floats; MC / ROWS],
+        min: [Floats; MC / ROWS],
+        weights: [Weights; STEP],
+        digits: [Wide; 8],
+        sums: [Ints; 4],
+    }
+
+    impl Scratch {
+        pub(super) fn new() -> Box<Scratch> {
+            Box::new(Scratch {
+                acc: [Floats([0.0; ROWS * 16]); MC / ROWS],
+                min: [Floats([0.0; ROWS * 16]); MC / ROWS],
+                weights: [Weights([0; 512]); STEP],
+                digits: [Wide([0; 1024]); 8],
+                sums: [Ints([0; ROWS * 16]); 4],
+            })
+        }
+    }
+
+    /// [`Pair`]'s outputs on AMX-INT8 ([`ByteTiles`] configured for
+    /// `ty.is_k()`), the same bits as [`tile`]'s: the integer sums come
+    /// from the tiles, exact, and the f32 arithmetic after them is
+    /// [`tile`]'s, on 16 outputs at a time.
+    ///
+    /// # Safety
+    /// As [`tile`] for each group, `tiles` whole tiles of rows; `unit` the
+    /// tiles configured on this thread; the CPU must have AVX-512 (F, BW,
+    /// VL), FMA and F16C.
+    pub(super) unsafe fn pair_amx(unit: &ByteTiles, ty: QuantType, pair: &Pair<'_>, scratch: &mut Scratch) {
+        assert!(pair.tiles <= MC / ROWS);
+        for t in 0..pair.tiles {
+            scratch.acc[t].0 = [0.0; ROWS * 16];
+            scratch.min[t].0 = [0.0; ROWS * 16];
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            match ty {
+                QuantType::Q8_0 => pair_amx_blocks::<Q8_0>(unit, pair, scratch),
+                QuantType::Q4_0 => pair_amx_blocks::<Q4_0>(unit, pair, scratch),
+                QuantType::Q4_1 => pair_amx_blocks::<Q4_1>(unit, pair, scratch),
+                QuantType::Q5_0 => pair_amx_blocks::<Q5_0>(unit, pair, scratch),
+                QuantType::Q5_1 => pair_amx_blocks::<Q5_1>(unit, pair, scratch),
+                QuantType::Q4K => pair_amx_k::<Q4K>(unit, pair, scratch),
+                QuantType::Q5K => pair_amx_k::<Q5K>(unit, pair, scratch),
+                QuantType::Q6K => pair_amx_k::<Q6K>(unit, pair, scratch),
+            }
+            write_out(pair, scratch);
+        }
+    }
+
+    /// Each tile's outputs, `acc + min`, into their places.
+    ///
+    /// # Safety
+    /// As [`pair_amx`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn write_out(pair: &Pair<'_>, scratch: &Scratch) {
+        for t in 0..pair.tiles {
+            for r in 0..ROWS {
+                // SAFETY: the caller's contract: the tiles' outputs lie in `out`.
+                unsafe {
+                    let y = _mm512_add_ps(
+                        _mm512_load_ps(scratch.acc[t].0[16 * r..].as_ptr()),
+                        _mm512_load_ps(scratch.min[t].0[16 * r..].as_ptr()),
+                    );
+                    let at = pair.out.add((ROWS * t + r) * pair.ldo);
+                    if pair.cols == [WR, WR] {
+                        _mm512_storeu_ps(at, y);
+                        continue;
+                    }
+                    let mut lanes = [0f32; 16];
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), y);
+                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), at, pair.cols[0]);
+                    std::ptr::copy_nonoverlapping(lanes[WR..].as_ptr(), at.add(WR), pair.cols[1]);
+                }
+            }
+        }
+    }
+
+    /// Sixteen halves, eight at `a` then eight at `b`, as f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn halves(a: *const u8, b: *const u8) -> __m512 {
+        // SAFETY: the caller's contract: 16 bytes at each.
+        let (a, b) = unsafe {
+            (
+                _mm_loadu_si128(a as *const __m128i),
+                _mm_loadu_si128(b as *const __m128i),
+            )
+        };
+        _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1))
+    }
+
+    /// One 32-weight block of both groups (`p`: their blocks) as tile rows.
+    ///
+    /// # Safety
+    /// As [`pair_amx`]; `p` blocks of format `TY`, not a K-quant.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn unpack<const TY: u8>(p: [*const u8; 2], out: &mut Weights) {
+        let ty = format(TY);
+        for (g, &p) in p.iter().enumerate() {
+            // SAFETY (whole loop): the caller's contract; aligned stores
+            // inside `out`, unaligned reads of the blocks.
+            unsafe {
+                let q = p.add(ty.quants_in());
+                let mut put = |i: usize, v: __m256i| {
+                    _mm256_store_si256(out.0.as_mut_ptr().add(64 * i + 32 * g) as *mut __m256i, v)
+                };
+                if TY == Q8_0 {
+                    for i in 0..QK / 4 {
+                        put(i, _mm256_loadu_si256(q.add(32 * i) as *const __m256i));
+                    }
+                    continue;
+                }
+                let fifth = if ty.has_fifth_bits() {
+                    _mm256_loadu_si256(p.add(ty.fifth_at()) as *const __m256i)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for c in 0..QK / 8 {
+                    let (low, high) = quads::<TY>(q, fifth, p, 0, c);
+                    put(c, low);
+                    put(QK / 8 + c, high);
+                }
+            }
+        }
+    }
+
+    /// The 32-weight formats on the tiles: per block of 32 inputs, the
+    /// integer sums of 16 token rows × 16 outputs from one `tdpbssd`, then
+    /// [`tile`]'s `acc = (d·d_x)·Σ + acc` and `min = m·s_x + min`. A step
+    /// takes [`STEP`] blocks, unpacked once for every tile of rows.
+    ///
+    /// # Safety
+    /// As [`pair_amx`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn pair_amx_blocks<const TY: u8>(unit: &ByteTiles, pair: &Pair<'_>, scratch: &mut Scratch) {
+        let &Pair {
+            blocks,
+            nb,
+            x,
+            row,
+            tiles,
+            ..
+        } = pair;
+        let (ty, gb) = (format(TY), format(TY).group_bytes());
+        let Scratch {
+            acc,
+            min,
+            weights,
+            sums,
+            ..
+        } = scratch;
+        // SAFETY (whole loop): the caller's contract: both groups' blocks
+        // and the tiles' token rows lie in range.
+        unsafe {
+            for first_block in (0..nb).step_by(STEP) {
+                let count = STEP.min(nb - first_block);
+                let at = |b: usize| [blocks[0].add(b * gb), blocks[1].add(b * gb)];
+                for (i, weights) in weights.iter_mut().enumerate().take(count) {
+                    unpack::<TY>(at(first_block + i), weights);
+                }
+                for t in 0..tiles {
+                    let first = row + ROWS * t;
+                    let mut a = [std::ptr::null::<i8>(); STEP];
+                    for (i, a) in a.iter_mut().enumerate().take(count) {
+                        *a = x.tiled_at(first, (first_block + i) * QK);
+                    }
+                    unit.dots(&a[..count], weights.as_ptr() as *const i8, &mut sums[..count]);
+                    for i in 0..count {
+                        let (b, p) = (first_block + i, at(first_block + i));
+                        let d_file = halves(p[0], p[1]);
+                        let m = match TY {
+                            Q4_1 | Q5_1 => halves(p[0].add(ty.group_minimums()), p[1].add(ty.group_minimums())),
+                            Q5_0 => _mm512_mul_ps(d_file, _mm512_set1_ps(-16.0)),
+                            _ => _mm512_mul_ps(d_file, _mm512_set1_ps(-8.0)),
+                        };
+                        for r in 0..ROWS {
+                            let sum = _mm512_load_si512(sums[i].0.as_ptr().add(16 * r) as *const __m512i);
+                            let scale = _mm512_mul_ps(d_file, _mm512_set1_ps(x.d[(first + r) * nb + b]));
+                            let (acc, min) = (acc[t].0[16 * r..].as_mut_ptr(), min[t].0[16 * r..].as_mut_ptr());
+                            _mm512_store_ps(
+                                acc,
+                                _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), _mm512_load_ps(acc)),
+                            );
+                            if TY != Q8_0 {
+                                let xs = _mm512_set1_ps(x.s[(first + r) * nb + b]);
+                                _mm512_store_ps(min, _mm512_fmadd_ps(m, xs, _mm512_load_ps(min)));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `v`'s bytes (unsigned, eight rows of four) times `scale` (each row's
+    /// signed byte scale as `i32` lanes), less `offset` (each row's, as
+    /// 16-bit words), in two digits: `(low, high)` with `v·s − offset =
+    /// 2^shift·high + low`, `0 ≤ low < 2^shift`, each a signed byte.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn in_digits(v: __m256i, scale: __m256i, offset: __m256i, shift: i32) -> (__m256i, __m256i) {
+        // Each row's scale in its even bytes, then in its odd ones: one
+        // product a 16-bit word, exact.
+        let s = _mm256_and_si256(scale, _mm256_set1_epi32(0xff));
+        let even = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+        let odd = _mm256_slli_epi32(even, 8);
+        let pe = _mm256_sub_epi16(_mm256_maddubs_epi16(v, even), offset);
+        let po = _mm256_sub_epi16(_mm256_maddubs_epi16(v, odd), offset);
+        let count = _mm_cvtsi32_si128(shift);
+        let mask = _mm256_set1_epi16((1 << shift) - 1);
+        let low = _mm256_or_si256(
+            _mm256_and_si256(pe, mask),
+            _mm256_slli_epi16(_mm256_and_si256(po, mask), 8),
+        );
+        let high = _mm256_or_si256(
+            _mm256_and_si256(_mm256_sra_epi16(pe, count), _mm256_set1_epi16(0xff)),
+            _mm256_slli_epi16(_mm256_sra_epi16(po, count), 8),
+        );
+        (low, high)
+    }
+
+    /// The K-quants on the tiles. Each weight times its sub-block's integer
+    /// scale (`Q6_K`: `(q − 32)·s`, each half its own) is written in two
+    /// signed-byte digits, `2^shift·high + low` (`shift` 5, or 6 for
+    /// `Q6_K`), so that a tile product sums whole sub-blocks with their
+    /// scales applied: per super-block and tile of rows, four tiles of 64
+    /// inputs for each digit, and `Σ_j s_j·Σ q·q_x = low + 2^shift·high`,
+    /// the same exact integer as [`tile`]'s. Then [`tile`]'s f32 steps.
+    ///
+    /// # Safety
+    /// As [`pair_amx`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn pair_amx_k<const TY: u8>(unit: &ByteTiles, pair: &Pair<'_>, scratch: &mut Scratch) {
+        let &Pair {
+            blocks,
+            nb,
+            x,
+            row,
+            tiles,
+            ..
+        } = pair;
+        let ty = format(TY);
+        let (gb, subs) = (ty.group_bytes(), ty.sub_blocks());
+        let scales = nb / subs;
+        let shift = if TY == Q6K { 6 } else { 5 };
+        let Scratch { acc, digits, sums, .. } = scratch;
+        // SAFETY (whole loop): the caller's contract: both groups' blocks
+        // and the tiles' token rows lie in range.
+        unsafe {
+            for fb in 0..scales {
+                let p = [blocks[0].add(fb * gb), blocks[1].add(fb * gb)];
+                for (g, &p) in p.iter().enumerate() {
+                    for j in 0..subs {
+                        let sub = p.add(ty.sub_block_at(j));
+                        let q = sub.add(ty.quants_in());
+                        let fifth = if ty.has_fifth_bits() {
+                            _mm256_loadu_si256(sub.add(ty.fifth_at()) as *const __m256i)
+                        } else {
+                            _mm256_setzero_si256()
+                        };
+                        let high_bits = p.add(ty.high_bits_at(j));
+                        // Each half's scale (`Q6_K`'s own, signed) and offset.
+                        let half = |h: usize| {
+                            if TY == Q6K {
+                                let s = _mm_loadl_epi64(p.add(ty.k_scales() + 16 * j + 8 * h) as *const __m128i);
+                                let s = _mm256_cvtepi8_epi32(s);
+                                let offset = _mm256_slli_epi32(s, 5);
+                                let offset = _mm256_or_si256(
+                                    _mm256_and_si256(offset, _mm256_set1_epi32(0xffff)),
+                                    _mm256_slli_epi32(offset, 16),
+                                );
+                                (s, offset)
+                            } else {
+                                let s = _mm_loadl_epi64(p.add(ty.k_scales() + 8 * j) as *const __m128i);
+                                (_mm256_cvtepu8_epi32(s), _mm256_setzero_si256())
+                            }
+                        };
+                        let (first, second) = (half(0), half(1));
+                        // Tile rows of the super-block's step `j / 2`: its
+                        // first sub-block's eight rows, then its second's.
+                        let (tile, base) = (j / 2, 8 * (j % 2));
+                        let put = |digit: usize, i: usize, v: __m256i| {
+                            let at = digits[2 * tile + digit].0.as_ptr().add(64 * (base + i) + 32 * g);
+                            _mm256_store_si256(at as *mut __m256i, v);
+                        };
+                        for c in 0..QK / 8 {
+                            let (low, high) = quads::<TY>(q, fifth, high_bits, j, c);
+                            for (i, v, (s, offset)) in [(c, low, first), (QK / 8 + c, high, second)] {
+                                let (l, h) = in_digits(v, s, offset, shift);
+                                put(0, i, l);
+                                put(1, i, h);
+                            }
+                        }
+                    }
+                }
+                let mut minimums = [_mm512_setzero_si512(); 4];
+                if TY != Q6K {
+                    let at = ty.k_minimums();
+                    for (pair, m) in minimums.iter_mut().enumerate() {
+                        let [a, b] = p.map(|p| {
+                            let even = _mm_loadl_epi64(p.add(at + 16 * pair) as *const __m128i);
+                            let odd = _mm_loadl_epi64(p.add(at + 16 * pair + 8) as *const __m128i);
+                            _mm_unpacklo_epi8(even, odd)
+                        });
+                        *m = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+                    }
+                }
+                let d_file = halves(p[0], p[1]);
+                let minus_dmin = if TY == Q6K {
+                    _mm512_setzero_ps()
+                } else {
+                    let at = ty.group_minimums();
+                    _mm512_mul_ps(halves(p[0].add(at), p[1].add(at)), _mm512_set1_ps(-1.0))
+                };
+                for t in (0..tiles).step_by(2) {
+                    let two = (tiles - t).min(2);
+                    let a = |u: usize| x.tiled_at(row + ROWS * (t + u.min(two - 1)), fb * QKK);
+                    unit.digit_dots([a(0), a(1)], two, digits.as_ptr() as *const i8, sums);
+                    for u in 0..two {
+                        let first = row + ROWS * (t + u);
+                        for r in 0..ROWS {
+                            let low = _mm512_load_si512(sums[2 * u].0.as_ptr().add(16 * r) as *const __m512i);
+                            let high = _mm512_load_si512(sums[2 * u + 1].0.as_ptr().add(16 * r) as *const __m512i);
+                            let whole = _mm512_add_epi32(low, _mm512_sll_epi32(high, _mm_cvtsi32_si128(shift)));
+                            let xd = _mm512_set1_ps(x.d[(first + r) * scales + fb]);
+                            let acc = acc[t + u].0[16 * r..].as_mut_ptr();
+                            let mut y = _mm512_fmadd_ps(
+                                _mm512_mul_ps(d_file, xd),
+                                _mm512_cvtepi32_ps(whole),
+                                _mm512_load_ps(acc),
+                            );
+                            if TY != Q6K {
+                                let pairs = &x.p[(first + r) * nb / 2 + 4 * fb..][..4];
+                                let mut sum = _mm512_madd_epi16(minimums[0], _mm512_set1_epi32(pairs[0]));
+                                for (m, &x) in minimums[1..].iter().zip(&pairs[1..]) {
+                                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(*m, _mm512_set1_epi32(x)));
+                                }
+                                y = _mm512_fmadd_ps(_mm512_mul_ps(minus_dmin, xd), _mm512_cvtepi32_ps(sum), y);
+                            }
+                            _mm512_store_ps(acc, y);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A group's rows times `rows` token rows (a power of two, at most the
     /// kernel's tile height): `out[r][j]` for `j < cols`.
     ///
@@ -1453,7 +1982,6 @@ mod x86 {
                     }
                     xh[r] = &x.h[2 * (row + r) * nb..][..2 * nb];
                 }
-                let nibble = _mm256_set1_epi8(0x0f);
                 for fb in 0..nb / subs {
                     // The group's blocks [`PREFETCH_BYTES`] on, every line of
                     // this block's length: the hardware prefetchers stop at
@@ -1499,36 +2027,7 @@ mod x86 {
                                 };
                                 let high_bits = p.add(ty.high_bits_at(j));
                                 for c in 0..QK / 8 {
-                                    let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                                    let mut low = _mm256_and_si256(w, nibble);
-                                    let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-                                    if ty.has_fifth_bits() {
-                                        low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
-                                        high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
-                                    }
-                                    if TY == Q6K {
-                                        // Weight `t`'s two bits at `2·(j % 2)`, weight
-                                        // `t + 16`'s at `4 + 2·(j % 2)`: masked, then shifted
-                                        // to bits 4–5 (16-bit shifts of masked bytes
-                                        // carry nothing across bytes).
-                                        let h = _mm256_loadu_si256(high_bits.add(32 * c) as *const __m256i);
-                                        let (l6, h6) = if j % 2 == 0 {
-                                            (
-                                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4),
-                                                _mm256_and_si256(h, _mm256_set1_epi8(0x30)),
-                                            )
-                                        } else {
-                                            (
-                                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0c)), 2),
-                                                _mm256_srli_epi16(
-                                                    _mm256_and_si256(h, _mm256_set1_epi8(0xc0u8 as i8)),
-                                                    2,
-                                                ),
-                                            )
-                                        };
-                                        low = _mm256_or_si256(low, l6);
-                                        high = _mm256_or_si256(high, h6);
-                                    }
+                                    let (low, high) = quads::<TY>(q, fifth, high_bits, j, c);
                                     let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
                                     for r in 0..X {
                                         sums[first][r] = $dot(sums[first][r], low, four!(r, 4 * c));
@@ -1739,7 +2238,7 @@ mod tests {
     }
 
     /// Every kernel this CPU has gives the reference's outputs bit for bit,
-    /// on odd shapes, partial groups and 1 to 64 token rows, stacked formats
+    /// on odd shapes, partial groups and 1 to 100 token rows, stacked formats
     /// too (the K-quants where the inputs are whole super-blocks).
     #[test]
     fn every_kernel_matches_the_reference_bit_for_bit() {
@@ -1765,7 +2264,8 @@ mod tests {
                 })
                 .collect();
             let stacked = QuantMatrix::stack(&parts).unwrap();
-            for m in [1, 2, 3, 5, 64] {
+            // 17 and 100 rows: whole tiles of 16 for AMX, and rows left for the registers.
+            for m in [1, 2, 3, 5, 17, 64, 100] {
                 let x = values(m * k, 99 + m as u32);
                 let small = QuantizedRows::new(&x, m, k, QK);
                 let large = k.is_multiple_of(QKK).then(|| QuantizedRows::new(&x, m, k, QKK));
