@@ -51,6 +51,23 @@
 //! 210 bytes a row where the file takes 144, 176 and 210. `Q6_K`'s two halves of a sub-block keep their
 //! own integer sums, each times its own scale; its weights are `q − 32`,
 //! taken as `Σ q·x − 32·Σx` over each half with the token rows' half sums.
+//!
+//! Where the CPU has AMX-INT8 and the kernel grants the tiles
+//! ([`QuantKernel::Amx`]), every whole tile of 16 token rows of a pair of
+//! groups (16 outputs) runs on the tile unit (`super::amx`): the token rows
+//! laid out tile by tile, a block's weights of both groups unpacked to
+//! signed bytes as tile rows (four inputs of each of the 16 outputs a
+//! row), and `tdpbssd` giving the integer sums of 16 rows × 16 outputs of
+//! a 32-weight block at once; the f32 steps after it are the other
+//! kernels', on 16 outputs a register. A K-quant's sub-block scales are
+//! folded into its weights, `s_j·q` (`Q6_K`: `s·(q − 32)`, each half its
+//! own) written in two signed-byte digits (`2^5·high + low`, `2^6` for
+//! `Q6_K`), so that a tile of 64 inputs sums two sub-blocks with their
+//! scales applied and a super-block takes four tiles a digit:
+//! `low + 2^shift·high` is the exact integer the other kernels form. The
+//! integer sums being exact, the tiles give every kernel's bits, and the
+//! rows left over (fewer than 16) and a group without a pair run on
+//! AVX-512 VNNI beside them.
 
 use std::sync::Arc;
 
