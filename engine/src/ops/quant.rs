@@ -1503,7 +1503,7 @@ mod x86 {
             // masked bytes carry nothing across bytes).
             // SAFETY: the caller's contract.
             let h = unsafe { _mm256_loadu_si256(high_bits.add(32 * c) as *const __m256i) };
-            let (l6, h6) = if j % 2 == 0 {
+            let (l6, h6) = if j.is_multiple_of(2) {
                 (
                     _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4),
                     _mm256_and_si256(h, _mm256_set1_epi8(0x30)),
@@ -1536,9 +1536,9 @@ mod x86 {
         pub cols: [usize; 2],
     }
 
-    /// 32 inputs of both groups as tile rows: row `i` holds inputs `4i..4i
-    /// + 3` of the first group's eight outputs, then of the second's, as
-    /// signed bytes.
+    /// 32 inputs of both groups as tile rows: row `i` holds inputs `4i` to
+    /// `4i + 3` of the first group's eight outputs, then of the second's,
+    /// as signed bytes.
     #[repr(C, align(64))]
     #[derive(Clone, Copy)]
     struct Weights([i8; 512]);
@@ -1731,7 +1731,7 @@ mod x86 {
                         *a = x.tiled_at(first, (first_block + i) * QK);
                     }
                     unit.dots(&a[..count], weights.as_ptr() as *const i8, &mut sums[..count]);
-                    for i in 0..count {
+                    for (i, sums) in sums.iter().enumerate().take(count) {
                         let (b, p) = (first_block + i, at(first_block + i));
                         let d_file = halves(p[0], p[1]);
                         let m = match TY {
@@ -1740,7 +1740,7 @@ mod x86 {
                             _ => _mm512_mul_ps(d_file, _mm512_set1_ps(-8.0)),
                         };
                         for r in 0..ROWS {
-                            let sum = _mm512_load_si512(sums[i].0.as_ptr().add(16 * r) as *const __m512i);
+                            let sum = _mm512_load_si512(sums.0.as_ptr().add(16 * r) as *const __m512i);
                             let scale = _mm512_mul_ps(d_file, _mm512_set1_ps(x.d[(first + r) * nb + b]));
                             let (acc, min) = (acc[t].0[16 * r..].as_mut_ptr(), min[t].0[16 * r..].as_mut_ptr());
                             _mm512_store_ps(
