@@ -924,14 +924,27 @@ impl QuantMatrix {
 
     /// `x · Wᵀ` for `x` of `m × k` row-major: `m × n` row-major.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * self.n];
-        self.matmul_into(x, m, &mut out, QuantKernel::Auto);
-        out
+        self.product(x, m, Fused::NONE)
     }
 
     /// [`QuantMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.
     pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel) {
-        self.run(x, m, out, kernel, Fused::NONE);
+        assert_eq!(out.len(), m * self.n, "output shape");
+        // SAFETY: `out` holds the `m × n` outputs.
+        unsafe { self.run(x, m, out.as_mut_ptr(), kernel, Fused::NONE) };
+    }
+
+    /// The product into a new vector, its outputs not zeroed first (the
+    /// product writes every one).
+    fn product(&self, x: &[f32], m: usize, expand: Fused<'_, '_>) -> Vec<f32> {
+        let mut out = Vec::with_capacity(m * self.n);
+        // SAFETY: the spare capacity holds the `m × n` outputs, and `run`
+        // writes each of them before it returns.
+        unsafe {
+            self.run(x, m, out.as_mut_ptr(), QuantKernel::Auto, expand);
+            out.set_len(m * self.n);
+        }
+        out
     }
 
     /// Whether [`QuantMatrix::matmul_expand`] can take this matrix: every
@@ -956,24 +969,28 @@ impl QuantMatrix {
     pub(crate) fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
         let expand = Fused::checked(expand, m, self.n);
         assert!(expand.is_none() || self.panels_whole(), "a panel across two parts");
-        let mut out = vec![0f32; m * self.n];
-        self.run(x, m, &mut out, QuantKernel::Auto, expand);
-        out
+        self.product(x, m, expand)
     }
 
-    fn run(&self, x: &[f32], m: usize, out: &mut [f32], kernel: QuantKernel, expand: Fused<'_, '_>) {
+    /// Every one of the `m × n` outputs written at `out`.
+    ///
+    /// # Safety
+    /// `out` must have room for `m × n` floats, which nothing else touches
+    /// meanwhile; they need not be initialized.
+    unsafe fn run(&self, x: &[f32], m: usize, out: *mut f32, kernel: QuantKernel, expand: Fused<'_, '_>) {
         assert_eq!(x.len(), m * self.k, "input shape");
-        assert_eq!(out.len(), m * self.n, "output shape");
+        let len = m * self.n;
         if self.k == 0 {
             // No inputs: every output is an empty sum.
-            out.fill(0.0);
-            if !out.is_empty() && !expand.is_none() {
+            // SAFETY: the caller's contract: room for `len` floats (zero bits are 0.0).
+            unsafe { std::ptr::write_bytes(out, 0, len) };
+            if len > 0 && !expand.is_none() {
                 // SAFETY: `out` is `m × n`, written by nothing else here.
-                unsafe { (0..self.n.div_ceil(NR)).for_each(|p| expand.add(0..m, p, out.as_mut_ptr(), self.n)) };
+                unsafe { (0..self.n.div_ceil(NR)).for_each(|p| expand.add(0..m, p, out, self.n)) };
             }
             return;
         }
-        if out.is_empty() {
+        if len == 0 {
             return;
         }
         let mut kernel = kernel.resolve();
@@ -993,7 +1010,7 @@ impl QuantMatrix {
             })
         };
         let (small, large) = (quantized(false), quantized(true));
-        let target = OutPtr(out.as_mut_ptr());
+        let target = OutPtr(out);
         let threads = rayon::current_num_threads();
         for part in self.parts.iter() {
             let rows = if part.ty.is_k() { &large } else { &small }
@@ -1592,10 +1609,6 @@ mod x86 {
     /// VL), FMA and F16C.
     pub(super) unsafe fn pair_amx(unit: &ByteTiles, ty: QuantType, pair: &Pair<'_>, scratch: &mut Scratch) {
         assert!(pair.tiles <= MC / ROWS);
-        for t in 0..pair.tiles {
-            scratch.acc[t].0 = [0.0; ROWS * 16];
-            scratch.min[t].0 = [0.0; ROWS * 16];
-        }
         // SAFETY: the caller's contract.
         unsafe {
             match ty {
@@ -1608,24 +1621,27 @@ mod x86 {
                 QuantType::Q5K => pair_amx_k::<Q5K>(unit, pair, scratch),
                 QuantType::Q6K => pair_amx_k::<Q6K>(unit, pair, scratch),
             }
-            write_out(pair, scratch);
+            write_out(pair, scratch, ty.has_offset() && !ty.is_k());
         }
     }
 
-    /// Each tile's outputs, `acc + min`, into their places.
+    /// Each tile's outputs, `acc + min` (`min` zero where the format has
+    /// none, as [`tile`]'s), into their places.
     ///
     /// # Safety
     /// As [`pair_amx`].
     #[target_feature(enable = "avx512f")]
-    unsafe fn write_out(pair: &Pair<'_>, scratch: &Scratch) {
+    unsafe fn write_out(pair: &Pair<'_>, scratch: &Scratch, has_min: bool) {
         for t in 0..pair.tiles {
             for r in 0..ROWS {
                 // SAFETY: the caller's contract: the tiles' outputs lie in `out`.
                 unsafe {
-                    let y = _mm512_add_ps(
-                        _mm512_load_ps(scratch.acc[t].0[16 * r..].as_ptr()),
-                        _mm512_load_ps(scratch.min[t].0[16 * r..].as_ptr()),
-                    );
+                    let min = if has_min {
+                        _mm512_load_ps(scratch.min[t].0[16 * r..].as_ptr())
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let y = _mm512_add_ps(_mm512_load_ps(scratch.acc[t].0[16 * r..].as_ptr()), min);
                     let at = pair.out.add((ROWS * t + r) * pair.ldo);
                     if pair.cols == [WR, WR] {
                         _mm512_storeu_ps(at, y);
@@ -1743,13 +1759,18 @@ mod x86 {
                             let sum = _mm512_load_si512(sums.0.as_ptr().add(16 * r) as *const __m512i);
                             let scale = _mm512_mul_ps(d_file, _mm512_set1_ps(x.d[(first + r) * nb + b]));
                             let (acc, min) = (acc[t].0[16 * r..].as_mut_ptr(), min[t].0[16 * r..].as_mut_ptr());
-                            _mm512_store_ps(
-                                acc,
-                                _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), _mm512_load_ps(acc)),
-                            );
+                            // The sums start at zero, as [`tile`]'s (not stored first).
+                            let old = |at: *mut f32| {
+                                if b == 0 {
+                                    _mm512_setzero_ps()
+                                } else {
+                                    _mm512_load_ps(at)
+                                }
+                            };
+                            _mm512_store_ps(acc, _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), old(acc)));
                             if TY != Q8_0 {
                                 let xs = _mm512_set1_ps(x.s[(first + r) * nb + b]);
-                                _mm512_store_ps(min, _mm512_fmadd_ps(m, xs, _mm512_load_ps(min)));
+                                _mm512_store_ps(min, _mm512_fmadd_ps(m, xs, old(min)));
                             }
                         }
                     }
@@ -1890,11 +1911,13 @@ mod x86 {
                             let whole = _mm512_add_epi32(low, _mm512_sll_epi32(high, _mm_cvtsi32_si128(shift)));
                             let xd = _mm512_set1_ps(x.d[(first + r) * scales + fb]);
                             let acc = acc[t + u].0[16 * r..].as_mut_ptr();
-                            let mut y = _mm512_fmadd_ps(
-                                _mm512_mul_ps(d_file, xd),
-                                _mm512_cvtepi32_ps(whole),
-                                _mm512_load_ps(acc),
-                            );
+                            // The sums start at zero, as [`tile`]'s (not stored first).
+                            let old = if fb == 0 {
+                                _mm512_setzero_ps()
+                            } else {
+                                _mm512_load_ps(acc)
+                            };
+                            let mut y = _mm512_fmadd_ps(_mm512_mul_ps(d_file, xd), _mm512_cvtepi32_ps(whole), old);
                             if TY != Q6K {
                                 let pairs = &x.p[(first + r) * nb / 2 + 4 * fb..][..4];
                                 let mut sum = _mm512_madd_epi16(minimums[0], _mm512_set1_epi32(pairs[0]));
