@@ -67,7 +67,9 @@
 //! `low + 2^shift·high` is the exact integer the other kernels form. The
 //! integer sums being exact, the tiles give every kernel's bits, and the
 //! rows left over (fewer than 16) and a group without a pair run on
-//! AVX-512 VNNI beside them.
+//! AVX-512 VNNI beside them; so do whole products of fewer than 32 rows
+//! (16 for `Q8_0`), where unpacking the weights for one tile of rows
+//! costs more than the registers' products.
 
 use std::sync::Arc;
 
@@ -107,7 +109,8 @@ pub enum QuantKernel {
     /// The best this CPU has.
     Auto,
     /// AMX-INT8's byte tiles (`tdpbssd`) for every whole 16 token rows of
-    /// two groups, AVX-512 VNNI for the rest.
+    /// two groups in products of 32 rows or more (16 for `Q8_0`), AVX-512
+    /// VNNI for the rest.
     Amx,
     /// AVX-512 VNNI's `vpdpbusd` on 256-bit registers (with AVX-512VL's 32
     /// of them): tiles of [`XR_WIDE`] token rows.
@@ -1237,10 +1240,13 @@ unsafe fn part_product(
     let per_panel = NR / WR;
     // AMX: whole tiles of 16 token rows of two groups on the tile unit, the
     // rest of the rows (and a group left without a pair) on AVX-512 VNNI,
-    // whose sums are the same.
+    // whose sums are the same. Below 32 rows only `Q8_0` gains from the
+    // tiles: the others' weights, unpacked for one tile of rows alone, cost
+    // more than the registers' products.
+    let least = if part.ty == QuantType::Q8_0 { ROWS } else { 2 * ROWS };
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract: the CPU has the kernel.
-    let mut byte_tiles = (kernel == QuantKernel::Amx && m >= ROWS).then(|| {
+    let mut byte_tiles = (kernel == QuantKernel::Amx && m >= least).then(|| {
         (
             unsafe { super::amx::ByteTiles::new(part.ty.is_k()) },
             x86::Scratch::new(),
