@@ -1280,8 +1280,16 @@ unsafe fn part_product(
                 let mut from = chunk.start;
                 let whole = chunk.len() / ROWS * ROWS;
                 let pair = g - (g - groups.start) % 2;
+                let in_panel = (g - groups.start) % per_panel;
+                // The next panel's expand, if this task computes it: its
+                // rows' `B` lines asked for a slice before each tile of the
+                // panel's groups (on the tiles: all of them, before the pair).
+                let next_panel = !expand.is_none() && g - in_panel + per_panel < groups.end;
                 if let Some((unit, scratch)) = byte_tiles.as_mut().filter(|_| whole > 0 && pair + 1 < groups.end) {
                     if g == pair {
+                        if next_panel {
+                            expand.prefetch(chunk.start..chunk.start + whole, panel + 1);
+                        }
                         // SAFETY: the caller's contract; both groups hold
                         // `nb` blocks, the rows lie in `x` and `out`.
                         unsafe {
@@ -1301,11 +1309,6 @@ unsafe fn part_product(
                     from += whole;
                 }
                 let rest = from..chunk.end;
-                let in_panel = (g - groups.start) % per_panel;
-                // The next panel's expand, if this task computes it: its
-                // rows' `B` lines asked for a slice before each tile of the
-                // panel's groups.
-                let next_panel = !expand.is_none() && g - in_panel + per_panel < groups.end;
                 let height = if kernel == QuantKernel::Avx512Vnni { XR_WIDE } else { XR };
                 let tile_rows = |r: usize| 1usize << height.min(chunk.end - r).ilog2();
                 // Whole tiles, then one for each power of two in the rest.
