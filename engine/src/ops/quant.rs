@@ -1006,7 +1006,9 @@ impl QuantMatrix {
         let quantized = |k_quants: bool| {
             self.parts.iter().any(|p| p.ty.is_k() == k_quants).then(|| {
                 let mut rows = QuantizedRows::new(x, m, self.k, if k_quants { QKK } else { QK });
-                if kernel == QuantKernel::Amx && m >= ROWS {
+                // Laid out for the tiles only where a part takes them.
+                let tiled = |p: &Part| p.ty.is_k() == k_quants && on_tiles(kernel, p.ty, m);
+                if self.parts.iter().any(tiled) {
                     rows.tile();
                 }
                 rows
@@ -1208,6 +1210,14 @@ fn dot_reference(part: &Part, row: usize, x: &QuantizedRows, r: usize) -> f32 {
     acc + min
 }
 
+/// Whether a product of `m` token rows on `ty`'s blocks takes the AMX
+/// tiles: on [`QuantKernel::Amx`], from 32 rows (16 for `Q8_0`). Below
+/// that only `Q8_0` gains from them: the others' weights, unpacked for one
+/// tile of rows alone, cost more than the registers' products.
+fn on_tiles(kernel: QuantKernel, ty: QuantType, m: usize) -> bool {
+    kernel == QuantKernel::Amx && m >= if ty == QuantType::Q8_0 { ROWS } else { 2 * ROWS }
+}
+
 /// The output buffer, shared by tasks that write disjoint columns of it.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -1240,13 +1250,10 @@ unsafe fn part_product(
     let per_panel = NR / WR;
     // AMX: whole tiles of 16 token rows of two groups on the tile unit, the
     // rest of the rows (and a group left without a pair) on AVX-512 VNNI,
-    // whose sums are the same. Below 32 rows only `Q8_0` gains from the
-    // tiles: the others' weights, unpacked for one tile of rows alone, cost
-    // more than the registers' products.
-    let least = if part.ty == QuantType::Q8_0 { ROWS } else { 2 * ROWS };
+    // whose sums are the same.
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract: the CPU has the kernel.
-    let mut byte_tiles = (kernel == QuantKernel::Amx && m >= least).then(|| {
+    let mut byte_tiles = on_tiles(kernel, part.ty, m).then(|| {
         (
             unsafe { super::amx::ByteTiles::new(part.ty.is_k()) },
             x86::Scratch::new(),
