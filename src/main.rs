@@ -92,9 +92,23 @@ fn parse_cli() -> anyhow::Result<Cli> {
     Ok(Cli::from_arg_matches(&matches)?)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = parse_cli()?;
+    // Before the runtime's threads start: see `one_allocator_arena`.
+    if matches!(
+        cli.command,
+        Command::Serve(_) | Command::Worker(_) | Command::Generate(_) | Command::Embed(_)
+    ) {
+        lorry_engine::models::one_allocator_arena();
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let role = match &cli.command {
         Command::Serve(_) => Some(Role::Serve),
         Command::Api(_) => Some(Role::Api),

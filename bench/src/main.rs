@@ -28,10 +28,22 @@ enum Bench {
     Structured(StructuredBenchArgs),
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let bench = Bench::parse();
+    // The benchmarks that run an engine in this process run it as the
+    // service does (before the runtime's threads start).
+    if !matches!(bench, Bench::Pipeline(_) | Bench::Isolation(_) | Bench::Fairness(_)) {
+        lorry_engine::models::one_allocator_arena();
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(bench))
+}
+
+async fn run(bench: Bench) -> anyhow::Result<()> {
     let _telemetry = lorry::init_logging();
-    match Bench::parse() {
+    match bench {
         Bench::Pipeline(args) => bench::pipeline(&args).await.map(drop),
         Bench::Engine(args) => bench::engine(&args).await,
         Bench::Lora(args) => bench::lora(&args).await,

@@ -59,6 +59,22 @@ pub fn release_free_memory() {
     }
 }
 
+/// Keep the allocator to one arena for every thread, unless the environment
+/// names its own number (`MALLOC_ARENA_MAX`, glibc's setting). glibc gives
+/// threads arenas of their own, and each keeps what a step freed for its next
+/// step: the engine's threads then hold a step's working memory several times
+/// over. Call it before any thread starts, in processes that run an engine.
+pub fn one_allocator_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: `mallopt` only sets a tunable of the allocator; M_ARENA_MAX
+        // bounds the arenas made from now on.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
+    }
+}
+
 /// Read a checkpoint's `config.json` as `T`.
 pub fn read_config<T: DeserializeOwned>(dir: &Path) -> Result<T, ModelError> {
     let path = dir.join("config.json");
