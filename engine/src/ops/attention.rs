@@ -89,29 +89,98 @@ pub(crate) fn weighted_sum(weights: &[f32], values: Gathered<'_>, out: &mut [f32
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn scores_avx2(queries: &[f32], keys: Gathered<'_>, g: usize, scores: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let d = keys.d;
     // Four queries at a time: their four sums come out of one horizontal-add tree.
     for j0 in (0..g).step_by(4) {
-        let width = (g - j0).min(4);
-        for i in 0..keys.offsets.len() {
-            // SAFETY (every access): `check` kept each key inside `keys.data`, `d % 8 == 0`,
-            // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`.
-            unsafe {
-                let key = keys.data.as_ptr().add(keys.offsets[i] + keys.shift);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for c in (0..d).step_by(8) {
-                    let k = _mm256_loadu_ps(key.add(c));
-                    for (j, acc) in acc.iter_mut().enumerate().take(width) {
-                        let q = _mm256_loadu_ps(queries.as_ptr().add((j0 + j) * d + c));
-                        *acc = _mm256_fmadd_ps(q, k, *acc);
-                    }
+        // SAFETY (each): the caller's, and `j0 + W <= g`.
+        unsafe {
+            match g - j0 {
+                1 => scores_avx2_group::<1>(queries, keys, g, j0, scores),
+                2 => scores_avx2_group::<2>(queries, keys, g, j0, scores),
+                3 => scores_avx2_group::<3>(queries, keys, g, j0, scores),
+                _ => scores_avx2_group::<4>(queries, keys, g, j0, scores),
+            }
+        }
+    }
+}
+
+/// Keys whose scores one pass takes together: each query's 8 floats are
+/// loaded once for all of them (12 sums, 3 keys and a query: the 16
+/// registers).
+const KEYS_AT_ONCE: usize = 3;
+
+/// [`scores_avx2`] for queries `j0..j0 + W`: keys [`KEYS_AT_ONCE`] at a time,
+/// the rest one by one. Every score is the same chain of multiply-adds and
+/// the same horizontal-add tree whichever way its key is taken.
+///
+/// # Safety
+/// As [`scores_avx2`], and `j0 + W <= g`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2_group<const W: usize>(
+    queries: &[f32],
+    keys: Gathered<'_>,
+    g: usize,
+    j0: usize,
+    scores: &mut [f32],
+) {
+    let n = keys.offsets.len();
+    let mut i = 0;
+    while i + KEYS_AT_ONCE <= n {
+        // SAFETY: the caller's; keys `i..i + KEYS_AT_ONCE` exist.
+        unsafe { scores_avx2_keys::<W, KEYS_AT_ONCE>(queries, keys, g, j0, i, scores) };
+        i += KEYS_AT_ONCE;
+    }
+    for i in i..n {
+        // SAFETY: as above, key `i`.
+        unsafe { scores_avx2_keys::<W, 1>(queries, keys, g, j0, i, scores) };
+    }
+}
+
+/// The scores of queries `j0..j0 + W` with keys `i..i + K`.
+///
+/// # Safety
+/// As [`scores_avx2_group`], and `i + K` at most the number of keys.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2_keys<const W: usize, const K: usize>(
+    queries: &[f32],
+    keys: Gathered<'_>,
+    g: usize,
+    j0: usize,
+    i: usize,
+    scores: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let d = keys.d;
+    // SAFETY (every access): `check` kept each key inside `keys.data`, `d % 8 == 0`,
+    // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`.
+    unsafe {
+        let key: [*const f32; K] =
+            std::array::from_fn(|t| keys.data.as_ptr().add(keys.offsets[i + t] + keys.shift));
+        let query = queries.as_ptr().add(j0 * d);
+        let mut acc = [[_mm256_setzero_ps(); K]; W];
+        for c in (0..d).step_by(8) {
+            let k: [__m256; K] = std::array::from_fn(|t| _mm256_loadu_ps(key[t].add(c)));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let q = _mm256_loadu_ps(query.add(j * d + c));
+                for (acc, k) in acc.iter_mut().zip(&k) {
+                    *acc = _mm256_fmadd_ps(q, *k, *acc);
                 }
-                let pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-                let sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps::<1>(pairs));
+            }
+        }
+        for t in 0..K {
+            let sum = |j: usize| if j < W { acc[j][t] } else { _mm256_setzero_ps() };
+            let pairs = _mm256_hadd_ps(_mm256_hadd_ps(sum(0), sum(1)), _mm256_hadd_ps(sum(2), sum(3)));
+            let sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps::<1>(pairs));
+            let out = scores.as_mut_ptr().add((i + t) * g + j0);
+            if W == 4 {
+                _mm_storeu_ps(out, sums);
+            } else {
                 let mut four = [0f32; 4];
                 _mm_storeu_ps(four.as_mut_ptr(), sums);
-                scores[i * g + j0..i * g + j0 + width].copy_from_slice(&four[..width]);
+                std::ptr::copy_nonoverlapping(four.as_ptr(), out, W);
             }
         }
     }
@@ -251,6 +320,35 @@ mod tests {
         assert_eq!(edges[0], 1.0);
         assert!(edges[1] >= 0.0 && edges[1] < 1e-37 && edges[2] >= 0.0 && edges[2] < 1e-37);
         assert_eq!(edges[3], 1.0);
+    }
+
+    /// A key's scores are the same bits whether its pass takes it with
+    /// other keys or alone (a row's attention never depends on how many
+    /// positions it sees beside each one).
+    #[test]
+    fn a_keys_scores_do_not_depend_on_the_keys_beside_it() {
+        let mut rng = SplitMix::new(3);
+        for (g, d) in [(1, 8), (2, 64), (3, 64), (4, 64), (7, 64), (9, 16)] {
+            for n in [1, 2, 3, 4, 7, 10] {
+                let data: Vec<f32> = (0..(n + 1) * 2 * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+                let offsets: Vec<usize> = (0..n).rev().map(|i| i * 2 * d).collect();
+                let queries: Vec<f32> = (0..g * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+                let gathered = |offsets| Gathered {
+                    data: &data,
+                    offsets,
+                    shift: d,
+                    d,
+                };
+                let mut all = vec![0f32; n * g];
+                scores(&queries, gathered(&offsets), &mut all);
+                for (i, offset) in offsets.iter().enumerate() {
+                    let mut alone = vec![0f32; g];
+                    scores(&queries, gathered(std::slice::from_ref(offset)), &mut alone);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&all[i * g..(i + 1) * g]), bits(&alone), "{g}×{d}, key {i} of {n}");
+                }
+            }
+        }
     }
 
     #[test]

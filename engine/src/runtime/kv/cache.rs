@@ -171,26 +171,7 @@ impl KvCache {
                 d,
             };
             scores(&query[span.clone()], gathered(&stored.keys), weights);
-            max.clear();
-            max.resize(groups, f32::NEG_INFINITY);
-            for score in weights.chunks_exact(groups) {
-                for (m, s) in max.iter_mut().zip(score) {
-                    *m = m.max(*s * scale);
-                }
-            }
-            for score in weights.chunks_exact_mut(groups) {
-                for (s, m) in score.iter_mut().zip(max.iter()) {
-                    *s = *s * scale - m;
-                }
-            }
-            exp_in_place(weights);
-            total.clear();
-            total.resize(groups, 0.0);
-            for score in weights.chunks_exact(groups) {
-                for (s, t) in score.iter().zip(total.iter_mut()) {
-                    *t += *s;
-                }
-            }
+            softmax_unnormalised(weights, groups, scale, max, total);
             let o = &mut out[span];
             weighted_sum(weights, gathered(&stored.values), o);
             for (o, t) in o.chunks_exact_mut(d).zip(total.iter()) {
@@ -212,6 +193,67 @@ impl KvCache {
             }
         }
         offsets
+    }
+}
+
+/// `weights` (`[position][query head]`, `groups` heads) scaled, made
+/// `e^(s − max)` per head, and each head's sum of them in `total`: softmax
+/// but for the division. The common numbers of heads a key-value head
+/// serves get loops of their own size, which the compiler keeps in vector
+/// registers; every head's numbers come out the same either way.
+fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mut Vec<f32>, total: &mut Vec<f32>) {
+    fn fixed<const G: usize>(weights: &mut [f32], scale: f32, max: &mut [f32], total: &mut [f32]) {
+        let mut m = [f32::NEG_INFINITY; G];
+        for score in weights.chunks_exact(G) {
+            for j in 0..G {
+                m[j] = m[j].max(score[j] * scale);
+            }
+        }
+        for score in weights.chunks_exact_mut(G) {
+            for j in 0..G {
+                score[j] = score[j] * scale - m[j];
+            }
+        }
+        exp_in_place(weights);
+        let mut t = [0f32; G];
+        for score in weights.chunks_exact(G) {
+            for j in 0..G {
+                t[j] += score[j];
+            }
+        }
+        max.copy_from_slice(&m);
+        total.copy_from_slice(&t);
+    }
+    max.clear();
+    max.resize(groups, f32::NEG_INFINITY);
+    total.clear();
+    total.resize(groups, 0.0);
+    match groups {
+        1 => return fixed::<1>(weights, scale, max, total),
+        2 => return fixed::<2>(weights, scale, max, total),
+        3 => return fixed::<3>(weights, scale, max, total),
+        4 => return fixed::<4>(weights, scale, max, total),
+        5 => return fixed::<5>(weights, scale, max, total),
+        6 => return fixed::<6>(weights, scale, max, total),
+        7 => return fixed::<7>(weights, scale, max, total),
+        8 => return fixed::<8>(weights, scale, max, total),
+        _ => {}
+    }
+    for score in weights.chunks_exact(groups) {
+        for (m, s) in max.iter_mut().zip(score) {
+            *m = m.max(*s * scale);
+        }
+    }
+    for score in weights.chunks_exact_mut(groups) {
+        for (s, m) in score.iter_mut().zip(max.iter()) {
+            *s = *s * scale - m;
+        }
+    }
+    exp_in_place(weights);
+    for score in weights.chunks_exact(groups) {
+        for (s, t) in score.iter().zip(total.iter_mut()) {
+            *t += *s;
+        }
     }
 }
 
