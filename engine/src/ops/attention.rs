@@ -157,8 +157,7 @@ unsafe fn scores_avx2_keys<const W: usize, const K: usize>(
     // SAFETY (every access): `check` kept each key inside `keys.data`, `d % 8 == 0`,
     // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`.
     unsafe {
-        let key: [*const f32; K] =
-            std::array::from_fn(|t| keys.data.as_ptr().add(keys.offsets[i + t] + keys.shift));
+        let key: [*const f32; K] = std::array::from_fn(|t| keys.data.as_ptr().add(keys.offsets[i + t] + keys.shift));
         let query = queries.as_ptr().add(j0 * d);
         let mut acc = [[_mm256_setzero_ps(); K]; W];
         for c in (0..d).step_by(8) {
@@ -170,9 +169,11 @@ unsafe fn scores_avx2_keys<const W: usize, const K: usize>(
                 }
             }
         }
-        for t in 0..K {
-            let sum = |j: usize| if j < W { acc[j][t] } else { _mm256_setzero_ps() };
-            let pairs = _mm256_hadd_ps(_mm256_hadd_ps(sum(0), sum(1)), _mm256_hadd_ps(sum(2), sum(3)));
+        // Each key's sums of the four queries, zero past the group's `W`.
+        let by_key: [[__m256; 4]; K] =
+            std::array::from_fn(|t| std::array::from_fn(|j| if j < W { acc[j][t] } else { _mm256_setzero_ps() }));
+        for (t, sum) in by_key.iter().enumerate() {
+            let pairs = _mm256_hadd_ps(_mm256_hadd_ps(sum[0], sum[1]), _mm256_hadd_ps(sum[2], sum[3]));
             let sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps::<1>(pairs));
             let out = scores.as_mut_ptr().add((i + t) * g + j0);
             if W == 4 {
