@@ -600,56 +600,45 @@ impl Linear {
             };
         };
         let (tokens, inputs) = x.dims2()?;
-        let x = x.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let copied;
-        let rows: &[f32] = match (&*storage, layout.contiguous_offsets()) {
-            // The rows as they lie in the tensor, not copied.
-            (Storage::Cpu(CpuStorage::F32(rows)), Some((start, end))) => &rows[start..end],
-            _ => {
-                copied = x.flatten_all()?.to_vec1::<f32>()?;
-                &copied
-            }
-        };
-        let segments = lora.as_ref().map(|a| a.pass.segments(a.layer, a.parts));
-        let (mut product, outputs) = match &self.weight {
-            Weight::Packed(w) => {
-                // Without a bias, the adapters' expand runs inside the product
-                // where that pays.
-                if let Some(segments) = segments.as_ref().filter(|s| self.bias.is_none() && CpuSgmv::fusable(s)) {
-                    let product = CpuSgmv.apply_fused(w, rows, tokens, segments)?;
-                    drop(storage);
-                    return Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?);
+        // The rows as they lie in the tensor where they can be, not copied.
+        with_values(x, |rows| {
+            let segments = lora.as_ref().map(|a| a.pass.segments(a.layer, a.parts));
+            let (mut product, outputs) = match &self.weight {
+                Weight::Packed(w) => {
+                    // Without a bias, the adapters' expand runs inside the product
+                    // where that pays.
+                    if let Some(segments) = segments.as_ref().filter(|s| self.bias.is_none() && CpuSgmv::fusable(s)) {
+                        let product = CpuSgmv.apply_fused(w, rows, tokens, segments)?;
+                        return Ok(Tensor::from_vec(product, (tokens, w.outputs()), x.device())?);
+                    }
+                    (w.matmul(rows, tokens), w.outputs())
                 }
-                (w.matmul(rows, tokens), w.outputs())
-            }
-            Weight::Quant(q) => {
-                // The same on quantized blocks whose formats' parts start on panels.
-                if let Some(segments) = segments
-                    .as_ref()
-                    .filter(|s| self.bias.is_none() && q.panels_whole() && CpuSgmv::fusable(s))
-                {
-                    let product = CpuSgmv.apply_fused(q, rows, tokens, segments)?;
-                    drop(storage);
-                    return Ok(Tensor::from_vec(product, (tokens, q.outputs()), x.device())?);
+                Weight::Quant(q) => {
+                    // The same on quantized blocks whose formats' parts start on panels.
+                    if let Some(segments) = segments
+                        .as_ref()
+                        .filter(|s| self.bias.is_none() && q.panels_whole() && CpuSgmv::fusable(s))
+                    {
+                        let product = CpuSgmv.apply_fused(q, rows, tokens, segments)?;
+                        return Ok(Tensor::from_vec(product, (tokens, q.outputs()), x.device())?);
+                    }
+                    (q.matmul(rows, tokens), q.outputs())
                 }
-                (q.matmul(rows, tokens), q.outputs())
-            }
-            Weight::Tensor(_) => unreachable!("handled above"),
-        };
-        if let Some(bias) = &self.bias {
-            let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            for row in product.chunks_exact_mut(outputs) {
-                for (y, b) in row.iter_mut().zip(&bias) {
-                    *y += b;
+                Weight::Tensor(_) => unreachable!("handled above"),
+            };
+            if let Some(bias) = &self.bias {
+                let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                for row in product.chunks_exact_mut(outputs) {
+                    for (y, b) in row.iter_mut().zip(&bias) {
+                        *y += b;
+                    }
                 }
             }
-        }
-        if let Some(segments) = segments {
-            CpuSgmv.apply_rows(rows, inputs, &mut product, outputs, &segments)?;
-        }
-        drop(storage);
-        Ok(Tensor::from_vec(product, (tokens, outputs), x.device())?)
+            if let Some(segments) = segments {
+                CpuSgmv.apply_rows(rows, inputs, &mut product, outputs, &segments)?;
+            }
+            Ok(Tensor::from_vec(product, (tokens, outputs), x.device())?)
+        })?
     }
 
     /// The weight as a tensor, where it is not packed (quantized blocks
