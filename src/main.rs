@@ -94,12 +94,12 @@ fn parse_cli() -> anyhow::Result<Cli> {
 
 fn main() -> anyhow::Result<()> {
     let cli = parse_cli()?;
-    // Before the runtime's threads start: see `one_allocator_arena`.
+    // Before the runtime's threads start: see `limit_allocator_arenas`.
     if matches!(
         cli.command,
         Command::Serve(_) | Command::Worker(_) | Command::Generate(_) | Command::Embed(_)
     ) {
-        lorry_engine::models::one_allocator_arena();
+        lorry_engine::models::limit_allocator_arenas();
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

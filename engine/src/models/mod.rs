@@ -59,18 +59,32 @@ pub fn release_free_memory() {
     }
 }
 
-/// Keep the allocator to one arena for every thread, unless the environment
-/// names its own number (`MALLOC_ARENA_MAX`, glibc's setting). glibc gives
-/// threads arenas of their own, and each keeps what a step freed for its next
-/// step: the engine's threads then hold a step's working memory several times
-/// over. Call it before any thread starts, in processes that run an engine.
-pub fn one_allocator_arena() {
+/// Bound what glibc's allocator keeps of freed memory, in processes that run
+/// an engine: one arena per CPU the process may use, and free memory at the
+/// top of a heap handed back past 1 MiB — each unless the environment names
+/// its own value (glibc's `MALLOC_ARENA_MAX`, `MALLOC_TRIM_THRESHOLD_`).
+/// glibc's default allows eight arenas a core and raises its trim threshold
+/// after each large free, so every engine thread's arena kept a step's
+/// working memory for the next step. One arena for all holds it once, but the
+/// engine's threads, allocating at once, then wait on its lock (a decode
+/// step at batch 32 took 5–20% longer on 2-core machines: docs/BENCHMARKS.md).
+/// Call it before any thread starts.
+pub fn limit_allocator_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: `mallopt` only sets a tunable of the allocator; M_ARENA_MAX
-        // bounds the arenas made from now on.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 1);
+    {
+        if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+            // SAFETY: `mallopt` only sets a tunable of the allocator;
+            // M_ARENA_MAX bounds the arenas made from now on.
+            unsafe {
+                libc::mallopt(libc::M_ARENA_MAX, cpus.min(i32::MAX as usize) as i32);
+            }
+        }
+        if std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {
+            // SAFETY: as above; a fixed threshold also stops glibc raising it.
+            unsafe {
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 20);
+            }
         }
     }
 }
