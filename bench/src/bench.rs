@@ -1028,7 +1028,10 @@ fn step_times<'a>(
             })
             .collect()
     };
-    model.forward_batch(&chunks(vec![None; n], false), &mut kv)?;
+    // Each pass on one of the pool's threads, as the engine runs it
+    // (`rayon::scope`), not from outside the pool.
+    let mut forward = |batch: &[SeqChunk<'_>]| rayon::scope(|_| model.forward_batch(batch, &mut kv));
+    forward(&chunks(vec![None; n], false))?;
     let kinds: [Vec<Option<&'a PackedAdapter>>; 3] = [
         vec![None; n],
         vec![Some(&*adapters[0]); n],
@@ -1040,7 +1043,7 @@ fn step_times<'a>(
         for (kind, times) in kinds.iter().zip(&mut times) {
             let batch = chunks(kind.clone(), true);
             let start = Instant::now();
-            model.forward_batch(&batch, &mut kv)?;
+            forward(&batch)?;
             if round > 0 {
                 times.push(start.elapsed().as_secs_f64());
             }

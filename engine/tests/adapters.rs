@@ -550,18 +550,18 @@ fn the_expand_fused_into_the_product_adds_what_the_separate_pass_adds() {
     }
     let mut random = uniform_values(7);
     // A q/k/v-like product: 64 + 32 + 32 outputs over 48 inputs.
-    let (inputs, outputs, tokens) = (48, 128, 20);
+    let (inputs, outputs, tokens) = (48, 128, 100);
     let w = PackedMatrix::from_f32(&random(outputs * inputs), outputs, inputs);
     let module = |rank: usize, out: usize, scale: f32, random: &mut dyn FnMut(usize) -> Vec<f32>| {
         random_module(inputs, rank, out, scale, random)
     };
     let (q, v) = (module(8, 64, 2.0, &mut random), module(8, 32, 2.0, &mut random));
     let k = module(16, 32, 0.5, &mut random);
-    // Rows of one adapter many (tiles) or few (one by one), not adjacent;
-    // rows 0, 5 and 19 have none.
+    // Rows of one adapter many (shrinks on tiles: pre-fill) or few (one by
+    // one: decoding), not adjacent; rows 0, 5 and 99 have none.
     let many: Vec<usize> = (1..tokens - 1).filter(|r| r % 3 != 2 && *r != 5).collect();
     let few = [2usize, 8, 14];
-    assert!(many.len() >= 8);
+    assert!(many.len() >= 64);
     let segments = [
         Segment {
             module: &q,
@@ -637,9 +637,10 @@ fn the_expand_fused_into_a_quantized_product_adds_what_the_separate_pass_adds() 
     let q = module(8, 64, 2.0, &mut random);
     let k = module(16, 48, 0.5, &mut random);
     let v = module(4, 24, 1.0, &mut random);
-    // 1 row, a tile's worth, and more than a chunk of rows (64): one adapter
-    // on many rows (tiles), others on a few each (one by one), some rows none.
-    for tokens in [1usize, 20, 70] {
+    // 1 row, a tile's worth, more than a chunk of rows (64), and a pre-fill's
+    // worth: one adapter on many rows (one by one as in a decoding step, or
+    // on tiles from 64 rows on), others on a few each, some rows none.
+    for tokens in [1usize, 20, 70, 200] {
         let many: Vec<usize> = (0..tokens).filter(|r| r % 3 == 1).collect();
         let few: Vec<usize> = (0..tokens).filter(|r| r % 3 == 0).take(5).collect();
         let other: Vec<usize> = (0..tokens).filter(|r| r % 3 == 2).take(3).collect();

@@ -5,7 +5,7 @@
 //! adapters and ranks in one continuous batch, base rows untouched. [`Sgmv`]
 //! is the device seam; [`CpuSgmv`] runs on the packed product kernels.
 //!
-//! On the CPU, where some adapter of a product has few rows (decoding: one
+//! On the CPU, where some adapter of a product has a decoding step's rows (one
 //! row each), the expand runs inside the base product, on float panels or
 //! quantized blocks ([`CpuSgmv::apply_fused`], [`PackedMatrix::matmul_expand`],
 //! [`QuantMatrix::matmul_expand`]): the shrinks
@@ -103,6 +103,13 @@ pub struct CpuSgmv;
 /// [`PackedMatrix::row_add`]; from it on, through tiles.
 const FEW_ROWS: usize = 8;
 
+/// Below this many rows an adapter's shrinks in [`CpuSgmv::apply_fused`] go
+/// row by row ([`PackedMatrix::row_products`]), and its expand runs inside
+/// the product: a decoding step's rows, however many share an adapter (its
+/// `A` and `B` then stay in cache from one row to the next). From it on
+/// (pre-fill chunks) the shrinks go through tiles.
+const FUSED_ROWS: usize = 64;
+
 impl Sgmv for CpuSgmv {
     fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor> {
         if segments.is_empty() {
@@ -196,12 +203,13 @@ impl CpuSgmv {
 impl CpuSgmv {
     /// Whether [`CpuSgmv::apply_fused`] can run `segments` on this CPU
     /// (every projection starts on a panel boundary of the product) and is
-    /// the better way to: some adapter has few rows. Where every adapter has
-    /// many, the tiles after the product read each `B` once for all its rows.
+    /// the better way to: some adapter has the rows of a decoding step
+    /// ([`FUSED_ROWS`]). Where every adapter has many (pre-fill), the tiles
+    /// after the product read each `B` once for all its rows.
     pub(crate) fn fusable(segments: &[Segment<'_>]) -> bool {
         PackedMatrix::rows_direct()
             && segments.iter().all(|s| s.offset % crate::ops::gemm::NR == 0)
-            && segments.iter().any(|s| s.rows.len() < FEW_ROWS)
+            && segments.iter().any(|s| s.rows.len() < FUSED_ROWS)
     }
 
     /// The base product `x·Wᵀ` (`w`, float panels or quantized blocks) with
@@ -224,6 +232,9 @@ impl CpuSgmv {
         if !w.fusable() {
             candle_core::bail!("sgmv: the base's quantized parts do not start on panels");
         }
+        let Some(first) = segments.first() else {
+            return Ok(w.matmul_expand(x, tokens, &[]));
+        };
         let inputs = w.inputs();
         let mut rows_seen = vec![None; tokens];
         for (i, segment) in segments.iter().enumerate() {
@@ -244,22 +255,23 @@ impl CpuSgmv {
                 }
             }
         }
-        // The shrinks. A segment of few rows (one decoding row, the usual
-        // case) goes row by row, every such row of every segment in one list
-        // whose products run several at once; a segment of many rows goes
-        // through tiles, cut into one task per thread.
+        // The shrinks. A segment of a decoding step's rows (one row, the
+        // usual case, or the rows of a shared adapter) goes row by row, every
+        // such row of every segment in one list whose products run several
+        // at once; a segment of many rows goes through tiles, cut into one
+        // task per thread.
         let threads = rayon::current_num_threads();
         let few: Vec<(usize, usize)> = segments
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.rows.len() < FEW_ROWS)
+            .filter(|(_, s)| s.rows.len() < FUSED_ROWS)
             .flat_map(|(i, s)| s.rows.iter().map(move |&r| (i, r)))
             .collect();
         let mut few_shrunk = vec![0f32; few.iter().map(|&(i, _)| segments[i].module.a.outputs()).sum()];
         let tiled: Vec<(usize, std::ops::Range<usize>)> = segments
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.rows.len() >= FEW_ROWS)
+            .filter(|(_, s)| s.rows.len() >= FUSED_ROWS)
             .flat_map(|(i, s)| {
                 let per_task = s.rows.len().div_ceil(threads);
                 (0..s.rows.len())
@@ -267,58 +279,88 @@ impl CpuSgmv {
                     .map(move |start| (i, start..(start + per_task).min(s.rows.len())))
             })
             .collect();
-        let (_, tiled_shrunk) = rayon::join(
-            || {
-                let mut products = Vec::with_capacity(few.len());
-                let mut rest = few_shrunk.as_mut_slice();
-                for &(i, r) in &few {
-                    let a = &segments[i].module.a;
-                    let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
-                    rest = tail;
-                    products.push(RowProduct {
-                        w: a,
-                        x: &x[r * inputs..(r + 1) * inputs],
-                        out,
-                    });
-                }
-                let per_task = products.len().div_ceil(4 * threads).max(1);
-                products.par_chunks_mut(per_task).for_each(|chunk| {
-                    PackedMatrix::row_products(chunk);
+        let mut shrink_few = || {
+            let mut products = Vec::with_capacity(few.len());
+            let mut rest = few_shrunk.as_mut_slice();
+            for &(i, r) in &few {
+                let a = &segments[i].module.a;
+                let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
+                rest = tail;
+                products.push(RowProduct {
+                    w: a,
+                    x: &x[r * inputs..(r + 1) * inputs],
+                    out,
                 });
-            },
-            || {
-                tiled
-                    .par_iter()
-                    .map(|(i, range)| shrink(x, inputs, &segments[*i].module.a, &segments[*i].rows[range.clone()]))
-                    .collect::<Vec<_>>()
-            },
-        );
-        let mut expand: Vec<Vec<Expand<'_>>> = vec![Vec::new(); tokens];
+            }
+            let per_task = products.len().div_ceil(4 * threads).max(1);
+            products.par_chunks_mut(per_task).for_each(|chunk| {
+                PackedMatrix::row_products(chunk);
+            });
+        };
+        let shrink_tiled = || {
+            tiled
+                .par_iter()
+                .map(|(i, range)| shrink(x, inputs, &segments[*i].module.a, &segments[*i].rows[range.clone()]))
+                .collect::<Vec<_>>()
+        };
+        // One parallel region where only one kind of shrink has work.
+        let tiled_shrunk = match (few.is_empty(), tiled.is_empty()) {
+            (_, true) => {
+                shrink_few();
+                Vec::new()
+            }
+            (true, false) => shrink_tiled(),
+            (false, false) => rayon::join(shrink_few, shrink_tiled).1,
+        };
+        // Every row's parts in one list, row by row (`few` is in segment
+        // order, so each row's parts keep the order of the segments).
+        let mut counts = vec![0usize; tokens + 1];
+        for &(_, r) in &few {
+            counts[r + 1] += 1;
+        }
+        for (i, range) in &tiled {
+            for &r in &segments[*i].rows[range.clone()] {
+                counts[r + 1] += 1;
+            }
+        }
+        for r in 0..tokens {
+            counts[r + 1] += counts[r];
+        }
+        let mut next = counts.clone();
+        let none = Expand {
+            b: &first.module.b,
+            shrunk: &[],
+            first_column: 0,
+            scale: 0.0,
+        };
+        let mut parts = vec![none; counts[tokens]];
         let mut rest = few_shrunk.as_slice();
         for &(i, r) in &few {
             let segment = &segments[i];
             let (shrunk, tail) = rest.split_at(segment.module.a.outputs());
             rest = tail;
-            expand[r].push(Expand {
+            parts[next[r]] = Expand {
                 b: &segment.module.b,
                 shrunk,
                 first_column: segment.offset,
                 scale: segment.module.scale,
-            });
+            };
+            next[r] += 1;
         }
         for ((i, range), shrunk) in tiled.iter().zip(&tiled_shrunk) {
             let segment = &segments[*i];
             let rank = segment.module.a.outputs();
             for (&r, shrunk) in segment.rows[range.clone()].iter().zip(shrunk.chunks_exact(rank)) {
-                expand[r].push(Expand {
+                parts[next[r]] = Expand {
                     b: &segment.module.b,
                     shrunk,
                     first_column: segment.offset,
                     scale: segment.module.scale,
-                });
+                };
+                next[r] += 1;
             }
         }
-        let expand: Vec<&[Expand<'_>]> = expand.iter().map(Vec::as_slice).collect();
+        let expand: Vec<&[Expand<'_>]> = counts.windows(2).map(|w| &parts[w[0]..w[1]]).collect();
         Ok(w.matmul_expand(x, tokens, &expand))
     }
 }
