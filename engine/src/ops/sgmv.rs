@@ -5,8 +5,9 @@
 //! adapters and ranks in one continuous batch, base rows untouched. [`Sgmv`]
 //! is the device seam; [`CpuSgmv`] runs on the packed product kernels.
 //!
-//! On the CPU, where some adapter of a product has a decoding step's rows (one
-//! row each), the expand runs inside the base product, on float panels or
+//! On the CPU, where some adapter of a product has a decoding step's rows
+//! (fewer than 64 rows; one row each where every sequence has its own
+//! adapter), the expand runs inside the base product, on float panels or
 //! quantized blocks ([`CpuSgmv::apply_fused`], [`PackedMatrix::matmul_expand`],
 //! [`QuantMatrix::matmul_expand`]): the shrinks
 //! run first, side by side on the cores, and the product's task that has
