@@ -77,7 +77,7 @@ pub fn limit_allocator_arenas() {
             // SAFETY: `mallopt` only sets a tunable of the allocator;
             // M_ARENA_MAX bounds the arenas made from now on.
             unsafe {
-                libc::mallopt(libc::M_ARENA_MAX, cpus.min(i32::MAX as usize) as i32);
+                libc::mallopt(libc::M_ARENA_MAX, i32::try_from(cpus).unwrap_or(i32::MAX));
             }
         }
         if std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {

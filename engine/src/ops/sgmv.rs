@@ -233,9 +233,6 @@ impl CpuSgmv {
         if !w.fusable() {
             candle_core::bail!("sgmv: the base's quantized parts do not start on panels");
         }
-        let Some(first) = segments.first() else {
-            return Ok(w.matmul_expand(x, tokens, &[]));
-        };
         let inputs = w.inputs();
         let mut rows_seen = vec![None; tokens];
         for (i, segment) in segments.iter().enumerate() {
@@ -280,88 +277,58 @@ impl CpuSgmv {
                     .map(move |start| (i, start..(start + per_task).min(s.rows.len())))
             })
             .collect();
-        let mut shrink_few = || {
-            let mut products = Vec::with_capacity(few.len());
-            let mut rest = few_shrunk.as_mut_slice();
-            for &(i, r) in &few {
-                let a = &segments[i].module.a;
-                let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
-                rest = tail;
-                products.push(RowProduct {
-                    w: a,
-                    x: &x[r * inputs..(r + 1) * inputs],
-                    out,
+        let (_, tiled_shrunk) = rayon::join(
+            || {
+                let mut products = Vec::with_capacity(few.len());
+                let mut rest = few_shrunk.as_mut_slice();
+                for &(i, r) in &few {
+                    let a = &segments[i].module.a;
+                    let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
+                    rest = tail;
+                    products.push(RowProduct {
+                        w: a,
+                        x: &x[r * inputs..(r + 1) * inputs],
+                        out,
+                    });
+                }
+                let per_task = products.len().div_ceil(4 * threads).max(1);
+                products.par_chunks_mut(per_task).for_each(|chunk| {
+                    PackedMatrix::row_products(chunk);
                 });
-            }
-            let per_task = products.len().div_ceil(4 * threads).max(1);
-            products.par_chunks_mut(per_task).for_each(|chunk| {
-                PackedMatrix::row_products(chunk);
-            });
-        };
-        let shrink_tiled = || {
-            tiled
-                .par_iter()
-                .map(|(i, range)| shrink(x, inputs, &segments[*i].module.a, &segments[*i].rows[range.clone()]))
-                .collect::<Vec<_>>()
-        };
-        // One parallel region where only one kind of shrink has work.
-        let tiled_shrunk = match (few.is_empty(), tiled.is_empty()) {
-            (_, true) => {
-                shrink_few();
-                Vec::new()
-            }
-            (true, false) => shrink_tiled(),
-            (false, false) => rayon::join(shrink_few, shrink_tiled).1,
-        };
-        // Every row's parts in one list, row by row (`few` is in segment
-        // order, so each row's parts keep the order of the segments).
-        let mut counts = vec![0usize; tokens + 1];
-        for &(_, r) in &few {
-            counts[r + 1] += 1;
-        }
-        for (i, range) in &tiled {
-            for &r in &segments[*i].rows[range.clone()] {
-                counts[r + 1] += 1;
-            }
-        }
-        for r in 0..tokens {
-            counts[r + 1] += counts[r];
-        }
-        let mut next = counts.clone();
-        let none = Expand {
-            b: &first.module.b,
-            shrunk: &[],
-            first_column: 0,
-            scale: 0.0,
-        };
-        let mut parts = vec![none; counts[tokens]];
+            },
+            || {
+                tiled
+                    .par_iter()
+                    .map(|(i, range)| shrink(x, inputs, &segments[*i].module.a, &segments[*i].rows[range.clone()]))
+                    .collect::<Vec<_>>()
+            },
+        );
+        let mut expand: Vec<Vec<Expand<'_>>> = vec![Vec::new(); tokens];
         let mut rest = few_shrunk.as_slice();
         for &(i, r) in &few {
             let segment = &segments[i];
             let (shrunk, tail) = rest.split_at(segment.module.a.outputs());
             rest = tail;
-            parts[next[r]] = Expand {
+            expand[r].push(Expand {
                 b: &segment.module.b,
                 shrunk,
                 first_column: segment.offset,
                 scale: segment.module.scale,
-            };
-            next[r] += 1;
+            });
         }
         for ((i, range), shrunk) in tiled.iter().zip(&tiled_shrunk) {
             let segment = &segments[*i];
             let rank = segment.module.a.outputs();
             for (&r, shrunk) in segment.rows[range.clone()].iter().zip(shrunk.chunks_exact(rank)) {
-                parts[next[r]] = Expand {
+                expand[r].push(Expand {
                     b: &segment.module.b,
                     shrunk,
                     first_column: segment.offset,
                     scale: segment.module.scale,
-                };
-                next[r] += 1;
+                });
             }
         }
-        let expand: Vec<&[Expand<'_>]> = counts.windows(2).map(|w| &parts[w[0]..w[1]]).collect();
+        let expand: Vec<&[Expand<'_>]> = expand.iter().map(Vec::as_slice).collect();
         Ok(w.matmul_expand(x, tokens, &expand))
     }
 }
