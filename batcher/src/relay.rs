@@ -24,7 +24,7 @@ use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{self, Publisher, Topology};
-use crate::store::{Room, Store, OUTBOX_CHANNEL};
+use crate::store::{Dispatch, Room, Store, OUTBOX_CHANNEL};
 use crate::BatcherError;
 
 /// How a relay runs.
@@ -81,7 +81,8 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
         drain(store, &publisher, config.batch_size).await?;
         let sleep = match dispatch(store, &publisher, config.dispatch_depth).await? {
             // Workers take what goes ahead at once: top it up again soon,
-            // rather than on the next ack.
+            // rather than on the next ack (also when another relay had the
+            // lane: its round may have missed chunks that came in meanwhile).
             Dispatched { went_ahead: true, .. } => AHEAD_POLL.min(config.dispatch_poll),
             Dispatched { holding: true, .. } => config.dispatch_poll,
             Dispatched { holding: false, .. } => config.poll,
@@ -103,7 +104,8 @@ const AHEAD_POLL: Duration = Duration::from_millis(10);
 pub struct Dispatched {
     /// Chunks were held on some lane.
     pub holding: bool,
-    /// A lane's queue ahead had room and chunks were published.
+    /// A lane's queue ahead had room, and chunks were published or another
+    /// relay was dispatching the lane: worth a look again soon.
     pub went_ahead: bool,
 }
 
@@ -114,24 +116,36 @@ pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Resul
     let mut went_ahead = false;
     for (lane, accounts) in &lanes {
         let room = |ready: u32| depth.saturating_sub(ready) as usize;
-        // Only an account behind another that still holds chunks goes ahead.
-        let ahead = match accounts {
-            1 => 0,
-            _ => room(ready(publisher, &broker::ahead_queue(lane)).await?),
+        let mut one_account = *accounts == 1;
+        let soon = loop {
+            // Only an account behind another that still holds chunks goes ahead.
+            let ahead = match one_account {
+                true => 0,
+                false => room(ready(publisher, &broker::ahead_queue(lane)).await?),
+            };
+            let room = Room {
+                queue: room(ready(publisher, lane).await?),
+                ahead,
+                queue_depth: depth as usize,
+                one_account,
+            };
+            let round = store
+                .dispatch_fair(
+                    lane,
+                    room,
+                    |messages| async move { publisher.publish_all(&messages).await },
+                )
+                .await?;
+            match round {
+                Dispatch::Sent(sent) => break room.ahead > 0 && sent > 0,
+                // Another relay's round may have read the lanes before the
+                // chunks going ahead came in: look again soon.
+                Dispatch::Busy => break room.ahead > 0,
+                // Another account's chunks came in after the lanes were read.
+                Dispatch::Stale => one_account = false,
+            }
         };
-        let room = Room {
-            queue: room(ready(publisher, lane).await?),
-            ahead,
-            queue_depth: depth as usize,
-        };
-        let sent = store
-            .dispatch_fair(
-                lane,
-                room,
-                |messages| async move { publisher.publish_all(&messages).await },
-            )
-            .await?;
-        went_ahead |= room.ahead > 0 && sent > 0;
+        went_ahead |= soon;
     }
     Ok(Dispatched {
         holding: !lanes.is_empty(),

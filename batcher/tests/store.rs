@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::store::{ClaimedInput, Created, NewBatch, NewRequest, OutboxMessage, Outcome, Room, Store};
+use lorry_batcher::store::{
+    ClaimedInput, Created, Dispatch, NewBatch, NewRequest, OutboxMessage, Outcome, Room, Store,
+};
 use lorry_engine::{Task, ValidRequest};
 use serde_json::json;
 use sqlx::PgPool;
@@ -31,6 +33,7 @@ fn queue_room(queue: usize) -> Room {
         queue,
         ahead: 0,
         queue_depth: 4,
+        one_account: false,
     }
 }
 
@@ -90,7 +93,7 @@ async fn an_accounts_higher_priority_batch_goes_out_first_and_accounts_take_turn
             })
             .await
             .unwrap();
-        assert_eq!(sent, 1);
+        assert_eq!(sent, Dispatch::Sent(1));
         let message = published.lock().unwrap().pop().unwrap();
         // The trace context written with the message goes out with it.
         let start = message.payload["start"].as_i64().unwrap();
@@ -187,6 +190,21 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         .create_batch(theirs, (0..3).map(|i| held(&small, "other", i)).collect())
         .await
         .unwrap();
+    // A round sized while acct alone held chunks (the queue ahead not looked
+    // at) finds other's too: it publishes nothing, so that the relay sizes it
+    // again rather than route other's chunks as if acct were alone.
+    let stale = store
+        .dispatch_fair(
+            "lane",
+            Room {
+                one_account: true,
+                ..queue_room(3)
+            },
+            |_| async { panic!("nothing is published") },
+        )
+        .await
+        .unwrap();
+    assert_eq!(stale, Dispatch::Stale);
     // Two accounts hold chunks on the lane now: the relay looks at its queue ahead.
     assert_eq!(store.held_lanes().await.unwrap(), vec![("lane".to_string(), 2)]);
     assert_eq!(dispatch(1).await, expect(&[("other", 0, 2)]));

@@ -24,7 +24,7 @@ pub use adapters::{AdapterAsset, AdapterRecord, AdapterSummary, NewAdapter};
 pub use batches::{Created, NewBatch, NewRequest, Page};
 pub use files::{FileRecord, NewFile};
 pub use gauges::QueuedRequests;
-pub use outbox::{DueDelivery, OutboxMessage, Room, OUTBOX_CHANNEL};
+pub use outbox::{Dispatch, DueDelivery, OutboxMessage, Room, OUTBOX_CHANNEL};
 pub use retention::BatchDeletion;
 pub use usage::{UsageGroup, UsageRow};
 pub use work::{Claimed, ClaimedInput, Committed, Ending, Outcome};

@@ -200,13 +200,14 @@ impl Store {
     /// there was room ahead takes no place in the lane's queue: workers
     /// consume the queue ahead beside the lane's, so its chunks wait neither
     /// for the chunks ready in the lane's queue nor for a worker to ack one.
-    pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<usize>
+    ///
+    pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<Dispatch>
     where
         F: FnOnce(Vec<OutboxMessage>) -> Fut,
         Fut: std::future::Future<Output = Result<()>>,
     {
         if room.queue + room.ahead == 0 {
-            return Ok(0);
+            return Ok(Dispatch::Sent(0));
         }
         let mut tx = self.pool.begin().await?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('lorry-dispatch:' || $1))")
@@ -214,7 +215,7 @@ impl Store {
             .fetch_one(&mut *tx)
             .await?;
         if !locked {
-            return Ok(0);
+            return Ok(Dispatch::Busy);
         }
         let rows = sqlx::query(
             "SELECT o.id, o.exchange, o.payload, o.account_id, o.priority, o.traceparent, t.turn, f.in_flight, a.held
@@ -259,9 +260,12 @@ impl Store {
                 })
             })
             .collect::<std::result::Result<Vec<Held>, sqlx::Error>>()?;
+        if room.one_account && held.iter().any(|h| h.account != held[0].account) {
+            return Ok(Dispatch::Stale);
+        }
         let chosen = take_turns(held, room, &crate::broker::ahead_queue(lane));
         if chosen.is_empty() {
-            return Ok(0);
+            return Ok(Dispatch::Sent(0));
         }
         let ids: Vec<i64> = chosen.iter().map(|h| h.id).collect();
         // Each account's new turn, in the order of its last chunk here.
@@ -289,7 +293,7 @@ impl Store {
             .await?;
         }
         tx.commit().await?;
-        Ok(ids.len())
+        Ok(Dispatch::Sent(ids.len()))
     }
 
     /// Forget outbox rows sent longer ago than `age`.
@@ -373,6 +377,20 @@ impl Store {
     }
 }
 
+/// What a round of [`Store::dispatch_fair`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dispatch {
+    /// This many chunks went out (none: nothing held, or no room for it).
+    Sent(usize),
+    /// Another relay was dispatching the lane: nothing went out here.
+    Busy,
+    /// Nothing went out: the room was sized while one account held chunks
+    /// ([`Room::one_account`]) and another's have been committed since.
+    /// Size it again, with the queue ahead: routed as if alone, the
+    /// newcomer's chunks would join the lane's queue behind the other's.
+    Stale,
+}
+
 /// The places fair dispatch may fill on a lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Room {
@@ -382,6 +400,10 @@ pub struct Room {
     pub ahead: usize,
     /// The lane's queue's depth: an account more chunks in flight behind another goes ahead.
     pub queue_depth: usize,
+    /// Sized while one account held chunks on the lane: the queue ahead was
+    /// not looked at (`ahead` is 0), and a round that finds another
+    /// account's chunks publishes nothing.
+    pub one_account: bool,
 }
 
 /// A chunk held for fair dispatch.
@@ -525,6 +547,7 @@ mod tests {
             queue,
             ahead: 0,
             queue_depth: 2,
+            one_account: false,
         }
     }
 
@@ -618,6 +641,7 @@ mod tests {
             queue: 4,
             ahead: 5,
             queue_depth: 2,
+            one_account: false,
         };
         assert_eq!(
             routed(&take_turns(rows.clone(), room, "lane.ahead")),
