@@ -205,6 +205,18 @@ async fn the_account_with_fewest_chunks_in_flight_is_published_first(pool: PgPoo
         .await
         .unwrap();
     assert_eq!(stale, Dispatch::Stale);
+    // While another relay's round holds the lane, nothing goes out here.
+    let mut other_round = store.pool().begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('lorry-dispatch:' || 'lane'))")
+        .execute(&mut *other_round)
+        .await
+        .unwrap();
+    let busy = store
+        .dispatch_fair("lane", queue_room(3), |_| async { panic!("nothing is published") })
+        .await
+        .unwrap();
+    assert_eq!(busy, Dispatch::Busy);
+    other_round.rollback().await.unwrap();
     // Two accounts hold chunks on the lane now: the relay looks at its queue ahead.
     assert_eq!(store.held_lanes().await.unwrap(), vec![("lane".to_string(), 2)]);
     assert_eq!(dispatch(1).await, expect(&[("other", 0, 2)]));

@@ -200,7 +200,6 @@ impl Store {
     /// there was room ahead takes no place in the lane's queue: workers
     /// consume the queue ahead beside the lane's, so its chunks wait neither
     /// for the chunks ready in the lane's queue nor for a worker to ack one.
-    ///
     pub async fn dispatch_fair<F, Fut>(&self, lane: &str, room: Room, publish: F) -> Result<Dispatch>
     where
         F: FnOnce(Vec<OutboxMessage>) -> Fut,
