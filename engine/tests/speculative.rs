@@ -150,12 +150,23 @@ async fn greedy_output_is_the_same_with_and_without_speculation_for_both_propose
     assert_eq!(run(&ngram, &requests).await, want, "prompt lookup changed an output");
     let c = ngram.counters();
     assert!(load(&c.ngram_accepted) > 0, "prompt lookup guessed nothing right");
-    assert!(
-        load(&c.steps) < load(&plain.counters().steps),
-        "speculation saved no step: {} vs {}",
-        load(&c.steps),
-        load(&plain.counters().steps)
-    );
+    // Steps saved, each request alone: in a mixed batch the step count also
+    // depends on when each request joined the running engine, which the
+    // clock decides.
+    let (mut with, mut without) = (0, 0);
+    for (i, request) in requests.iter().enumerate() {
+        let steps = |engine: &TextEngine| load(&engine.counters().steps);
+        let (before_with, before_without) = (steps(&ngram), steps(&plain));
+        assert_eq!(run(&ngram, std::slice::from_ref(request)).await[0], want[i]);
+        assert_eq!(run(&plain, std::slice::from_ref(request)).await[0], want[i]);
+        let (alone_with, alone_without) = (steps(&ngram) - before_with, steps(&plain) - before_without);
+        assert!(
+            alone_with <= alone_without,
+            "request {i}: {alone_with} steps with speculation, {alone_without} without"
+        );
+        (with, without) = (with + alone_with, without + alone_without);
+    }
+    assert!(with < without, "speculation saved no step: {with} vs {without}");
 
     let draft_model = Llama::from_dir(&draft, &Device::Cpu).unwrap();
     let drafted = TextEngine::start_with_draft(
