@@ -1030,7 +1030,7 @@ fn step_times<'a>(
     };
     // Each pass on one of the pool's threads, as the engine runs it
     // (`rayon::scope`), not from outside the pool.
-    let mut forward = |batch: &[SeqChunk<'_>]| rayon::scope(|_| model.forward_batch(batch, &mut kv));
+    let mut forward = |batch: &[SeqChunk<'_>]| lorry_engine::ops::hot_pass(|| model.forward_batch(batch, &mut kv));
     forward(&chunks(vec![None; n], false))?;
     let kinds: [Vec<Option<&'a PackedAdapter>>; 3] = [
         vec![None; n],

@@ -12,3 +12,99 @@ pub(crate) mod attention;
 pub mod gemm;
 pub mod quant;
 pub mod sgmv;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Run `f` (a forward pass) on a thread of rayon's pool, with the pool's
+/// other threads kept awake until it returns: each takes the pass's parallel
+/// work as soon as it is split off, instead of going to sleep in the pass's
+/// serial stretches (norms, rotary, the next product's token rows) and being
+/// woken by the kernel for the next parallel loop. A thread with nothing to
+/// take yields its core to any other thread waiting for it. A panic in `f`
+/// reaches the caller, as from `rayon::scope`.
+pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    /// Sets the flag however the pass ends, so that no helper outlives it.
+    struct Done<'a>(&'a AtomicBool);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    let done = AtomicBool::new(false);
+    rayon::scope(|scope| {
+        let owner = rayon::current_thread_index();
+        let done = &done;
+        for _ in 1..rayon::current_num_threads() {
+            scope.spawn(move |_| {
+                // The pass's own thread may pop this while it waits inside a
+                // loop of the pass: it must not wait for its own pass there.
+                if rayon::current_thread_index() == owner {
+                    return;
+                }
+                while !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        // Nothing to take: the core goes to any other
+                        // thread waiting for it (the service's own, the
+                        // database's) and comes back at once otherwise.
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+        let _done = Done(done);
+        f()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use rayon::prelude::*;
+
+    use super::hot_pass;
+
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+    }
+
+    /// A pass of nested parallel loops, as a forward pass splits its products.
+    fn pass(n: u64) -> u64 {
+        (0..n)
+            .into_par_iter()
+            .map(|i| (0..i % 97).into_par_iter().map(|j| j * i).sum::<u64>())
+            .sum()
+    }
+
+    #[test]
+    fn every_pass_returns_what_its_loops_compute_on_any_pool_size() {
+        let expected: u64 = (0..2_000u64).map(|i| (0..i % 97).map(|j| j * i).sum::<u64>()).sum();
+        for threads in [1, 2, 3] {
+            let pool = pool(threads);
+            for _ in 0..200 {
+                // From outside the pool, as the engine's thread calls it...
+                assert_eq!(pool.install(|| hot_pass(|| pass(2_000))), expected);
+                // ...and from one of its threads, inside a loop of its own.
+                let inside: Vec<u64> =
+                    pool.install(|| (0..3).into_par_iter().map(|_| hot_pass(|| pass(2_000))).collect());
+                assert_eq!(inside, vec![expected; 3]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_pass_reaches_the_caller_and_leaves_the_pool_serving() {
+        let pool = pool(2);
+        for _ in 0..20 {
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.install(|| {
+                    hot_pass(|| {
+                        pass(500);
+                        panic!("the model failed")
+                    })
+                })
+            }));
+            let message = caught.unwrap_err();
+            assert_eq!(message.downcast_ref::<&str>(), Some(&"the model failed"));
+            assert_eq!(pool.install(|| hot_pass(|| pass(10))), pass(10));
+        }
+    }
+}

@@ -857,10 +857,11 @@ impl EngineLoop {
                     }
                 })
             });
-            let result =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rayon::scope(|_| self.forward(&plan))))
-                    .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))))
-                    .and_then(|logits| StepLogits::new(logits).map_err(|e| e.to_string()));
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                crate::ops::hot_pass(|| self.forward(&plan))
+            }))
+            .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))))
+            .and_then(|logits| StepLogits::new(logits).map_err(|e| e.to_string()));
             if let Some(masks) = masks {
                 // A panic inside the grammar engine leaves the mask to be computed when sampling.
                 let _ = masks.join();
