@@ -844,7 +844,8 @@ impl EngineLoop {
         }
         // A panic in the model ends this step's requests, not the engine.
         // The pass runs on a worker of the compute pool, which then takes part in
-        // its own parallel loops instead of waking both workers for each of them.
+        // its own parallel loops instead of waking both workers for each of them;
+        // the pool's other workers stay awake until it ends (`hot_pass`).
         let started = Instant::now();
         let mut guides = self.take_unprepared_guides(&plan);
         let result = std::thread::scope(|scope| {
