@@ -13,23 +13,30 @@ pub mod gemm;
 pub mod quant;
 pub mod sgmv;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Run `f` (a forward pass) on a thread of rayon's pool, with the pool's
 /// other threads kept awake until it returns: each takes the pass's parallel
 /// work as soon as it is split off, instead of going to sleep in the pass's
 /// serial stretches (norms, rotary, the next product's token rows) and being
 /// woken by the kernel for the next parallel loop. A thread with nothing to
-/// take yields its core to any other thread waiting for it. A panic in `f`
+/// take yields its core to any other thread waiting for it. While another
+/// engine's pass runs on the same pool the helpers do not wait (one of them
+/// would take that whole pass inside this one, which would then end only with
+/// it): the pool's threads sleep and wake as rayon has them. A panic in `f`
 /// reaches the caller, as from `rayon::scope`.
 pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    /// Passes in flight in this process.
+    static PASSES: AtomicUsize = AtomicUsize::new(0);
     /// Sets the flag however the pass ends, so that no helper outlives it.
     struct Done<'a>(&'a AtomicBool);
     impl Drop for Done<'_> {
         fn drop(&mut self) {
             self.0.store(true, Ordering::Release);
+            PASSES.fetch_sub(1, Ordering::AcqRel);
         }
     }
+    PASSES.fetch_add(1, Ordering::AcqRel);
     let done = AtomicBool::new(false);
     rayon::scope(|scope| {
         let owner = rayon::current_thread_index();
@@ -41,7 +48,7 @@ pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                 if rayon::current_thread_index() == owner {
                     return;
                 }
-                while !done.load(Ordering::Acquire) {
+                while !done.load(Ordering::Acquire) && PASSES.load(Ordering::Acquire) == 1 {
                     if rayon::yield_now() != Some(rayon::Yield::Executed) {
                         // Nothing to take: the core goes to any other
                         // thread waiting for it (the service's own, the
@@ -88,6 +95,26 @@ mod tests {
                 assert_eq!(inside, vec![expected; 3]);
             }
         }
+    }
+
+    #[test]
+    fn passes_of_two_engines_at_once_on_one_pool_both_end() {
+        let pool = pool(2);
+        let expected = pass(2_000);
+        std::thread::scope(|threads| {
+            let engines: Vec<_> = (0..2)
+                .map(|_| {
+                    threads.spawn(|| {
+                        (0..100)
+                            .map(|_| pool.install(|| hot_pass(|| pass(2_000))))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for engine in engines {
+                assert_eq!(engine.join().unwrap(), vec![expected; 100]);
+            }
+        });
     }
 
     #[test]
