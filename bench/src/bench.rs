@@ -1028,8 +1028,8 @@ fn step_times<'a>(
             })
             .collect()
     };
-    // Each pass on one of the pool's threads, as the engine runs it
-    // (`rayon::scope`), not from outside the pool.
+    // Each pass on one of the pool's threads with the others kept awake, as
+    // the engine runs it (`hot_pass`), not from outside the pool.
     let mut forward = |batch: &[SeqChunk<'_>]| lorry_engine::ops::hot_pass(|| model.forward_batch(batch, &mut kv));
     forward(&chunks(vec![None; n], false))?;
     let kinds: [Vec<Option<&'a PackedAdapter>>; 3] = [

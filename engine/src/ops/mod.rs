@@ -43,8 +43,14 @@ pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         let done = &done;
         for _ in 1..rayon::current_num_threads() {
             scope.spawn(move |_| {
-                // The pass's own thread may pop this while it waits inside a
-                // loop of the pass: it must not wait for its own pass there.
+                // A helper must never wait above a piece of its own pass on
+                // a thread's stack: the pass would wait for that piece. The
+                // helpers are spawned before the pass splits anything, so
+                // they are the oldest jobs on the pass's own queue, and
+                // rayon's thieves take the oldest first: no thread holds a
+                // piece of this pass before the helpers are taken. Only the
+                // pass's own thread may pop one later (waiting inside a loop
+                // of the pass); there it returns at once.
                 if rayon::current_thread_index() == owner {
                     return;
                 }
