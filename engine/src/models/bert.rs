@@ -173,6 +173,11 @@ impl Bert {
                 self.config.max_position_embeddings
             )));
         }
+        // On the compute pool with its other threads awake, as a text pass runs.
+        crate::ops::hot_pass(|| self.encode(tokens, pooling))
+    }
+
+    fn encode(&self, tokens: &[u32], pooling: Pooling) -> Result<Vec<f32>> {
         let device = self.word_embeddings.embeddings().device();
         let ids = Tensor::new(tokens, device)?.unsqueeze(0)?;
         let positions = Tensor::arange(0u32, tokens.len() as u32, device)?.unsqueeze(0)?;
