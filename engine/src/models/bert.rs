@@ -177,6 +177,7 @@ impl Bert {
         crate::ops::hot_pass(|| self.encode(tokens, pooling))
     }
 
+    /// [`Bert::embed`]'s pass, on tokens it has checked.
     fn encode(&self, tokens: &[u32], pooling: Pooling) -> Result<Vec<f32>> {
         let device = self.word_embeddings.embeddings().device();
         let ids = Tensor::new(tokens, device)?.unsqueeze(0)?;
