@@ -115,16 +115,17 @@ pub async fn dispatch(store: &Store, publisher: &Publisher, depth: u32) -> Resul
     let lanes = store.held_lanes().await?;
     let mut went_ahead = false;
     for (lane, accounts) in &lanes {
-        let room = |ready: u32| depth.saturating_sub(ready) as usize;
+        let free = |ready: u32| depth.saturating_sub(ready) as usize;
         let mut one_account = *accounts == 1;
         let soon = loop {
             // Only an account behind another that still holds chunks goes ahead.
-            let ahead = match one_account {
-                true => 0,
-                false => room(ready(publisher, &broker::ahead_queue(lane)).await?),
+            let ahead = if one_account {
+                0
+            } else {
+                free(ready(publisher, &broker::ahead_queue(lane)).await?)
             };
             let room = Room {
-                queue: room(ready(publisher, lane).await?),
+                queue: free(ready(publisher, lane).await?),
                 ahead,
                 queue_depth: depth as usize,
                 one_account,
