@@ -43,15 +43,19 @@
 //! [`Scheduler::rollback`]s the rejected drafts' keys and values.
 //!
 //! Accounts: when batch sequences of several accounts wait, the next slot
-//! goes to the account with the fewest batch sequences running, weighted:
-//! an account with a backlog (running, waiting, and what its latest request
-//! said is held elsewhere, e.g. in the dispatcher) smaller than the largest
-//! counts its running ones at half (among equals, the one with the smaller
-//! backlog, then arrival order, as within an account). A worker holding
-//! many of one account's requests so gives another account's few two slots
-//! for each of the large backlog's as they free, instead of starting them
-//! after all of those, and the large backlog still gets a third: no account
-//! waiting is starved. With one account waiting, admission is arrival order.
+//! goes to the account with the fewest batch sequences running for its
+//! share. An account's backlog is what it has running, waiting, and what its
+//! latest request said is held elsewhere (e.g. in the dispatcher); the
+//! largest backlog's share is 1, a smaller one's the ratio of the largest to
+//! it, at least 2 and at most [`MAX_SHARE`] (among equals, the smaller
+//! backlog, then arrival order, as within an account). A worker holding many
+//! of one account's requests so gives another account's few most of the
+//! slots as they free, instead of starting them after all of those: a batch a
+//! hundredth of another's takes 16 slots for its one; two backlogs of about
+//! the same size take two for one, the smaller first. The largest backlog
+//! keeps a slot in 17, and any account with none running takes the next
+//! slot before one with some: no account waiting is starved. With one
+//! account waiting, admission is arrival order.
 //!
 //! This is a pure state machine: it holds no tokens and runs no model, so it is
 //! tested directly. The engine thread owns it.
@@ -61,6 +65,10 @@ use std::collections::{HashMap, VecDeque};
 use crate::runtime::kv::{BlockHash, BlockPool, BlockTable, PrefixStats};
 use crate::runtime::pace::Share;
 use crate::Lane;
+
+/// The most slots a smaller backlog takes for each of the largest's one
+/// (see the module's doc on accounts).
+pub(crate) const MAX_SHARE: usize = 16;
 
 /// A sequence's handle in the scheduler.
 pub(crate) type SeqId = u64;
@@ -510,10 +518,9 @@ impl Scheduler {
     }
 
     /// The waiting batch sequence admitted next, and its place in the queue:
-    /// the first of the account with the fewest batch sequences running,
-    /// those of an account with a backlog (running, waiting, and held
-    /// elsewhere) smaller than the largest counted at half (among equals,
-    /// the one with the smaller backlog, then the earliest).
+    /// the first of the account with the fewest batch sequences running for
+    /// its share of the slots (see the module's doc; among equals, the one
+    /// with the smaller backlog, then the earliest).
     fn next_batch(&self) -> Option<(usize, SeqId)> {
         if self.waiting_accounts.len() <= 1 {
             return self.waiting_batch.front().map(|&id| (0, id));
@@ -541,13 +548,26 @@ impl Scheduler {
             running_of(account) + self.waiting_accounts[account] + self.elsewhere.get(account).copied().unwrap_or(0)
         };
         let most = firsts.iter().map(|(_, _, a)| held(a)).max().unwrap_or(0);
-        // An account with a smaller backlog than the most counts its running
-        // sequences at half: it gets two slots for the largest backlog's one.
+        // Running sequences per share, `running / (share / held)` with
+        // `share = clamp(most, 2 held, MAX_SHARE held)` (the largest's `held`):
+        // compared as fractions, exactly.
+        let load = |account: &AccountKey| {
+            let held = held(account).max(1) as u128;
+            let share = if held >= most as u128 {
+                held
+            } else {
+                (most as u128).clamp(2 * held, MAX_SHARE as u128 * held)
+            };
+            (running_of(account) as u128 * held, share)
+        };
         firsts
             .into_iter()
-            .min_by_key(|&(at, _, account)| {
-                let weight = if held(&account) < most { 1 } else { 2 };
-                (running_of(&account) * weight, held(&account), at)
+            .min_by(|(at_x, _, x), (at_y, _, y)| {
+                let ((run_x, share_x), (run_y, share_y)) = (load(x), load(y));
+                (run_x * share_y)
+                    .cmp(&(run_y * share_x))
+                    .then(held(x).cmp(&held(y)))
+                    .then(at_x.cmp(at_y))
             })
             .map(|(at, id, _)| (at, id))
     }
@@ -1284,6 +1304,19 @@ mod tests {
         assert_eq!(
             few_behind_many(3, 10, 6),
             vec![0, 1, 2, 100, 101, 3, 102, 103, 4, 104, 105, 5, 6, 7, 8, 9]
+        );
+    }
+
+    #[test]
+    fn a_backlog_far_smaller_than_the_largest_takes_most_of_the_slots_as_they_free() {
+        // Account 1 also holds 1,000 elsewhere: account 2's eight are under
+        // a sixteenth of its backlog and take every slot that frees while
+        // account 1 has one running (at two for one, account 1 would get
+        // every third); with none running, account 1 takes the next (8), so
+        // it is never starved.
+        assert_eq!(
+            behind_held_elsewhere(8, 16, 8, 1_000),
+            vec![0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102, 103, 104, 105, 106, 8, 107, 9, 10, 11, 12, 13, 14, 15]
         );
     }
 
