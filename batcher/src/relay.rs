@@ -89,7 +89,13 @@ async fn session(store: &Store, config: &RelayConfig, stop: &CancellationToken) 
         };
         tokio::select! {
             _ = stop.cancelled() => return Ok(()),
-            notified = listener.recv() => { notified?; }
+            notified = listener.recv() => {
+                notified?;
+                // One round answers every notification already here (a
+                // burst of acks, or those that came in during the last
+                // round): it reads the outbox as it is now.
+                while listener.next_buffered().is_some() {}
+            }
             _ = tokio::time::sleep(sleep) => {}
         }
     }
