@@ -551,25 +551,26 @@ impl Scheduler {
         // Running sequences per share, `running / (share / held)` with
         // `share = clamp(most, 2 held, MAX_SHARE held)` (the largest's `held`):
         // compared as fractions, exactly.
-        let load = |account: &AccountKey| {
-            let held = held(account).max(1) as u128;
-            let share = if held >= most as u128 {
-                held
-            } else {
-                (most as u128).clamp(2 * held, MAX_SHARE as u128 * held)
-            };
-            (running_of(account) as u128 * held, share)
-        };
         firsts
             .into_iter()
-            .min_by(|(at_x, _, x), (at_y, _, y)| {
-                let ((run_x, share_x), (run_y, share_y)) = (load(x), load(y));
-                (run_x * share_y)
-                    .cmp(&(run_y * share_x))
-                    .then(held(x).cmp(&held(y)))
-                    .then(at_x.cmp(at_y))
+            .map(|(at, id, account)| {
+                let held = held(&account).max(1) as u128;
+                let share = if held >= most as u128 {
+                    held
+                } else {
+                    (most as u128).clamp(2 * held, MAX_SHARE as u128 * held)
+                };
+                (at, id, held, running_of(&account) as u128 * held, share)
             })
-            .map(|(at, id, _)| (at, id))
+            .min_by(
+                |&(at_x, _, held_x, run_x, share_x), &(at_y, _, held_y, run_y, share_y)| {
+                    (run_x * share_y)
+                        .cmp(&(run_y * share_x))
+                        .then(held_x.cmp(&held_y))
+                        .then(at_x.cmp(&at_y))
+                },
+            )
+            .map(|(at, id, ..)| (at, id))
     }
 
     /// One of `account`'s batch sequences left the queue.
