@@ -94,12 +94,12 @@ fn parse_cli() -> anyhow::Result<Cli> {
 
 fn main() -> anyhow::Result<()> {
     let cli = parse_cli()?;
-    // Before the runtime's threads start: see `limit_allocator_arenas`.
+    // Before the runtime's threads start: see `tune_allocator`.
     if matches!(
         cli.command,
         Command::Serve(_) | Command::Worker(_) | Command::Generate(_) | Command::Embed(_)
     ) {
-        lorry_engine::models::limit_allocator_arenas();
+        lorry_engine::models::tune_allocator();
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

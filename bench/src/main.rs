@@ -33,7 +33,7 @@ fn main() -> anyhow::Result<()> {
     // The benchmarks that run an engine in this process run it as the
     // service does (before the runtime's threads start).
     if !matches!(bench, Bench::Pipeline(_) | Bench::Isolation(_) | Bench::Fairness(_)) {
-        lorry_engine::models::limit_allocator_arenas();
+        lorry_engine::models::tune_allocator();
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

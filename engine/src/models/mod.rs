@@ -46,10 +46,10 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
 }
 
 /// Hand the pages the allocator holds free back to the system. A load frees
-/// its read buffers and the tokenizer's JSON, and glibc keeps such memory
-/// (after a free of a large block it raises its own thresholds for giving
-/// pages back), so without this a process stays resident at its loading
-/// peak rather than at what the weights hold.
+/// its read buffers and the tokenizer's JSON, and a burst of long pre-fill
+/// steps frees their activations; under [`tune_allocator`] glibc keeps such
+/// memory for the next allocation, so without this a process stays resident
+/// at its peak rather than at what it uses now.
 pub fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `malloc_trim` only walks the allocator's own free lists; it
@@ -59,33 +59,93 @@ pub fn release_free_memory() {
     }
 }
 
-/// Bound what glibc's allocator keeps of freed memory, in processes that run
-/// an engine: one arena per CPU the process may use, and free memory at the
-/// top of a heap handed back past 1 MiB — each unless the environment names
-/// its own value (glibc's `MALLOC_ARENA_MAX`, `MALLOC_TRIM_THRESHOLD_`).
-/// glibc's default allows eight arenas a core and raises its trim threshold
-/// after each large free, so every engine thread's arena kept a step's
-/// working memory for the next step. One arena for all holds it once, but the
-/// engine's threads, allocating at once, then wait on its lock (a decode
-/// step at batch 32 took 5–20% longer on 2-core machines: docs/BENCHMARKS.md).
-/// Call it before any thread starts.
-pub fn limit_allocator_arenas() {
+/// Allocations at least this large are mapped on their own by glibc (its
+/// largest allowed setting, half of a 64 MiB thread heap): the model's
+/// blocks and the KV cache, not a step's activations.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: i32 = 32 << 20;
+
+/// Tune glibc's allocator for processes that run an engine: one arena, and
+/// a step's buffers served from the heap and kept there for the next step
+/// (allocations under 32 MiB are not mapped on their own, and free memory
+/// at the top of the heap is not handed back by `free`) — each unless the
+/// environment names its own value (glibc's `MALLOC_ARENA_MAX`,
+/// `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`). Memory freed past
+/// what the steps use now goes back through [`StepMemory`] and
+/// [`release_free_memory`] instead.
+///
+/// glibc's defaults kept fewer step buffers but mapped every buffer from
+/// 128 KiB up on its own whenever a threshold was fixed: each product's
+/// output and quantized rows in a long step were mapped, faulted in page by
+/// page, zeroed by the kernel and unmapped, and a 512-token pre-fill spent
+/// half its time in the kernel. With the buffers kept, a pass that ran on
+/// either of the pool's threads kept them in that thread's arena, once per
+/// arena; one arena holds them once, and with the buffers reused its lock
+/// costs nothing measurable (docs/BENCHMARKS.md). Call it before any thread
+/// starts.
+pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-            // SAFETY: `mallopt` only sets a tunable of the allocator;
-            // M_ARENA_MAX bounds the arenas made from now on.
+        let unset = |name: &str| std::env::var_os(name).is_none();
+        // SAFETY (each `mallopt`): it only sets a tunable of the allocator;
+        // M_ARENA_MAX bounds the arenas made from now on.
+        if unset("MALLOC_ARENA_MAX") {
             unsafe {
-                libc::mallopt(libc::M_ARENA_MAX, i32::try_from(cpus).unwrap_or(i32::MAX));
+                libc::mallopt(libc::M_ARENA_MAX, 1);
             }
         }
-        if std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {
-            // SAFETY: as above; a fixed threshold also stops glibc raising it.
+        if unset("MALLOC_MMAP_THRESHOLD_") {
             unsafe {
-                libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 20);
+                libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
             }
         }
+        if unset("MALLOC_TRIM_THRESHOLD_") {
+            unsafe {
+                libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+            }
+        }
+    }
+}
+
+/// When a step loop's freed working memory goes back to the system: after
+/// [`StepMemory::SMALL_STEPS`] steps in a row of at most half the tokens of
+/// the largest step since memory last went back (a burst of pre-fill ended),
+/// and when the loop runs out of work. Steps of about the same size keep
+/// reusing what the allocator holds.
+#[derive(Debug, Default)]
+pub struct StepMemory {
+    /// The most tokens a step computed since memory last went back.
+    peak: usize,
+    /// Steps in a row of at most half `peak`.
+    small: u32,
+}
+
+impl StepMemory {
+    /// Steps in a row, each at most half the peak, before memory goes back.
+    pub const SMALL_STEPS: u32 = 8;
+
+    /// A step of `tokens` ran: whether to hand free memory back now.
+    pub fn after_step(&mut self, tokens: usize) -> bool {
+        if tokens * 2 > self.peak {
+            self.peak = self.peak.max(tokens);
+            self.small = 0;
+            return false;
+        }
+        self.small += 1;
+        if self.small < Self::SMALL_STEPS {
+            return false;
+        }
+        self.peak = tokens;
+        self.small = 0;
+        true
+    }
+
+    /// The loop has no work left: whether to hand free memory back now
+    /// (once, if a step ran since it last went back).
+    pub fn idle(&mut self) -> bool {
+        let ran = self.peak > 0;
+        *self = StepMemory::default();
+        ran
     }
 }
 
@@ -169,4 +229,54 @@ pub(crate) fn load_tensors(dir: &Path, device: &Device) -> Result<HashMap<String
         tensors.insert(name, tensor);
     }
     Ok(tensors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StepMemory;
+
+    #[test]
+    fn memory_goes_back_once_a_burst_of_long_steps_has_ended() {
+        let mut memory = StepMemory::default();
+        // Pre-fill of 512 tokens a step, then decodes of 64 rows.
+        for _ in 0..5 {
+            assert!(!memory.after_step(512));
+        }
+        for _ in 1..StepMemory::SMALL_STEPS {
+            assert!(!memory.after_step(64));
+        }
+        assert!(
+            memory.after_step(64),
+            "the eighth small step in a row hands memory back"
+        );
+        // Decoding on at the same size keeps what the allocator holds.
+        for _ in 0..100 {
+            assert!(!memory.after_step(64));
+        }
+    }
+
+    #[test]
+    fn steps_of_about_the_same_size_or_a_long_one_between_keep_the_memory() {
+        let mut memory = StepMemory::default();
+        assert!(!memory.after_step(512));
+        // A step over half the peak, or a long one, starts the count again.
+        for round in 0..50 {
+            for _ in 1..StepMemory::SMALL_STEPS {
+                assert!(!memory.after_step(64));
+            }
+            assert!(!memory.after_step(if round % 2 == 0 { 300 } else { 512 }));
+        }
+    }
+
+    #[test]
+    fn running_out_of_work_hands_memory_back_once_after_steps_ran() {
+        let mut memory = StepMemory::default();
+        assert!(!memory.idle(), "nothing ran");
+        assert!(!memory.after_step(1));
+        assert!(memory.idle());
+        assert!(!memory.idle(), "once");
+        // The count starts afresh after the loop was idle.
+        assert!(!memory.after_step(64));
+        assert!(!memory.after_step(40));
+    }
 }

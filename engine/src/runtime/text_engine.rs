@@ -413,6 +413,8 @@ struct EngineLoop {
     /// What a step of decodes alone costs (each row computes logits, as a
     /// guess's verification row does): what guesses are priced by.
     decode_cost: StepCost,
+    /// When the steps' freed working memory goes back to the system.
+    memory: crate::models::StepMemory,
     /// Real-time-only time batch work still owes (the hold in time).
     owed: Owed,
     /// When real-time work was last present.
@@ -480,6 +482,7 @@ impl EngineLoop {
             probes: Probes::default(),
             cost: StepCost::default(),
             decode_cost: StepCost::finer(),
+            memory: crate::models::StepMemory::default(),
             owed: Owed::default(),
             last_real_time: None,
             rt_slack: config.rt_step_slack_percent as f64 / 100.0,
@@ -526,6 +529,9 @@ impl EngineLoop {
         loop {
             self.publish_occupancy();
             if self.scheduler.is_idle() {
+                if self.memory.idle() {
+                    crate::models::release_free_memory();
+                }
                 match inbox.recv() {
                     Ok(job) => self.accept(job),
                     Err(_) => return,
@@ -883,6 +889,9 @@ impl EngineLoop {
             self.decode_cost.observe(rt_tokens + batch_tokens, ms);
         }
         self.owe(rt_tokens, batch_tokens, ms);
+        if self.memory.after_step(rt_tokens + batch_tokens) {
+            crate::models::release_free_memory();
+        }
         // Each traced sequence's span notes the step: what it ran, beside how many.
         for chunk in &plan.chunks {
             let span = &self.active[&chunk.id].span;
