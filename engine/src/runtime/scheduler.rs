@@ -532,35 +532,36 @@ impl Scheduler {
                 *running.entry(seq.account).or_default() += 1;
             }
         }
-        // Each waiting account's first sequence, in queue order.
-        let mut firsts: Vec<(usize, SeqId, AccountKey)> = Vec::with_capacity(self.waiting_accounts.len());
+        let running_of = |account: &AccountKey| running.get(account).copied().unwrap_or(0) as u128;
+        // Each waiting account's first sequence, in queue order, with its
+        // running sequences and its backlog (at least its one waiting).
+        let mut firsts: Vec<(usize, SeqId, AccountKey, u128, u128)> = Vec::with_capacity(self.waiting_accounts.len());
         for (at, &id) in self.waiting_batch.iter().enumerate() {
             let account = self.seqs[&id].account;
-            if firsts.iter().all(|&(_, _, a)| a != account) {
-                firsts.push((at, id, account));
+            if firsts.iter().all(|&(_, _, a, ..)| a != account) {
+                let running = running_of(&account);
+                let held = running
+                    + self.waiting_accounts[&account] as u128
+                    + self.elsewhere.get(&account).copied().unwrap_or(0) as u128;
+                firsts.push((at, id, account, running, held));
                 if firsts.len() == self.waiting_accounts.len() {
                     break;
                 }
             }
         }
-        let running_of = |account: &AccountKey| running.get(account).copied().unwrap_or(0);
-        let held = |account: &AccountKey| {
-            running_of(account) + self.waiting_accounts[account] + self.elsewhere.get(account).copied().unwrap_or(0)
-        };
-        let most = firsts.iter().map(|(_, _, a)| held(a)).max().unwrap_or(0);
+        let most = firsts.iter().map(|&(.., held)| held).max().unwrap_or(0);
         // Running sequences per share, `running / (share / held)` with
         // `share = clamp(most, 2 held, MAX_SHARE held)` (the largest's `held`):
         // compared as fractions, exactly.
         firsts
             .into_iter()
-            .map(|(at, id, account)| {
-                let held = held(&account).max(1) as u128;
-                let share = if held >= most as u128 {
+            .map(|(at, id, _, running, held)| {
+                let share = if held >= most {
                     held
                 } else {
-                    (most as u128).clamp(2 * held, MAX_SHARE as u128 * held)
+                    most.clamp(2 * held, MAX_SHARE as u128 * held)
                 };
-                (at, id, held, running_of(&account) as u128 * held, share)
+                (at, id, held, running * held, share)
             })
             .min_by(
                 |&(at_x, _, held_x, run_x, share_x), &(at_y, _, held_y, run_y, share_y)| {
