@@ -597,6 +597,18 @@ fn checkpoint_bytes(path: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// A `--products` name: `native`, `exact`, or a type to quantize the
+/// projections to at load.
+fn parse_products(name: &str) -> anyhow::Result<Products> {
+    match name {
+        "native" => Ok(Products::Native),
+        "exact" => Ok(Products::Exact),
+        other => QuantType::parse(other)
+            .map(Products::Quantize)
+            .map_err(|why| anyhow::anyhow!("--products {why}; or native, exact")),
+    }
+}
+
 /// The product kernels against candle, decode rates at each batch size and
 /// weight precision against the rooflines, then continuous versus static batching.
 pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
@@ -604,13 +616,7 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let ways: Vec<(String, Products)> = args
         .products
         .iter()
-        .map(|name| match name.as_str() {
-            "native" => Ok((name.clone(), Products::Native)),
-            "exact" => Ok((name.clone(), Products::Exact)),
-            other => QuantType::parse(other)
-                .map(|ty| (name.clone(), Products::Quantize(ty)))
-                .map_err(|why| anyhow::anyhow!("--products {why}; or native, exact")),
-        })
+        .map(|name| Ok((name.clone(), parse_products(name)?)))
         .collect::<anyhow::Result<_>>()?;
     let checkpoints: Vec<(String, PathBuf)> = match &args.model {
         Some(dir) => vec![("checkpoint".to_string(), dir.clone())],
@@ -905,6 +911,12 @@ pub struct LoraBenchArgs {
     /// The adapters' weight precision: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub adapter_dtype: String,
+    /// The base's products (as `lorry bench engine --products`): `native`
+    /// (a GGUF file's quantized blocks as they are, other weights in their
+    /// own precision), `exact`, or `q8_0`, `q4_1`, `q4_0`, `q4_k`, `q5_k`,
+    /// `q6_k`: the projections quantized at load, as `--quantize`.
+    #[arg(long, default_value = "native")]
+    pub products: String,
     /// Prompt length, in tokens.
     #[arg(long, default_value_t = 32)]
     pub prompt_tokens: usize,
@@ -1085,7 +1097,7 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
             scratch.clone()
         }
     };
-    let model = TextModel::open(&dir, &Device::Cpu)?;
+    let model = TextModel::open_with(&dir, &Device::Cpu, parse_products(&args.products)?)?;
     let config = model.model.config().clone();
     let model_bytes_per_param = model.model.weight_bytes_per_param();
     let precision = fixtures::parse_dtype(&args.adapter_dtype)
@@ -1143,8 +1155,9 @@ pub async fn lora(args: &LoraBenchArgs) -> anyhow::Result<()> {
     let same_as_alone = mixed_tokens.iter().zip(&alone_tokens).filter(|(a, b)| a == b).count();
     let changed = mixed_tokens.iter().zip(&base_tokens).filter(|(a, b)| a != b).count();
     println!(
-        "{}, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each, best of {} rounds\n",
+        "{}, {} products, {n} sequences, rank {} on q/k/v/o/gate/up/down, {} adapter weights, {} new tokens each, best of {} rounds\n",
         args.model.as_ref().map_or("bench model".to_string(), |m| m.display().to_string()),
+        args.products,
         args.rank,
         args.adapter_dtype,
         args.new_tokens,
