@@ -4,6 +4,20 @@
 //! FMA when the CPU has them (checked at run time), portable loops otherwise.
 //! The matrix products of the projections are in [`crate::ops::gemm`].
 
+/// AVX-512F beside AVX2 and FMA: the weighted sums take a head's values in
+/// 512-bit registers, one pass over the positions.
+fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FOUND.get_or_init(|| has_avx2_fma() && std::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -71,6 +85,12 @@ pub(crate) fn weighted_sum(weights: &[f32], values: Gathered<'_>, out: &mut [f32
     assert!(out.len() == g * d && weights.len() == n * g, "weighted-sum shapes");
     values.check();
     #[cfg(target_arch = "x86_64")]
+    if has_avx512f() && d % 16 == 0 {
+        // SAFETY: the features were found; shapes and offsets were checked above.
+        unsafe { weighted_sum_avx512(weights, values, g, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() && d % 16 == 0 {
         // SAFETY: both features were found; shapes and offsets were checked above.
         unsafe { weighted_sum_avx2(weights, values, g, out) };
@@ -125,8 +145,17 @@ unsafe fn scores_avx2_group<const W: usize>(
     scores: &mut [f32],
 ) {
     let n = keys.offsets.len();
+    let base = keys.data.as_ptr().wrapping_add(keys.shift) as *const i8;
     let mut i = 0;
     while i + KEYS_AT_ONCE <= n {
+        // The lines of the keys a few passes on, asked for now.
+        for &ahead in keys.offsets.iter().skip(i + AHEAD).take(KEYS_AT_ONCE) {
+            for line in (0..keys.d * 4).step_by(64) {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    base.wrapping_add(4 * ahead + line),
+                );
+            }
+        }
         // SAFETY: the caller's; keys `i..i + KEYS_AT_ONCE` exist.
         unsafe { scores_avx2_keys::<W, KEYS_AT_ONCE>(queries, keys, g, j0, i, scores) };
         i += KEYS_AT_ONCE;
@@ -216,6 +245,98 @@ unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out
                     _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[0]));
                     _mm256_storeu_ps(o.add(8), _mm256_add_ps(_mm256_loadu_ps(o.add(8)), acc[1]));
                 }
+            }
+        }
+    }
+}
+
+/// Positions ahead whose vectors a pass over a head's keys or values asks for.
+const AHEAD: usize = 4;
+
+/// [`weighted_sum_avx2`]'s sums, bit for bit (each output float is the same
+/// chain of multiply-adds over the positions in order, then added to `out`),
+/// with up to 64 floats of a head for up to four outputs held in sixteen
+/// 512-bit registers: one pass over the positions reads each value's lines
+/// once, in order, where the AVX2 kernel passes over every position once
+/// for each 16 floats.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX2 and FMA; `values.check()` held, `values.d % 16 == 0`,
+/// `out.len() == g·d` and `weights.len() == n·g`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn weighted_sum_avx512(weights: &[f32], values: Gathered<'_>, g: usize, out: &mut [f32]) {
+    let d = values.d;
+    for c in (0..d).step_by(64) {
+        for j0 in (0..g).step_by(4) {
+            // SAFETY (each): the caller's; `c + 16·R <= d` and `j0 + W <= g`.
+            unsafe {
+                match (((d - c) / 16).min(4), (g - j0).min(4)) {
+                    (4, 4) => weighted_sum_avx512_tile::<4, 4>(weights, values, g, c, j0, out),
+                    (4, 3) => weighted_sum_avx512_tile::<4, 3>(weights, values, g, c, j0, out),
+                    (4, 2) => weighted_sum_avx512_tile::<4, 2>(weights, values, g, c, j0, out),
+                    (4, _) => weighted_sum_avx512_tile::<4, 1>(weights, values, g, c, j0, out),
+                    (3, 4) => weighted_sum_avx512_tile::<3, 4>(weights, values, g, c, j0, out),
+                    (3, 3) => weighted_sum_avx512_tile::<3, 3>(weights, values, g, c, j0, out),
+                    (3, 2) => weighted_sum_avx512_tile::<3, 2>(weights, values, g, c, j0, out),
+                    (3, _) => weighted_sum_avx512_tile::<3, 1>(weights, values, g, c, j0, out),
+                    (2, 4) => weighted_sum_avx512_tile::<2, 4>(weights, values, g, c, j0, out),
+                    (2, 3) => weighted_sum_avx512_tile::<2, 3>(weights, values, g, c, j0, out),
+                    (2, 2) => weighted_sum_avx512_tile::<2, 2>(weights, values, g, c, j0, out),
+                    (2, _) => weighted_sum_avx512_tile::<2, 1>(weights, values, g, c, j0, out),
+                    (_, 4) => weighted_sum_avx512_tile::<1, 4>(weights, values, g, c, j0, out),
+                    (_, 3) => weighted_sum_avx512_tile::<1, 3>(weights, values, g, c, j0, out),
+                    (_, 2) => weighted_sum_avx512_tile::<1, 2>(weights, values, g, c, j0, out),
+                    (_, _) => weighted_sum_avx512_tile::<1, 1>(weights, values, g, c, j0, out),
+                }
+            }
+        }
+    }
+}
+
+/// Floats `c..c + 16·R` of outputs `j0..j0 + W` of [`weighted_sum_avx512`].
+///
+/// # Safety
+/// As [`weighted_sum_avx512`], and `c + 16·R <= d`, `j0 + W <= g`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn weighted_sum_avx512_tile<const R: usize, const W: usize>(
+    weights: &[f32],
+    values: Gathered<'_>,
+    g: usize,
+    c: usize,
+    j0: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (d, n) = (values.d, values.offsets.len());
+    let base = values.data.as_ptr().wrapping_add(values.shift + c);
+    // SAFETY (every access): `check` kept each value inside `values.data`,
+    // `c + 16·R <= d`, output `j0 + j < g` spans `(j0 + j)·d..` of `out`, and
+    // `weights` holds `n·g`; a prefetch reads nothing.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; W];
+        for i in 0..n {
+            if let Some(&ahead) = values.offsets.get(i + AHEAD) {
+                let line = base.wrapping_add(ahead) as *const i8;
+                for t in 0..R {
+                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(64 * t));
+                }
+            }
+            let value = base.add(values.offsets[i]);
+            let v: [__m512; R] = std::array::from_fn(|t| _mm512_loadu_ps(value.add(16 * t)));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*weights.get_unchecked(i * g + j0 + j));
+                for (acc, v) in acc.iter_mut().zip(&v) {
+                    *acc = _mm512_fmadd_ps(w, *v, *acc);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            for (t, acc) in acc.iter().enumerate() {
+                let o = out.as_mut_ptr().add((j0 + j) * d + c + 16 * t);
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), *acc));
             }
         }
     }
@@ -347,6 +468,54 @@ mod tests {
                     scores(&queries, gathered(std::slice::from_ref(offset)), &mut alone);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&all[i * g..(i + 1) * g]), bits(&alone), "{g}×{d}, key {i} of {n}");
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 weighted sums give the AVX2 kernel's bits (so a machine's
+    /// answers do not depend on which of the two it has), for any number of
+    /// outputs and head width, scattered positions, and outputs that start
+    /// at zero or not.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn weighted_sums_on_avx512_are_the_avx2_bits() {
+        if !has_avx512f() {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        let mut rng = SplitMix::new(5);
+        for (g, d) in [
+            (1, 16),
+            (3, 64),
+            (4, 64),
+            (7, 64),
+            (2, 128),
+            (5, 128),
+            (9, 16),
+            (3, 48),
+            (2, 80),
+        ] {
+            for n in [1, 2, 4, 5, 17, 40] {
+                let data: Vec<f32> = (0..(n + 3) * 3 * d).map(|_| rng.uniform() as f32 - 0.5).collect();
+                let offsets: Vec<usize> = (0..n).map(|i| ((i * 7) % (n + 2)) * 3 * d).collect();
+                let values = Gathered {
+                    data: &data,
+                    offsets: &offsets,
+                    shift: 2 * d,
+                    d,
+                };
+                let weights: Vec<f32> = (0..n * g).map(|_| rng.uniform() as f32).collect();
+                for start in [0.0f32, 1.0] {
+                    let out: Vec<f32> = (0..g * d).map(|_| start * (rng.uniform() as f32 - 0.5)).collect();
+                    let (mut wide, mut narrow) = (out.clone(), out);
+                    // SAFETY: the CPU has both kernels' features; the shapes hold.
+                    unsafe {
+                        weighted_sum_avx512(&weights, values, g, &mut wide);
+                        weighted_sum_avx2(&weights, values, g, &mut narrow);
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&wide), bits(&narrow), "{g}×{d}, {n} positions");
                 }
             }
         }
