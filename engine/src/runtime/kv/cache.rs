@@ -160,31 +160,9 @@ impl KvCache {
         // Scores `[position][query head of the group]`: each key and value
         // is read once for all the query heads that share it.
         let Scratch { weights, max, total } = scratch;
-        let (n, kv_heads) = (slots.len(), self.layout.kv_heads);
         weights.clear();
-        weights.resize(n * groups * kv_heads, 0.0);
-        // Every head's scores, a block of positions at a time: each token's
-        // keys are read whole, in order, rather than in one pass per head. A
-        // key's scores do not depend on the keys beside it in a pass.
-        let block = self.layout.block_size.max(1);
-        for first in (0..n).step_by(block) {
-            let positions = &slots[first..(first + block).min(n)];
-            for (kv_head, weights) in weights.chunks_exact_mut(n * groups).enumerate() {
-                let keys = Gathered {
-                    data: &stored.keys,
-                    offsets: positions,
-                    shift: kv_head * d,
-                    d,
-                };
-                let query = &query[kv_head * groups * d..(kv_head + 1) * groups * d];
-                scores(
-                    query,
-                    keys,
-                    &mut weights[first * groups..(first + positions.len()) * groups],
-                );
-            }
-        }
-        for (kv_head, weights) in weights.chunks_exact_mut(n * groups).enumerate() {
+        weights.resize(slots.len() * groups, 0.0);
+        for kv_head in 0..self.layout.kv_heads {
             let span = kv_head * groups * d..(kv_head + 1) * groups * d;
             let gathered = |data| Gathered {
                 data,
@@ -192,6 +170,7 @@ impl KvCache {
                 shift: kv_head * d,
                 d,
             };
+            scores(&query[span.clone()], gathered(&stored.keys), weights);
             softmax_unnormalised(weights, groups, scale, max, total);
             let o = &mut out[span];
             weighted_sum(weights, gathered(&stored.values), o);
