@@ -145,17 +145,8 @@ unsafe fn scores_avx2_group<const W: usize>(
     scores: &mut [f32],
 ) {
     let n = keys.offsets.len();
-    let base = keys.data.as_ptr().wrapping_add(keys.shift) as *const i8;
     let mut i = 0;
     while i + KEYS_AT_ONCE <= n {
-        // The lines of the keys a few passes on, asked for now.
-        for &ahead in keys.offsets.iter().skip(i + AHEAD).take(KEYS_AT_ONCE) {
-            for line in (0..keys.d * 4).step_by(64) {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    base.wrapping_add(4 * ahead + line),
-                );
-            }
-        }
         // SAFETY: the caller's; keys `i..i + KEYS_AT_ONCE` exist.
         unsafe { scores_avx2_keys::<W, KEYS_AT_ONCE>(queries, keys, g, j0, i, scores) };
         i += KEYS_AT_ONCE;
@@ -250,7 +241,7 @@ unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out
     }
 }
 
-/// Positions ahead whose vectors a pass over a head's keys or values asks for.
+/// Positions ahead whose values a pass of the AVX-512 weighted sums asks for.
 const AHEAD: usize = 4;
 
 /// [`weighted_sum_avx2`]'s sums, bit for bit (each output float is the same
