@@ -1,7 +1,9 @@
 //! The vector kernels attention runs on: the dot products of a group of query
 //! heads with one key, softmax's exponentials, and the weighted sums of
 //! values into them. AVX2 and
-//! FMA when the CPU has them (checked at run time), portable loops otherwise.
+//! FMA when the CPU has them (checked at run time; the weighted sums on
+//! AVX-512F where it has that too, with the same bits), portable loops
+//! otherwise.
 //! The matrix products of the projections are in [`crate::ops::gemm`].
 
 /// AVX-512F beside AVX2 and FMA: the weighted sums take a head's values in
