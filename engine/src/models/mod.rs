@@ -86,22 +86,17 @@ const MMAP_THRESHOLD: i32 = 32 << 20;
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let unset = |name: &str| std::env::var_os(name).is_none();
-        // SAFETY (each `mallopt`): it only sets a tunable of the allocator;
-        // M_ARENA_MAX bounds the arenas made from now on.
-        if unset("MALLOC_ARENA_MAX") {
-            unsafe {
-                libc::mallopt(libc::M_ARENA_MAX, 1);
-            }
-        }
-        if unset("MALLOC_MMAP_THRESHOLD_") {
-            unsafe {
-                libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
-            }
-        }
-        if unset("MALLOC_TRIM_THRESHOLD_") {
-            unsafe {
-                libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        for (variable, tunable, value) in [
+            ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, 1),
+            ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            ("MALLOC_TRIM_THRESHOLD_", libc::M_TRIM_THRESHOLD, i32::MAX),
+        ] {
+            if std::env::var_os(variable).is_none() {
+                // SAFETY: `mallopt` only sets a tunable of the allocator;
+                // M_ARENA_MAX bounds the arenas made from now on.
+                unsafe {
+                    libc::mallopt(tunable, value);
+                }
             }
         }
     }

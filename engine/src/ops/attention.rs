@@ -11,8 +11,7 @@
 fn has_avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FOUND.get_or_init(|| has_avx2_fma() && std::is_x86_feature_detected!("avx512f"))
+        has_avx2_fma() && std::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -262,28 +261,33 @@ unsafe fn weighted_sum_avx512(weights: &[f32], values: Gathered<'_>, g: usize, o
     let d = values.d;
     for c in (0..d).step_by(64) {
         for j0 in (0..g).step_by(4) {
-            // SAFETY (each): the caller's; `c + 16·R <= d` and `j0 + W <= g`.
-            unsafe {
-                match (((d - c) / 16).min(4), (g - j0).min(4)) {
-                    (4, 4) => weighted_sum_avx512_tile::<4, 4>(weights, values, g, c, j0, out),
-                    (4, 3) => weighted_sum_avx512_tile::<4, 3>(weights, values, g, c, j0, out),
-                    (4, 2) => weighted_sum_avx512_tile::<4, 2>(weights, values, g, c, j0, out),
-                    (4, _) => weighted_sum_avx512_tile::<4, 1>(weights, values, g, c, j0, out),
-                    (3, 4) => weighted_sum_avx512_tile::<3, 4>(weights, values, g, c, j0, out),
-                    (3, 3) => weighted_sum_avx512_tile::<3, 3>(weights, values, g, c, j0, out),
-                    (3, 2) => weighted_sum_avx512_tile::<3, 2>(weights, values, g, c, j0, out),
-                    (3, _) => weighted_sum_avx512_tile::<3, 1>(weights, values, g, c, j0, out),
-                    (2, 4) => weighted_sum_avx512_tile::<2, 4>(weights, values, g, c, j0, out),
-                    (2, 3) => weighted_sum_avx512_tile::<2, 3>(weights, values, g, c, j0, out),
-                    (2, 2) => weighted_sum_avx512_tile::<2, 2>(weights, values, g, c, j0, out),
-                    (2, _) => weighted_sum_avx512_tile::<2, 1>(weights, values, g, c, j0, out),
-                    (_, 4) => weighted_sum_avx512_tile::<1, 4>(weights, values, g, c, j0, out),
-                    (_, 3) => weighted_sum_avx512_tile::<1, 3>(weights, values, g, c, j0, out),
-                    (_, 2) => weighted_sum_avx512_tile::<1, 2>(weights, values, g, c, j0, out),
-                    (_, _) => weighted_sum_avx512_tile::<1, 1>(weights, values, g, c, j0, out),
-                }
-            }
+            let width = (g - j0).min(4);
+            let tile = match ((d - c) / 16).min(4) {
+                4 => avx512_tile::<4>(width),
+                3 => avx512_tile::<3>(width),
+                2 => avx512_tile::<2>(width),
+                _ => avx512_tile::<1>(width),
+            };
+            // SAFETY: the caller's; the tile takes at most the floats left
+            // after `c` and the outputs left after `j0`.
+            unsafe { tile(weights, values, g, c, j0, out) };
         }
+    }
+}
+
+/// A tile of [`weighted_sum_avx512`]: weights, values, `g`, first float, first output, outputs.
+#[cfg(target_arch = "x86_64")]
+type Avx512Tile = unsafe fn(&[f32], Gathered<'_>, usize, usize, usize, &mut [f32]);
+
+/// [`weighted_sum_avx512_tile`] for `R` registers of each of `width` (at
+/// most four) outputs.
+#[cfg(target_arch = "x86_64")]
+fn avx512_tile<const R: usize>(width: usize) -> Avx512Tile {
+    match width {
+        4 => weighted_sum_avx512_tile::<R, 4>,
+        3 => weighted_sum_avx512_tile::<R, 3>,
+        2 => weighted_sum_avx512_tile::<R, 2>,
+        _ => weighted_sum_avx512_tile::<R, 1>,
     }
 }
 
