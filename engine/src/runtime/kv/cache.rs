@@ -134,49 +134,51 @@ impl KvCache {
             .flat_map(|(seq, slots)| (seq.start..seq.start + seq.len).map(move |p| &slots[..p + 1]))
             .collect();
         let stored = &self.layers[layer];
+        let (kv_heads, groups) = (self.layout.kv_heads, heads / self.layout.kv_heads);
         let mut out = vec![0f32; queries.len()];
-        out.par_chunks_mut(heads * d)
-            .zip(queries.par_chunks(heads * d))
-            .zip(rows.par_iter())
-            .for_each_init(Scratch::default, |scratch, ((out, query), &slots)| {
-                self.attend_row(stored, slots, heads, query, out, scratch);
+        // One task per row and key-value head: a decoding step of one
+        // sequence then runs on every core too. Each head's sums are its
+        // own, whichever thread computes them.
+        out.par_chunks_mut(groups * d)
+            .zip(queries.par_chunks(groups * d))
+            .enumerate()
+            .for_each_init(Scratch::default, |scratch, (i, (out, query))| {
+                self.attend_head(stored, rows[i / kv_heads], i % kv_heads, query, out, scratch);
             });
         out
     }
 
-    /// One query row's attention over the positions at `slots`, every head.
-    fn attend_row(
+    /// One query row's attention over the positions at `slots`, for the
+    /// query heads of key-value head `kv_head` (`query` and `out` hold
+    /// theirs).
+    fn attend_head(
         &self,
         stored: &LayerKv,
         slots: &[usize],
-        heads: usize,
+        kv_head: usize,
         query: &[f32],
         out: &mut [f32],
         scratch: &mut Scratch,
     ) {
         let d = self.layout.head_dim;
-        let groups = heads / self.layout.kv_heads;
+        let groups = query.len() / d;
         let scale = 1.0 / (d as f32).sqrt();
         // Scores `[position][query head of the group]`: each key and value
         // is read once for all the query heads that share it.
         let Scratch { weights, max, total } = scratch;
         weights.clear();
         weights.resize(slots.len() * groups, 0.0);
-        for kv_head in 0..self.layout.kv_heads {
-            let span = kv_head * groups * d..(kv_head + 1) * groups * d;
-            let gathered = |data| Gathered {
-                data,
-                offsets: slots,
-                shift: kv_head * d,
-                d,
-            };
-            scores(&query[span.clone()], gathered(&stored.keys), weights);
-            softmax_unnormalised(weights, groups, scale, max, total);
-            let o = &mut out[span];
-            weighted_sum(weights, gathered(&stored.values), o);
-            for (o, t) in o.chunks_exact_mut(d).zip(total.iter()) {
-                o.iter_mut().for_each(|v| *v /= t);
-            }
+        let gathered = |data| Gathered {
+            data,
+            offsets: slots,
+            shift: kv_head * d,
+            d,
+        };
+        scores(query, gathered(&stored.keys), weights);
+        softmax_unnormalised(weights, groups, scale, max, total);
+        weighted_sum(weights, gathered(&stored.values), out);
+        for (o, t) in out.chunks_exact_mut(d).zip(total.iter()) {
+            o.iter_mut().for_each(|v| *v /= t);
         }
     }
 
@@ -257,7 +259,7 @@ fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mu
     }
 }
 
-/// A worker's buffers for [`KvCache::attend_row`], kept across the rows it takes.
+/// A worker's buffers for [`KvCache::attend_head`], kept across the rows and heads it takes.
 #[derive(Default)]
 struct Scratch {
     weights: Vec<f32>,
@@ -323,6 +325,54 @@ mod tests {
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() < 1e-5, "step {step}: {got:?} vs {want:?}");
                 }
+            }
+        }
+    }
+
+    /// One decoding row, its heads spread over the threads: each query head
+    /// attends over the keys and values of its own key-value head.
+    #[test]
+    fn each_query_head_of_a_row_attends_over_its_own_key_value_head() {
+        let (kv_heads, heads, d) = (3, 6, 8);
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads,
+            head_dim: d,
+            block_size: 4,
+        };
+        let mut pool = BlockPool::new(8, 4);
+        let mut cache = KvCache::new(layout, 8);
+        let mut rng = SplitMix::new(11);
+        let mut table = BlockTable::default();
+        let len = 10;
+        table.append(&mut pool, len).unwrap();
+        let (keys, values) = (
+            random(len * kv_heads * d, &mut rng),
+            random(len * kv_heads * d, &mut rng),
+        );
+        let all = AttentionSeq {
+            blocks: table.blocks(),
+            start: 0,
+            len,
+        };
+        cache.write(0, &[all], &keys, &values);
+        let last = AttentionSeq {
+            blocks: table.blocks(),
+            start: len - 1,
+            len: 1,
+        };
+        let q = random(heads * d, &mut rng);
+        let got = cache.attend(0, &[last], heads, &q);
+        let per_head = |data: &[f32], kv: usize| -> Vec<Vec<f32>> {
+            (0..len)
+                .map(|p| data[(p * kv_heads + kv) * d..][..d].to_vec())
+                .collect()
+        };
+        for h in 0..heads {
+            let kv = h / (heads / kv_heads);
+            let want = reference(&q[h * d..(h + 1) * d], &per_head(&keys, kv), &per_head(&values, kv), d);
+            for (g, w) in got[h * d..(h + 1) * d].iter().zip(&want) {
+                assert!((g - w).abs() < 1e-5, "head {h}: {g} vs {w}");
             }
         }
     }
