@@ -164,9 +164,9 @@ impl KvCache {
         let groups = query.len() / d;
         let scale = 1.0 / (d as f32).sqrt();
         // Scores `[position][query head of the group]`: each key and value
-        // is read once for all the query heads that share it.
+        // is read once for all the query heads that share it. `scores`
+        // writes every one, so the buffer is only sized, not cleared.
         let Scratch { weights, max, total } = scratch;
-        weights.clear();
         weights.resize(slots.len() * groups, 0.0);
         let gathered = |data| Gathered {
             data,
