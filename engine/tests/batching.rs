@@ -123,6 +123,26 @@ async fn a_batched_run_gives_the_same_results_as_each_request_alone() {
 }
 
 #[tokio::test]
+async fn a_steps_logits_taken_a_few_rows_at_a_time_give_the_same_results() {
+    let (reference, dir) = model("head-groups");
+    let requests = mixed_requests(&reference);
+    // Eight sequences at once, their logits three rows at a time; a
+    // sequence with more rows (its guesses) is a group of its own.
+    let engine = TextEngine::start(
+        "tiny",
+        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
+        EngineConfig {
+            logits_rows: 3,
+            ..engine_config(1 << 30, 24)
+        },
+    );
+    let outputs = run_all(&engine, &requests).await;
+    assert_same_as_alone(&reference, &requests, &outputs);
+    assert_batched(&engine);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
 async fn preempted_sequences_are_recomputed_to_the_same_result() {
     let (reference, dir) = model("preempt");
     let requests = mixed_requests(&reference);

@@ -332,9 +332,18 @@ pub fn inverse_frequencies(cfg: &Config) -> Vec<f32> {
     }
 }
 
-/// Precomputed cos/sin tables for every position, `(positions, head_dim / 2)`.
+/// The rotary embedding's frequencies, `head_dim / 2` of them. Each pass
+/// computes the cos/sin of its own rows' positions ([`Rotary::angles`]):
+/// a table for every position a model allows is megabytes that no pass
+/// reads whole (8,192 positions of 32 frequencies are 2 MiB, 131,072 are 32
+/// MiB).
 #[derive(Debug, Clone)]
 struct Rotary {
+    inv_freq: Vec<f32>,
+}
+
+/// The cos/sin of one pass's rows, `(rows, head_dim / 2)` each.
+struct Angles {
     cos: Vec<f32>,
     sin: Vec<f32>,
     half: usize,
@@ -342,28 +351,37 @@ struct Rotary {
 
 impl Rotary {
     fn new(cfg: &Config) -> Self {
-        let inv_freq = inverse_frequencies(cfg);
-        let half = inv_freq.len();
-        let mut cos = Vec::with_capacity(cfg.max_position_embeddings * half);
-        let mut sin = Vec::with_capacity(cfg.max_position_embeddings * half);
-        for position in 0..cfg.max_position_embeddings {
-            for &f in &inv_freq {
+        Rotary {
+            inv_freq: inverse_frequencies(cfg),
+        }
+    }
+
+    /// The cos/sin of each of `positions`, in order.
+    fn angles(&self, positions: &[usize]) -> Angles {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &position in positions {
+            for &f in &self.inv_freq {
                 // The angle in f32, as transformers computes it.
                 let angle = position as f32 * f;
                 cos.push(angle.cos());
                 sin.push(angle.sin());
             }
         }
-        Rotary { cos, sin, half }
+        Angles { cos, sin, half }
     }
+}
 
+impl Angles {
     /// Rotate every head of every row of `x` (`(tokens, heads * head_dim)`) in
-    /// the "rotate half" layout, row `i` being at position `positions[i]`.
-    fn apply(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
+    /// the "rotate half" layout, row `i` by the angles of row `i`.
+    fn apply(&self, x: &mut [f32], heads: usize) {
         let half = self.half;
-        for (row, &position) in x.chunks_exact_mut(heads * 2 * half).zip(positions) {
-            let cos = &self.cos[position * half..(position + 1) * half];
-            let sin = &self.sin[position * half..(position + 1) * half];
+        let rows = x
+            .chunks_exact_mut(heads * 2 * half)
+            .zip(self.cos.chunks_exact(half).zip(self.sin.chunks_exact(half)));
+        for (row, (cos, sin)) in rows {
             for head in row.chunks_exact_mut(2 * half) {
                 let (x1, x2) = head.split_at_mut(half);
                 for i in 0..half {
@@ -729,8 +747,8 @@ impl Attention {
             }
             (q, k, v)
         })?;
-        pass.rotary.apply(&mut q, self.num_heads, &pass.positions);
-        pass.rotary.apply(&mut k, self.num_kv_heads, &pass.positions);
+        pass.angles.apply(&mut q, self.num_heads);
+        pass.angles.apply(&mut k, self.num_kv_heads);
         kv.write(layer, &pass.seqs, &k, &v);
         let out = kv.attend(layer, &pass.seqs, self.num_heads, &q);
         let width = out.len() / tokens;
@@ -742,9 +760,9 @@ impl Attention {
 
 /// What every layer needs to know about one batched forward pass.
 struct Pass<'a> {
-    rotary: &'a Rotary,
+    /// The rotary angles of each row.
+    angles: Angles,
     seqs: Vec<AttentionSeq<'a>>,
-    positions: Vec<usize>,
     /// Each adapter in the batch with the rows that run with it.
     adapters: Vec<(&'a PackedAdapter, Vec<usize>)>,
 }
@@ -1128,6 +1146,14 @@ impl Llama {
     /// to `kv` through the chunks' blocks, and the logits after the positions
     /// each chunk asks for come back, `(positions asked, vocab)` in chunk order.
     pub fn forward_batch(&self, chunks: &[SeqChunk<'_>], kv: &mut KvCache) -> Result<Tensor> {
+        self.head(&self.forward_hidden(chunks, kv)?)
+    }
+
+    /// [`Llama::forward_batch`] up to the head: the final norm's rows at the
+    /// positions each chunk asks for, `(positions asked, hidden)` in chunk
+    /// order, for [`Llama::head`] to take in parts (a step's logits over a
+    /// large vocabulary are megabytes a row group).
+    pub fn forward_hidden(&self, chunks: &[SeqChunk<'_>], kv: &mut KvCache) -> Result<Tensor> {
         let limit = self.config.max_position_embeddings;
         if let Some(c) = chunks.iter().find(|c| c.start + c.tokens.len() > limit) {
             return Err(ModelError::Config(format!(
@@ -1137,8 +1163,9 @@ impl Llama {
         }
         let device = self.embed_tokens.device();
         let ids: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let positions: Vec<usize> = chunks.iter().flat_map(|c| c.start..c.start + c.tokens.len()).collect();
         let pass = Pass {
-            rotary: &self.rotary,
+            angles: self.rotary.angles(&positions),
             seqs: chunks
                 .iter()
                 .map(|c| AttentionSeq {
@@ -1147,7 +1174,6 @@ impl Llama {
                     len: c.tokens.len(),
                 })
                 .collect(),
-            positions: chunks.iter().flat_map(|c| c.start..c.start + c.tokens.len()).collect(),
             adapters: group_by_adapter(chunks),
         };
         let mut x = self.embed_tokens.forward(&ids, device)?;
@@ -1164,7 +1190,13 @@ impl Llama {
             last.extend(end - c.logits.min(c.tokens.len()) as u32..end);
         }
         let last = x.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
-        self.lm_head.forward(&self.norm.forward(&last)?)
+        Ok(self.norm.forward(&last)?)
+    }
+
+    /// The logits of rows of [`Llama::forward_hidden`], `(rows, vocab)`: each
+    /// row's are the same whatever rows go with it.
+    pub fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
     }
 
     /// Greedy decoding: `max_new` tokens after `prompt`.

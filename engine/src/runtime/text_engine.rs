@@ -29,7 +29,7 @@ use crate::runtime::guide::{Grammars, Guide};
 use crate::runtime::kv::prefix::{self, BlockHasher};
 use crate::runtime::kv::{BlockPool, KvCache};
 use crate::runtime::pace::{Owed, Pace, Share, StepCost};
-use crate::runtime::scheduler::{AccountKey, Plan, Policy, Scheduler, SchedulerConfig, SeqId};
+use crate::runtime::scheduler::{AccountKey, Chunk, Plan, Policy, Scheduler, SchedulerConfig, SeqId};
 use crate::runtime::speculative::{
     choose, Acceptance, Candidate, DraftModel, Guess, Probes, Proposer, SpecConfig, SpecPolicy, SpecState,
 };
@@ -89,6 +89,11 @@ pub struct EngineConfig {
     /// The most events a stream's reader may leave unread before its
     /// sequence is dropped ([`crate::MAX_UNREAD_EVENTS`]).
     pub max_unread_events: usize,
+    /// The most rows of logits a step holds at once (0: every row): the
+    /// head runs over a step's sampling rows this many at a time, each group
+    /// sampled before the next is computed (a sequence's rows stay in one
+    /// group).
+    pub logits_rows: usize,
 }
 
 impl Default for EngineConfig {
@@ -110,6 +115,7 @@ impl Default for EngineConfig {
             step_max_ms: 500.0,
             rt_step_max_ms: 50.0,
             max_unread_events: crate::MAX_UNREAD_EVENTS,
+            logits_rows: 16,
         }
     }
 }
@@ -426,6 +432,8 @@ struct EngineLoop {
     rt_step_max_ms: f64,
     /// [`EngineConfig::max_unread_events`].
     max_unread_events: usize,
+    /// [`EngineConfig::logits_rows`].
+    logits_rows: usize,
 }
 
 impl EngineLoop {
@@ -491,6 +499,7 @@ impl EngineLoop {
             step_max_ms: config.step_max_ms,
             rt_step_max_ms: config.rt_step_max_ms,
             max_unread_events: config.max_unread_events,
+            logits_rows: config.logits_rows,
         }
     }
 
@@ -683,24 +692,6 @@ impl EngineLoop {
         self.owed.observe(ms, alone, batch_tokens > 0, self.rt_slack);
     }
 
-    /// Account a step to the real-time requests it ran.
-    fn trace_real_time(&mut self, plan: &Plan, batch_tokens: usize, started: Instant, took: std::time::Duration) {
-        let batch_tokens = batch_tokens as u64;
-        let c = &self.counters;
-        c.rt_steps.fetch_add(1, Ordering::Relaxed);
-        c.rt_step_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
-        c.rt_batch_tokens.fetch_add(batch_tokens, Ordering::Relaxed);
-        for chunk in &plan.chunks {
-            if let Some(trace) = self.active.get_mut(&chunk.id).and_then(|a| a.trace.as_mut()) {
-                trace.waited.get_or_insert(started.duration_since(trace.arrived));
-                trace.steps += 1;
-                trace.step_time += took;
-                trace.longest_step = trace.longest_step.max(took);
-                trace.batch_tokens += batch_tokens;
-            }
-        }
-    }
-
     /// Guess tokens for the sequences that decode next: as the policy
     /// decides, from their acceptance and the measured step cost, or in every
     /// step while few decode.
@@ -864,11 +855,7 @@ impl EngineLoop {
                     }
                 })
             });
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                crate::ops::hot_pass(|| self.forward(&plan))
-            }))
-            .unwrap_or_else(|panic| Err(format!("the forward pass panicked: {}", panic_text(&panic))))
-            .and_then(|logits| StepLogits::new(logits).map_err(|e| e.to_string()));
+            let result = run_caught("the forward pass", || self.forward(&plan));
             if let Some(masks) = masks {
                 // A panic inside the grammar engine leaves the mask to be computed when sampling.
                 let _ = masks.join();
@@ -880,9 +867,21 @@ impl EngineLoop {
                 active.decoding.restore_guide(guide);
             }
         }
+        let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
+        match result {
+            Ok(hidden) => {
+                self.scheduler.step_done(&plan);
+                self.head_and_sample(&plan, &hidden, started, batch_tokens);
+            }
+            Err(error) => {
+                // What failed inside is for the operator's log, never the client's answer.
+                tracing::error!(%error, "forward pass failed");
+                self.note_step(plan.chunks.iter(), plan.chunks.len(), started, batch_tokens);
+                self.fail(plan.chunks.iter().map(|c| c.id));
+            }
+        }
         let took = started.elapsed();
         self.counters.step_seconds.observe_duration(took);
-        let (rt_tokens, batch_tokens) = self.tokens_by_lane(&plan);
         let ms = took.as_secs_f64() * 1e3;
         self.cost.observe(rt_tokens + batch_tokens, ms);
         if plan.chunks.iter().all(|c| c.samples && c.len == 1 + c.draft) {
@@ -892,42 +891,100 @@ impl EngineLoop {
         if self.memory.after_step(rt_tokens + batch_tokens) {
             crate::models::release_free_memory();
         }
-        // Each traced sequence's span notes the step: what it ran, beside how many.
-        for chunk in &plan.chunks {
-            let span = &self.active[&chunk.id].span;
-            if !span.is_disabled() {
-                tracing::info!(
-                    target: "lorry::trace",
-                    parent: span,
-                    tokens = chunk.len,
-                    sequences = plan.chunks.len(),
-                    step_ms = ms,
-                    "engine.step"
-                );
-            }
-        }
         if rt_tokens > 0 {
-            self.trace_real_time(&plan, batch_tokens, started, took);
+            let c = &self.counters;
+            c.rt_steps.fetch_add(1, Ordering::Relaxed);
+            c.rt_step_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+            c.rt_batch_tokens.fetch_add(batch_tokens as u64, Ordering::Relaxed);
         }
         let stats = self.scheduler.prefix_stats();
         self.counters.prefix_hits.store(stats.hits, Ordering::Relaxed);
         self.counters.prefix_misses.store(stats.misses, Ordering::Relaxed);
         self.counters.prefix_evicted.store(stats.evicted, Ordering::Relaxed);
-        match result {
-            Ok(logits) => {
-                self.scheduler.step_done(&plan);
-                logits.read(|rows, vocab| self.sample(&plan, rows, vocab))
-            }
-            Err(error) => {
-                // What failed inside is for the operator's log, never the client's answer.
-                tracing::error!(%error, "forward pass failed");
-                let told = "the model failed on a step this request was part of";
-                for chunk in &plan.chunks {
-                    self.scheduler.discard(chunk.id);
-                    if let Some(active) = self.end(chunk.id) {
-                        active.events.send(Event::Failed(EngineError::Model(told.into())));
-                    }
+    }
+
+    /// The logits of the plan's sampling chunks from `hidden` (the pass's
+    /// rows before the head), a group of rows at a time, each group sampled
+    /// before the next is computed: a step holds one group's logits, not
+    /// every row's (64 rows of a 49,152-token vocabulary are 12.6 MB). The
+    /// chunks of a group are noted in their traces as the group is sampled,
+    /// the others once every group is.
+    fn head_and_sample(&mut self, plan: &Plan, hidden: &candle_core::Tensor, started: Instant, batch_tokens: usize) {
+        let group_rows = match self.logits_rows {
+            0 => usize::MAX,
+            rows => rows,
+        };
+        let sampling: Vec<&Chunk> = plan.chunks.iter().filter(|c| c.samples).collect();
+        let mut row = 0;
+        for group in head_groups(&sampling, group_rows) {
+            let rows: usize = group.iter().map(|c| 1 + c.draft).sum();
+            let model = &self.model.model;
+            let logits = run_caught("the model's head", || {
+                let part = hidden.narrow(0, row, rows).map_err(|e| e.to_string())?;
+                let logits = model.head(&part).map_err(|e| e.to_string())?;
+                StepLogits::new(logits).map_err(|e| e.to_string())
+            });
+            row += rows;
+            self.note_step(group.iter().copied(), plan.chunks.len(), started, batch_tokens);
+            match logits {
+                Ok(logits) => logits.read(|rows, vocab| self.sample(group, rows, vocab)),
+                Err(error) => {
+                    tracing::error!(%error, "the model's head failed");
+                    self.fail(group.iter().map(|c| c.id));
                 }
+            }
+        }
+        self.note_step(
+            plan.chunks.iter().filter(|c| !c.samples),
+            plan.chunks.len(),
+            started,
+            batch_tokens,
+        );
+    }
+
+    /// Each of `chunks`' sequences ran in a step of `sequences` begun at
+    /// `started`, its part of it done now: its span notes the step, and a
+    /// real-time request's trace counts it.
+    fn note_step<'c>(
+        &mut self,
+        chunks: impl Iterator<Item = &'c Chunk>,
+        sequences: usize,
+        started: Instant,
+        batch_tokens: usize,
+    ) {
+        let took = started.elapsed();
+        for chunk in chunks {
+            let Some(active) = self.active.get_mut(&chunk.id) else {
+                continue;
+            };
+            if !active.span.is_disabled() {
+                tracing::info!(
+                    target: "lorry::trace",
+                    parent: &active.span,
+                    tokens = chunk.len,
+                    sequences,
+                    step_ms = took.as_secs_f64() * 1e3,
+                    "engine.step"
+                );
+            }
+            if let Some(trace) = active.trace.as_mut() {
+                trace.waited.get_or_insert(started.duration_since(trace.arrived));
+                trace.steps += 1;
+                trace.step_time += took;
+                trace.longest_step = trace.longest_step.max(took);
+                trace.batch_tokens += batch_tokens as u64;
+            }
+        }
+    }
+
+    /// End `ids`' requests as failed by the model: their blocks go, caching
+    /// none of what the step wrote.
+    fn fail(&mut self, ids: impl Iterator<Item = SeqId>) {
+        let told = "the model failed on a step this request was part of";
+        for id in ids {
+            self.scheduler.discard(id);
+            if let Some(active) = self.end(id) {
+                active.events.send(Event::Failed(EngineError::Model(told.into())));
             }
         }
     }
@@ -949,9 +1006,9 @@ impl EngineLoop {
         guides
     }
 
-    /// Run the plan's chunks as one batch; the logits of each sampling chunk
-    /// (one row, and one more per guessed token), in plan order, as the
-    /// pass's own tensor.
+    /// Run the plan's chunks as one batch; the rows before the head of each
+    /// sampling chunk (one row, and one more per guessed token), in plan
+    /// order.
     fn forward(&mut self, plan: &Plan) -> Result<candle_core::Tensor, String> {
         // A chunk with guesses runs its last known token and the guesses.
         let guessed: Vec<Option<Vec<u32>>> = plan
@@ -992,15 +1049,15 @@ impl EngineLoop {
             .fetch_add(prefill as u64, Ordering::Relaxed);
         self.model
             .model
-            .forward_batch(&chunks, &mut self.kv)
+            .forward_hidden(&chunks, &mut self.kv)
             .map_err(|e| e.to_string())
     }
 
-    /// Sample each sampling chunk of `plan` from its rows of `rows`, the
-    /// step's logits `vocab` wide.
-    fn sample(&mut self, plan: &Plan, rows: &[f32], vocab: usize) {
+    /// Sample each of `chunks` (sampling chunks) from its rows of `rows`,
+    /// their logits `vocab` wide, in order.
+    fn sample(&mut self, chunks: &[&Chunk], rows: &[f32], vocab: usize) {
         let mut rows = rows.chunks_exact(vocab.max(1));
-        for chunk in plan.chunks.iter().filter(|c| c.samples) {
+        for &chunk in chunks {
             let logits: Vec<&[f32]> = rows.by_ref().take(1 + chunk.draft).collect();
             let Some(active) = self.active.get_mut(&chunk.id) else {
                 continue;
@@ -1105,6 +1162,34 @@ impl EngineLoop {
     }
 }
 
+/// `f` on a worker of the compute pool, kept awake through it
+/// ([`crate::ops::hot_pass`]); a panic in it is an error naming `what`, and
+/// ends the step's requests rather than the engine.
+fn run_caught<T: Send>(what: &str, f: impl FnOnce() -> Result<T, String> + Send) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::ops::hot_pass(f)))
+        .unwrap_or_else(|panic| Err(format!("{what} panicked: {}", panic_text(&panic))))
+}
+
+/// `chunks` (sampling chunks, `1 + draft` rows each) in groups of whole
+/// chunks of at most `rows` rows, in order; a chunk with more rows than
+/// that is a group of its own.
+fn head_groups<'p, 'c>(chunks: &'p [&'c Chunk], rows: usize) -> Vec<&'p [&'c Chunk]> {
+    let mut groups = Vec::new();
+    let (mut first, mut taken) = (0, 0);
+    for (i, chunk) in chunks.iter().enumerate() {
+        let needs = 1 + chunk.draft;
+        if i > first && taken + needs > rows {
+            groups.push(&chunks[first..i]);
+            (first, taken) = (i, 0);
+        }
+        taken += needs;
+    }
+    if first < chunks.len() {
+        groups.push(&chunks[first..]);
+    }
+    groups
+}
+
 /// The scheduler's key for an account: a digest of its name (`None`, the
 /// requests without one, is a key of its own).
 fn account_key(account: Option<&str>) -> AccountKey {
@@ -1198,7 +1283,40 @@ fn step_bound_ms(step_max_ms: f64, rt_step_max_ms: f64, near: bool) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{step_bound_ms, StepLogits};
+    use super::{head_groups, step_bound_ms, Chunk, StepLogits};
+
+    #[test]
+    fn a_steps_sampling_chunks_go_to_the_head_in_groups_of_whole_chunks() {
+        let chunk = |id: u64, draft: usize| Chunk {
+            id,
+            start: 0,
+            len: 1 + draft,
+            samples: true,
+            draft,
+        };
+        let chunks = [
+            chunk(1, 0),
+            chunk(2, 1),
+            chunk(3, 0),
+            chunk(4, 5),
+            chunk(5, 0),
+            chunk(6, 0),
+        ];
+        let refs: Vec<&Chunk> = chunks.iter().collect();
+        let ids = |rows: usize| -> Vec<Vec<u64>> {
+            head_groups(&refs, rows)
+                .iter()
+                .map(|group| group.iter().map(|c| c.id).collect())
+                .collect()
+        };
+        // Rows 1, 2, 1, 6, 1, 1: a group fills to its rows, and the chunk
+        // with six rows goes alone rather than be split.
+        assert_eq!(ids(4), vec![vec![1, 2, 3], vec![4], vec![5, 6]]);
+        assert_eq!(ids(3), vec![vec![1, 2], vec![3], vec![4], vec![5, 6]]);
+        assert_eq!(ids(1), vec![vec![1], vec![2], vec![3], vec![4], vec![5], vec![6]]);
+        assert_eq!(ids(usize::MAX), vec![vec![1, 2, 3, 4, 5, 6]]);
+        assert!(head_groups(&[], 4).is_empty());
+    }
 
     #[test]
     fn a_steps_logits_are_read_row_after_row_in_place_or_copied() {
