@@ -124,6 +124,9 @@ unsafe fn scores_avx2(queries: &[f32], keys: Gathered<'_>, g: usize, scores: &mu
     }
 }
 
+/// Positions ahead whose keys the scores ask for.
+const KEYS_AHEAD: usize = 8;
+
 /// Keys whose scores one pass takes together: each query's 8 floats are
 /// loaded once for all of them (12 sums, 3 keys and a query: the 16
 /// registers).
@@ -176,9 +179,20 @@ unsafe fn scores_avx2_keys<const W: usize, const K: usize>(
     use std::arch::x86_64::*;
     let d = keys.d;
     // SAFETY (every access): `check` kept each key inside `keys.data`, `d % 8 == 0`,
-    // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`.
+    // query `j0 + j < g` spans `(j0 + j)·d..` of `queries`, and `scores` holds `n·g`;
+    // a prefetch reads nothing.
     unsafe {
         let key: [*const f32; K] = std::array::from_fn(|t| keys.data.as_ptr().add(keys.offsets[i + t] + keys.shift));
+        // Every line of the keys `KEYS_AHEAD` further on: the cache's blocks
+        // lie apart, where the hardware's prefetchers do not follow.
+        for t in 0..K {
+            if let Some(&ahead) = keys.offsets.get(i + t + KEYS_AHEAD) {
+                let line = keys.data.as_ptr().wrapping_add(ahead + keys.shift) as *const i8;
+                for c in (0..d).step_by(16) {
+                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(4 * c));
+                }
+            }
+        }
         let query = queries.as_ptr().add(j0 * d);
         let mut acc = [[_mm256_setzero_ps(); K]; W];
         for c in (0..d).step_by(8) {
