@@ -103,43 +103,38 @@ fn assert_same_as_alone(model: &TextModel, requests: &[ValidRequest], outputs: &
     }
 }
 
-#[tokio::test]
-async fn a_batched_run_gives_the_same_results_as_each_request_alone() {
-    let (reference, dir) = model("same");
+/// The mixed requests through an engine of `config` all at once, each
+/// result checked against the request alone and the steps shared; the
+/// outputs, in order.
+async fn mixed_requests_batched_as_alone(tag: &str, config: EngineConfig) -> Vec<lorry_engine::Output> {
+    let (reference, dir) = model(tag);
     let requests = mixed_requests(&reference);
-    // A 24-token step budget splits every longer prompt into chunks.
-    let engine = TextEngine::start(
-        "tiny",
-        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
-        engine_config(1 << 30, 24),
-    );
+    let engine = TextEngine::start("tiny", TextModel::from_dir(&dir, &Device::Cpu).unwrap(), config);
     let outputs = run_all(&engine, &requests).await;
     assert_same_as_alone(&reference, &requests, &outputs);
+    assert_batched(&engine);
+    let _ = std::fs::remove_dir_all(dir);
+    outputs
+}
+
+#[tokio::test]
+async fn a_batched_run_gives_the_same_results_as_each_request_alone() {
+    // A 24-token step budget splits every longer prompt into chunks.
+    let outputs = mixed_requests_batched_as_alone("same", engine_config(1 << 30, 24)).await;
     assert!(outputs
         .iter()
         .any(|o| o.completion.as_ref().unwrap().finish_reason == FinishReason::Stop));
-    assert_batched(&engine);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test]
 async fn a_steps_logits_taken_a_few_rows_at_a_time_give_the_same_results() {
-    let (reference, dir) = model("head-groups");
-    let requests = mixed_requests(&reference);
     // Eight sequences at once, their logits three rows at a time; a
     // sequence with more rows (its guesses) is a group of its own.
-    let engine = TextEngine::start(
-        "tiny",
-        TextModel::from_dir(&dir, &Device::Cpu).unwrap(),
-        EngineConfig {
-            logits_rows: 3,
-            ..engine_config(1 << 30, 24)
-        },
-    );
-    let outputs = run_all(&engine, &requests).await;
-    assert_same_as_alone(&reference, &requests, &outputs);
-    assert_batched(&engine);
-    let _ = std::fs::remove_dir_all(dir);
+    let config = EngineConfig {
+        logits_rows: 3,
+        ..engine_config(1 << 30, 24)
+    };
+    mixed_requests_batched_as_alone("head-groups", config).await;
 }
 
 #[tokio::test]
