@@ -89,10 +89,10 @@ pub struct EngineConfig {
     /// The most events a stream's reader may leave unread before its
     /// sequence is dropped ([`crate::MAX_UNREAD_EVENTS`]).
     pub max_unread_events: usize,
-    /// The most rows of logits a step holds at once (0: every row): the
-    /// head runs over a step's sampling rows this many at a time, each group
-    /// sampled before the next is computed (a sequence's rows stay in one
-    /// group).
+    /// The most rows of logits a step holds at once: the head runs over a
+    /// step's sampling rows this many at a time, each group sampled before
+    /// the next is computed (a sequence's rows stay in one group). 0, the
+    /// default: as many as 2 MiB of the model's logits hold, at least 16.
     pub logits_rows: usize,
 }
 
@@ -115,7 +115,7 @@ impl Default for EngineConfig {
             step_max_ms: 500.0,
             rt_step_max_ms: 50.0,
             max_unread_events: crate::MAX_UNREAD_EVENTS,
-            logits_rows: 16,
+            logits_rows: 0,
         }
     }
 }
@@ -911,7 +911,7 @@ impl EngineLoop {
     /// the others once every group is.
     fn head_and_sample(&mut self, plan: &Plan, hidden: &candle_core::Tensor, started: Instant, batch_tokens: usize) {
         let group_rows = match self.logits_rows {
-            0 => usize::MAX,
+            0 => logits_rows(self.model.model.config().vocab_size),
             rows => rows,
         };
         let sampling: Vec<&Chunk> = plan.chunks.iter().filter(|c| c.samples).collect();
@@ -1170,6 +1170,14 @@ fn run_caught<T: Send>(what: &str, f: impl FnOnce() -> Result<T, String> + Send)
         .unwrap_or_else(|panic| Err(format!("{what} panicked: {}", panic_text(&panic))))
 }
 
+/// Rows of logits a step computes and samples at a time over a vocabulary
+/// of `vocab` tokens: as many as 2 MiB hold (a small vocabulary's whole
+/// step at once), and at least 16, which the head's products take in whole
+/// panels (64 rows of a 49,152-token vocabulary are 12.6 MB, 16 are 3.1).
+fn logits_rows(vocab: usize) -> usize {
+    ((2 << 20) / (vocab.max(1) * std::mem::size_of::<f32>())).max(16)
+}
+
 /// `chunks` (sampling chunks, `1 + draft` rows each) in groups of whole
 /// chunks of at most `rows` rows, in order; a chunk with more rows than
 /// that is a group of its own.
@@ -1316,6 +1324,15 @@ mod tests {
         assert_eq!(ids(1), vec![vec![1], vec![2], vec![3], vec![4], vec![5], vec![6]]);
         assert_eq!(ids(usize::MAX), vec![vec![1, 2, 3, 4, 5, 6]]);
         assert!(head_groups(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn a_steps_logits_are_about_two_mib_at_a_time_and_at_least_16_rows() {
+        assert_eq!(super::logits_rows(288), 1820);
+        assert_eq!(super::logits_rows(32_768), 16);
+        assert_eq!(super::logits_rows(49_152), 16);
+        assert_eq!(super::logits_rows(151_936), 16);
+        assert_eq!(super::logits_rows(0), (2 << 20) / 4);
     }
 
     #[test]
