@@ -432,7 +432,8 @@ struct EngineLoop {
     rt_step_max_ms: f64,
     /// [`EngineConfig::max_unread_events`].
     max_unread_events: usize,
-    /// [`EngineConfig::logits_rows`].
+    /// Rows of logits a step computes and samples at a time
+    /// ([`EngineConfig::logits_rows`], 0 resolved for the model).
     logits_rows: usize,
 }
 
@@ -453,6 +454,10 @@ impl EngineLoop {
             .filter(|_| speculation.proposer == Proposer::Draft)
             .map(DraftModel::new);
         let layout = model.model.kv_layout(config.block_size);
+        let logits_group_rows = match config.logits_rows {
+            0 => logits_rows(model.model.config().vocab_size),
+            rows => rows,
+        };
         let max_positions = model.model.config().max_position_embeddings;
         let full = config.max_seqs * max_positions.div_ceil(config.block_size);
         let blocks = (config.kv_cache_bytes / layout.bytes_per_block()).clamp(1, full.max(1));
@@ -499,7 +504,7 @@ impl EngineLoop {
             step_max_ms: config.step_max_ms,
             rt_step_max_ms: config.rt_step_max_ms,
             max_unread_events: config.max_unread_events,
-            logits_rows: config.logits_rows,
+            logits_rows: logits_group_rows,
         }
     }
 
@@ -910,13 +915,9 @@ impl EngineLoop {
     /// chunks of a group are noted in their traces as the group is sampled,
     /// the others once every group is.
     fn head_and_sample(&mut self, plan: &Plan, hidden: &candle_core::Tensor, started: Instant, batch_tokens: usize) {
-        let group_rows = match self.logits_rows {
-            0 => logits_rows(self.model.model.config().vocab_size),
-            rows => rows,
-        };
         let sampling: Vec<&Chunk> = plan.chunks.iter().filter(|c| c.samples).collect();
         let mut row = 0;
-        for group in head_groups(&sampling, group_rows) {
+        for group in head_groups(&sampling, self.logits_rows) {
             let rows: usize = group.iter().map(|c| 1 + c.draft).sum();
             let model = &self.model.model;
             let logits = run_caught("the model's head", || {
