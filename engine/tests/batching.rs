@@ -371,12 +371,42 @@ async fn an_adapter_that_cannot_be_had_fails_its_request_alone() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The accounts of the sequences the engine ended, in the order it ended
+/// them: a sequence's span ("engine.sequence") closes on the engine's thread
+/// when it ends, under the request's span, named here for its account.
+#[derive(Clone, Default)]
+struct EndOrder(Arc<std::sync::Mutex<Vec<&'static str>>>);
+
+impl<S> tracing_subscriber::Layer<S> for EndOrder
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else { return };
+        if span.name() != "engine.sequence" {
+            return;
+        }
+        if let Some(account) = span
+            .parent()
+            .map(|parent| parent.name())
+            .filter(|name| name.starts_with("account_"))
+        {
+            self.0.lock().unwrap().push(&account["account_".len()..]);
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_accounts_few_requests_behind_anothers_many_are_not_served_after_all_of_them() {
     // Eight slots; account a's 200 requests queued before account b's 8, all
     // of one length. In arrival order b's would end after every one of a's
     // still queued; admitted by account, b's take two of every three slots
-    // that free once they arrive.
+    // that free once they arrive. The order is the engine's own (its
+    // sequences' spans close as it ends them), not that of the tasks
+    // reading the streams, which may fall behind it.
+    use tracing_subscriber::layer::SubscriberExt;
+    let order = EndOrder::default();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(order.clone())).unwrap();
     let (reference, dir) = model("accounts");
     let config = EngineConfig {
         max_seqs: 8,
@@ -386,27 +416,38 @@ async fn an_accounts_few_requests_behind_anothers_many_are_not_served_after_all_
     let engine = TextEngine::start("tiny", reference, config);
     let body =
         |i: usize| request(json!({"prompt": format!("line {i}"), "raw": true, "max_tokens": 6, "ignore_eos": true}));
-    let ended = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
+    let mut streams = Vec::new();
     let mut ended_before_b = 0;
     for (account, count) in [("a", 200), ("b", 8)] {
-        if account == "b" {
-            ended_before_b = ended.lock().unwrap().len();
-        }
         for i in 0..count {
-            let request = Request::new(body(i), Lane::Batch).for_account(Some(account.to_string()));
-            let events = engine.submit(request).unwrap();
-            let ended = ended.clone();
-            tasks.push(tokio::spawn(async move {
-                collect(events).await.unwrap();
-                ended.lock().unwrap().push(account);
-            }));
+            let span = match account {
+                "a" => tracing::info_span!("account_a"),
+                _ => tracing::info_span!("account_b"),
+            };
+            let request = Request::new(body(i), Lane::Batch)
+                .for_account(Some(account.to_string()))
+                .in_span(span);
+            streams.push(engine.submit(request).unwrap());
+        }
+        if account == "b" {
+            // Counted once b's are in the engine's inbox: the engine takes
+            // them in at its next step, so those ending until then ended
+            // before b's could be admitted.
+            ended_before_b = order.0.lock().unwrap().len();
         }
     }
-    for task in tasks {
-        task.await.unwrap();
+    for events in streams {
+        collect(events).await.unwrap();
     }
-    let ended = ended.lock().unwrap().clone();
+    // A sequence's span closes just after its last event is sent.
+    for _ in 0..3000 {
+        if order.0.lock().unwrap().len() == 208 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let ended = order.0.lock().unwrap().clone();
+    assert_eq!(ended.len(), 208, "every sequence's span closed: {}", ended.concat());
     let last_b = ended.iter().rposition(|a| *a == "b").unwrap();
     // Once b's are queued: the eight running end, b's take their slots two
     // for one, and b's last runs its six tokens beside seven others.
