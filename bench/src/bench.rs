@@ -727,6 +727,18 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             _ => bench_text(i, lengths[i]),
         };
         let requests = |count: usize, new_tokens: usize| requests_of(count, &text, &|_| new_tokens);
+        // What a decoding step reads besides the weights: each row's keys
+        // and values (f32) at every position it sees, in every layer; on
+        // average over the decode, its prompt and half its new tokens.
+        let shape = model.model.config();
+        let kv_per_position = (shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * 4) as f64;
+        let kv_bytes: Vec<f64> = (0..max_batch)
+            .map(|i| Ok(kv_per_position * (model.encode_raw(&text(i))?.len() as f64 + args.new_tokens as f64 / 2.0)))
+            .collect::<anyhow::Result<_>>()?;
+        loads.last_mut().expect("pushed above").push_str(&format!(
+            ", the KV cache's reads a decoding step {:.1} MB a row",
+            kv_bytes[0] / 1e6
+        ));
         for engine in std::iter::once(&engine).chain(&beside) {
             timed(engine, &requests(1, 2)).await?; // warm up
         }
@@ -784,7 +796,8 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 }
                 compared.push(row);
             }
-            let memory_roof = batch as f64 * ceilings.bandwidth / weight_bytes;
+            let step_bytes = weight_bytes + kv_bytes[..batch].iter().sum::<f64>();
+            let memory_roof = batch as f64 * ceilings.bandwidth / step_bytes;
             let compute_roof = compute_roof / (2.0 * params);
             let roof = memory_roof.min(compute_roof);
             // With a few steps of decoding (`--new-tokens 2`, for the prompt's
