@@ -1,6 +1,6 @@
 //! The vector kernels attention runs on: the dot products of a group of query
-//! heads with one key, softmax's exponentials, and the weighted sums of
-//! values into them. AVX2 and
+//! heads with one key, softmax's exponentials (which the MLP's SiLU takes
+//! too), and the weighted sums of values into them. AVX2 and
 //! FMA when the CPU has them (checked at run time; the weighted sums on
 //! AVX-512F where it has that too, with the same bits), portable loops
 //! otherwise.
@@ -353,13 +353,15 @@ unsafe fn weighted_sum_avx512_tile<const R: usize, const W: usize>(
     }
 }
 
-/// `x = eˣ` for every value: softmax's exponentials. With AVX2 and FMA,
-/// eight at a time (Cephes' `expf`: `2ⁿ·p(r)` with `n = round(x·log₂e)`,
-/// `r = x − n·ln 2` in two parts, a degree-7 polynomial; within 2 units in
-/// the last place of the correctly rounded value, exactly 1 at 0; below
-/// −87.33 the smallest normal power of two, where the true value is
-/// smaller still), the last few through a padded vector, so that a value's
-/// result never depends on where it lies; `f32::exp` elsewhere.
+/// `x = eˣ` for every value: softmax's exponentials, and the MLP's SiLU's.
+/// With AVX2 and FMA, eight at a time (Cephes' `expf`: `2ⁿ·p(r)` with
+/// `n = round(x·log₂e)`, `r = x − n·ln 2` in two parts, a degree-7
+/// polynomial; within 2 units in the last place of the correctly rounded
+/// value, exactly 1 at 0; below −87.33 the smallest normal power of two,
+/// where the true value is smaller still; above 88.37 the value at 88.37,
+/// finite where the true value overflows), the last few through a padded
+/// vector, so that a value's result never depends on where it lies;
+/// `f32::exp` elsewhere.
 pub(crate) fn exp_in_place(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
