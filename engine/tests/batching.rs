@@ -375,7 +375,26 @@ async fn an_adapter_that_cannot_be_had_fails_its_request_alone() {
 /// them: a sequence's span ("engine.sequence") closes on the engine's thread
 /// when it ends, under the request's span, named here for its account.
 #[derive(Clone, Default)]
-struct EndOrder(Arc<std::sync::Mutex<Vec<&'static str>>>);
+struct EndOrder(Arc<(std::sync::Mutex<Vec<&'static str>>, std::sync::Condvar)>);
+
+impl EndOrder {
+    /// How many have ended so far.
+    fn len(&self) -> usize {
+        self.0 .0.lock().unwrap().len()
+    }
+
+    /// The order, once `count` have ended (or what has after a minute).
+    fn once(&self, count: usize) -> Vec<&'static str> {
+        let (ended, closed) = &*self.0;
+        let ended = closed
+            .wait_timeout_while(ended.lock().unwrap(), std::time::Duration::from_secs(60), |e| {
+                e.len() < count
+            })
+            .unwrap()
+            .0;
+        ended.clone()
+    }
+}
 
 impl<S> tracing_subscriber::Layer<S> for EndOrder
 where
@@ -391,7 +410,8 @@ where
             .map(|parent| parent.name())
             .filter(|name| name.starts_with("account_"))
         {
-            self.0.lock().unwrap().push(&account["account_".len()..]);
+            self.0 .0.lock().unwrap().push(&account["account_".len()..]);
+            self.0 .1.notify_all();
         }
     }
 }
@@ -433,20 +453,14 @@ async fn an_accounts_few_requests_behind_anothers_many_are_not_served_after_all_
             // Counted once b's are in the engine's inbox: the engine takes
             // them in at its next step, so those ending until then ended
             // before b's could be admitted.
-            ended_before_b = order.0.lock().unwrap().len();
+            ended_before_b = order.len();
         }
     }
     for events in streams {
         collect(events).await.unwrap();
     }
     // A sequence's span closes just after its last event is sent.
-    for _ in 0..3000 {
-        if order.0.lock().unwrap().len() == 208 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    let ended = order.0.lock().unwrap().clone();
+    let ended = order.once(208);
     assert_eq!(ended.len(), 208, "every sequence's span closed: {}", ended.concat());
     let last_b = ended.iter().rposition(|a| *a == "b").unwrap();
     // Once b's are queued: the eight running end, b's take their slots two
