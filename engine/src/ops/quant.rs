@@ -1017,23 +1017,30 @@ impl QuantMatrix {
         let (small, large) = (quantized(false), quantized(true));
         let target = OutPtr(out);
         let threads = rayon::current_num_threads();
-        for part in self.parts.iter() {
+        // A few tasks per thread over every part together (stacked
+        // projections are one parallel loop, not one each), each a
+        // contiguous run of one part's groups (whole panels of `NR`
+        // outputs), so that the threads stream disjoint stretches of the
+        // weights.
+        let all: usize = self.parts.iter().map(Part::groups).sum();
+        let per_task = all.div_ceil(4 * threads).max(1).next_multiple_of(NR / WR);
+        let tasks: Vec<(&Part, std::ops::Range<usize>)> = self
+            .parts
+            .iter()
+            .flat_map(|part| {
+                let groups = part.groups();
+                (0..groups.div_ceil(per_task)).map(move |t| (part, t * per_task..((t + 1) * per_task).min(groups)))
+            })
+            .collect();
+        tasks.into_par_iter().for_each(|(part, groups)| {
             let rows = if part.ty.is_k() { &large } else { &small }
                 .as_ref()
                 .expect("quantized for every format among the parts");
-            let groups = part.groups();
-            // A few tasks per thread, each a contiguous run of groups (whole
-            // panels of `NR` outputs), so that the threads stream disjoint
-            // stretches of the weights.
-            let per_task = groups.div_ceil(4 * threads).max(1).next_multiple_of(NR / WR);
-            (0..groups.div_ceil(per_task)).into_par_iter().for_each(|t| {
-                let groups = t * per_task..((t + 1) * per_task).min(groups);
-                // SAFETY: this task alone writes the columns of its groups, all
-                // inside `out` (`m × n`), and nothing reads `out` until every
-                // task is done.
-                unsafe { part_product(part, groups, rows, self.n, target, kernel, expand) };
-            });
-        }
+            // SAFETY: this task alone writes the columns of its groups, all
+            // inside `out` (`m × n`), and nothing reads `out` until every
+            // task is done.
+            unsafe { part_product(part, groups, rows, self.n, target, kernel, expand) };
+        });
     }
 }
 
