@@ -195,6 +195,12 @@ pub struct EngineBenchArgs {
     /// Rounds of `--speculation compare`.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Decode runs at each batch size, the memory's read rate measured again
+    /// just before and after each (the better of the two is that run's
+    /// memory roofline): the table gives the run whose share of its
+    /// roofline is the median, and the range of the runs' shares.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
     /// The prompts: `lorem` (a numbered lorem ipsum of `--prompt-tokens`) or
     /// `questions` (a different question on each row, answered in prose:
     /// the prompt's length is its own).
@@ -257,23 +263,41 @@ struct Ceilings {
     gemm_flops: f64,
 }
 
+/// The memory's read rate as the decode kernel itself reads: a buffer the
+/// size of a model's f32 weights (one token row through a packed matrix),
+/// on every core. Whatever of it the caches keep between passes, they keep
+/// for the model too.
+struct MemoryProbe {
+    packed: PackedMatrix,
+    ones: Vec<f32>,
+}
+
+impl MemoryProbe {
+    /// A buffer of `weight_bytes` (at least 64 MiB).
+    fn new(weight_bytes: usize) -> Self {
+        const INPUTS: usize = 1024;
+        let outputs = (weight_bytes / 4).max(1 << 24) / INPUTS;
+        MemoryProbe {
+            packed: PackedMatrix::from_f32(&vec![1f32; outputs * INPUTS], outputs, INPUTS),
+            ones: vec![1f32; INPUTS],
+        }
+    }
+
+    /// Bytes a second, the best of `runs` reads of the whole buffer.
+    fn rate(&self, runs: usize) -> f64 {
+        let mut best = f64::MAX;
+        for _ in 0..runs.max(1) {
+            let start = Instant::now();
+            std::hint::black_box(self.packed.matmul(&self.ones, 1));
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        self.packed.bytes() as f64 / best
+    }
+}
+
 /// The ceilings for a model that reads `weight_bytes` each step.
 fn measure_ceilings(weight_bytes: usize) -> anyhow::Result<Ceilings> {
-    // A buffer the size of the weights, read by the decode kernel itself (one
-    // token row through a packed matrix), on every core: whatever of it the
-    // caches keep between passes, they keep for the model too.
-    const INPUTS: usize = 1024;
-    let outputs = (weight_bytes / 4).max(1 << 24) / INPUTS;
-    let packed = PackedMatrix::from_f32(&vec![1f32; outputs * INPUTS], outputs, INPUTS);
-    let ones = vec![1f32; INPUTS];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let start = Instant::now();
-        std::hint::black_box(packed.matmul(&ones, 1));
-        best = best.min(start.elapsed().as_secs_f64());
-    }
-    let bandwidth = packed.bytes() as f64 / best;
-    drop(packed);
+    let bandwidth = MemoryProbe::new(weight_bytes).rate(5);
     let n = 2048;
     let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
     let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
@@ -753,9 +777,33 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 anyhow::Ok((prefill, total.saturating_sub(prefill).as_secs_f64()))
             }
         };
+        // Read between the decode runs; made after the loading line's
+        // resident memory was read, and dropped with the model.
+        let probe = MemoryProbe::new(config.matmul_params() * 4);
         let mut batch_one = None;
         for &batch in &args.batch {
-            let (prefill, decode) = decode_seconds(&engine, batch).await?;
+            let step_bytes = weight_bytes + kv_bytes[..batch].iter().sum::<f64>();
+            let compute_roof = compute_roof / (2.0 * params);
+            // Each run: its pre-fill and decode seconds, and its memory
+            // roofline from the better of the reads either side of it.
+            let mut runs = Vec::new();
+            for _ in 0..args.repeat.max(1) {
+                let before = probe.rate(3);
+                let (prefill, decode) = decode_seconds(&engine, batch).await?;
+                let bandwidth = before.max(probe.rate(3));
+                runs.push((prefill, decode, batch as f64 * bandwidth / step_bytes));
+            }
+            // Each run's share of its roofline (none without decode figures).
+            let share = |&(_, decode, memory_roof): &(Duration, f64, f64)| {
+                let rate = batch as f64 * steps / decode;
+                (decode > 0.0).then(|| rate / memory_roof.min(compute_roof))
+            };
+            runs.sort_by(|a, b| share(a).unwrap_or(0.0).total_cmp(&share(b).unwrap_or(0.0)));
+            let shares: Vec<f64> = runs.iter().filter_map(share).collect();
+            let (_, decode, memory_roof) = runs[runs.len() / 2];
+            let mut prefills: Vec<Duration> = runs.iter().map(|r| r.0).collect();
+            prefills.sort();
+            let prefill = prefills[prefills.len() / 2];
             if compare {
                 // Rounds of the four in turn (each round starting one later),
                 // each round's times against its own engine without speculation.
@@ -796,20 +844,20 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                 }
                 compared.push(row);
             }
-            let step_bytes = weight_bytes + kv_bytes[..batch].iter().sum::<f64>();
-            let memory_roof = batch as f64 * ceilings.bandwidth / step_bytes;
-            let compute_roof = compute_roof / (2.0 * params);
-            let roof = memory_roof.min(compute_roof);
             // With a few steps of decoding (`--new-tokens 2`, for the prompt's
             // rate) the two runs' difference is mostly noise, or nothing: no
             // decode figures then.
             let decoded = if decode > 0.0 && steps >= 8.0 {
                 let rate = batch as f64 * steps / decode;
                 let speedup = rate / *batch_one.get_or_insert(rate);
+                let range = match shares.as_slice() {
+                    [low, .., high] => format!(" ({:.0}–{:.0}%)", 100.0 * low, 100.0 * high),
+                    _ => String::new(),
+                };
                 format!(
-                    "{rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}% | {speedup:.1}x",
+                    "{rate:.1} | {:.1} | {memory_roof:.1} | {compute_roof:.1} | {:.0}%{range} | {speedup:.1}x",
                     1e3 * decode / steps,
-                    100.0 * rate / roof
+                    100.0 * rate / memory_roof.min(compute_roof)
                 )
             } else {
                 format!("– | – | {memory_roof:.1} | {compute_roof:.1} | – | –")
@@ -833,6 +881,14 @@ pub async fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("(speculation off: this measures the model's decode rate)");
+    if args.repeat > 1 {
+        println!(
+            "({} decode runs at each batch size, the memory's read rate measured just before and after each, the \
+             better of the two its roofline: the run whose share of its roofline is the median, the range of the \
+             runs' shares beside it; the prompt's rate the median of the runs')",
+            args.repeat
+        );
+    }
     if compare {
         println!(
             "\nSpeculation against none, decode tok/s: {} rounds of four engines in turn on the same prompts, each \
