@@ -58,6 +58,18 @@ pub(crate) const MR: usize = 6;
 /// per multiply-add.
 pub(crate) const MR_WIDE: usize = 12;
 
+/// Panels side by side in a tile of `r` rows (`1..=MR`): a tile of one or
+/// two rows holds too few chains of multiply-adds to cover their latency,
+/// so it takes several panels at once (each output still summed over `k` in
+/// the same order, whatever the panels beside it).
+const fn tile_panels(rows: usize) -> usize {
+    match rows {
+        1 => 4,
+        2 => 2,
+        _ => 1,
+    }
+}
+
 /// Token rows per pass over the weights: large pre-fill chunks are cut into
 /// blocks whose rows stay in the core's L2 cache while the panels stream by.
 const MC: usize = 96;
@@ -825,35 +837,41 @@ impl PackedMatrix {
                 }
             }
             let packed_rows = &packed_rows;
+            // A block of one or two rows is one tile that takes several
+            // panels at once; taller tiles take one.
+            let wide = if kernel == Kernel::Portable || tiles > 1 {
+                1
+            } else {
+                tile_panels(len)
+            };
             let task = |t: usize| {
                 let end = ((t + 1) * per_task).min(count);
-                // The lines of the adapters' `B` the next panel's expand reads.
+                // The lines of the adapters' `B` the next group's expand reads.
                 let mut expand_lines = Vec::new();
-                for p in t * per_task..end {
+                let mut p = t * per_task;
+                while p < end {
+                    let group = wide.min(end - p);
+                    let next = (p + group)..(p + group + wide).min(end);
                     expand_lines.clear();
-                    if p + 1 < end {
-                        expand.lines(first_row..block_end, p + 1, &mut expand_lines);
+                    for q in next.clone() {
+                        expand.lines(first_row..block_end, q, &mut expand_lines);
                     }
-                    let panel = &panels[p * k * NR..(p + 1) * k * NR];
-                    let cols = NR.min(n - p * NR);
-                    // The task's next panel, fetched a slice per tile while this
-                    // one is worked on, so no tile waits for memory.
-                    let next = if p + 1 < end {
-                        panels[(p + 1) * k * NR..].as_ptr()
-                    } else {
+                    let panel = &panels[p * k * NR..(p + group) * k * NR];
+                    let cols = (group * NR).min(n - p * NR);
+                    // The task's next group, fetched a slice per tile while
+                    // this one is worked on, so no tile waits for memory.
+                    let ahead_from = if next.is_empty() {
                         panel.as_ptr()
-                    };
-                    let next_lines = if p + 1 < end {
-                        (k * NR * std::mem::size_of::<T>()).div_ceil(64)
                     } else {
-                        0
+                        panels[next.start * k * NR..].as_ptr()
                     };
+                    let next_lines = (next.len() * k * NR * std::mem::size_of::<T>()).div_ceil(64);
                     for (tile, bound) in bounds.windows(2).enumerate() {
                         let (row, rows) = (bound[0], bound[1] - bound[0]);
                         let x = &packed_rows[(row - first_row) * k..(row - first_row + rows) * k];
                         let first_line = tile * next_lines / tiles;
                         let ahead = Ahead {
-                            from: (next as *const u8).wrapping_add(64 * first_line),
+                            from: (ahead_from as *const u8).wrapping_add(64 * first_line),
                             lines: (tile + 1) * next_lines / tiles - first_line,
                         };
                         let expand_lines =
@@ -864,6 +882,7 @@ impl PackedMatrix {
                         unsafe {
                             let job = TileJob {
                                 rows,
+                                panel_count: group,
                                 x,
                                 panel,
                                 out: target.get().add(row * n + p * NR),
@@ -879,8 +898,11 @@ impl PackedMatrix {
                             }
                         }
                     }
-                    // SAFETY: as for the tiles: this task's own columns, all written.
-                    unsafe { expand.add(first_row..block_end, p, target.get(), n) };
+                    for q in p..p + group {
+                        // SAFETY: as for the tiles: this task's own columns, all written.
+                        unsafe { expand.add(first_row..block_end, q, target.get(), n) };
+                    }
+                    p += group;
                 }
             };
             if parallel {
@@ -1228,9 +1250,11 @@ impl<T> PanelRow<T> {
 /// columns of `rows` output rows.
 struct TileJob<'a, T> {
     rows: usize,
+    /// Panels side by side ([`tile_panels`]; 1 on the portable kernel).
+    panel_count: usize,
     /// The inputs, interleaved `[k][rows]`.
     x: &'a [f32],
-    /// The weights, `[k][NR]`.
+    /// The weights: `panel_count` panels, each `[k][NR]`.
     panel: &'a [T],
     /// The tile's first output; its rows are `ldo` apart.
     out: *mut f32,
@@ -1268,13 +1292,15 @@ impl OutPtr {
     }
 }
 
-/// `out[r][j] = Σₖ x[k][r] · panel[k][j]` for `r < rows ≤ MR_WIDE`, `j < cols ≤ NR`.
+/// `out[r][q·NR + j] = Σₖ x[k][r] · panel_q[k][j]` for `r < rows ≤ MR_WIDE`
+/// and the first `cols ≤ panel_count·NR` columns of the tile's panels.
 ///
 /// # Safety
 /// `job.out` must be valid for writes of `cols` floats at each of `rows` rows `ldo` apart.
 unsafe fn tile_portable<T: Element>(job: &TileJob<'_, T>) {
     let &TileJob {
         rows,
+        panel_count,
         x,
         panel,
         out,
@@ -1282,19 +1308,24 @@ unsafe fn tile_portable<T: Element>(job: &TileJob<'_, T>) {
         cols,
         ..
     } = job;
-    let mut acc = [[0f32; NR]; MR_WIDE];
-    for (kk, b) in panel.chunks_exact(NR).enumerate() {
-        let b: [f32; NR] = std::array::from_fn(|j| b[j].widen());
-        for (r, acc) in acc.iter_mut().enumerate().take(rows) {
-            let a = x[kk * rows + r];
-            for (acc, b) in acc.iter_mut().zip(&b) {
-                *acc += a * b;
+    let k = panel.len() / (NR * panel_count);
+    for q in 0..panel_count {
+        let panel = &panel[q * k * NR..(q + 1) * k * NR];
+        let mut acc = [[0f32; NR]; MR_WIDE];
+        for (kk, b) in panel.chunks_exact(NR).enumerate() {
+            let b: [f32; NR] = std::array::from_fn(|j| b[j].widen());
+            for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+                let a = x[kk * rows + r];
+                for (acc, b) in acc.iter_mut().zip(&b) {
+                    *acc += a * b;
+                }
             }
         }
-    }
-    for (r, acc) in acc.iter().enumerate().take(rows) {
-        // SAFETY: the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(r * ldo), cols) };
+        let width = cols.saturating_sub(q * NR).min(NR);
+        for (r, acc) in acc.iter().enumerate().take(rows) {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(r * ldo + q * NR), width) };
+        }
     }
 }
 
@@ -1342,49 +1373,90 @@ mod x86 {
         }
     }
 
-    /// The `R`-row kernel for one element type, `$load` widening 8 weights to f32.
+    /// The kernel of `R` rows times `P` panels for one element type, `$load`
+    /// widening 8 weights to f32. Each output's sum runs along `k` in the
+    /// same order whatever `R` and `P` are.
     macro_rules! kernel {
         ($name:ident, $features:literal, $t:ty, $load:ident) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(job: &TileJob<'_, $t>) {
-                let (k, x, panel) = (job.panel.len() / NR, job.x.as_ptr(), job.panel.as_ptr());
+            unsafe fn $name<const R: usize, const P: usize>(job: &TileJob<'_, $t>) {
+                let (k, x, panel) = (job.panel.len() / (NR * P), job.x.as_ptr(), job.panel.as_ptr());
                 let (out, ldo, cols, ahead) = (job.out, job.ldo, job.cols, job.ahead);
                 let expand_steps = (job.expand_lines.len() * EXPAND_LINE_STEPS).min(k);
+                // Steps along `k` in a cache line of a panel, and in a block.
+                const LINE: usize = 64 / (NR * std::mem::size_of::<$t>());
+                const STEPS: usize = 8;
                 // SAFETY (whole body): the caller checked that `x` holds `k × R`
-                // inputs, and guarantees the tile of `out`.
+                // inputs and the panels `P × k × NR` weights, and guarantees
+                // the tile of `out`.
                 unsafe {
-                    let mut lo = [_mm256_setzero_ps(); R];
-                    let mut hi = [_mm256_setzero_ps(); R];
-                    for kk in 0..k {
-                        let b = panel.add(kk * NR);
-                        // A prefetch never faults, even past the end of the panels.
-                        _mm_prefetch::<_MM_HINT_T0>((b as *const i8).wrapping_add(PREFETCH_BYTES));
-                        if kk < ahead.lines {
-                            _mm_prefetch::<_MM_HINT_T1>(ahead.from.wrapping_add(64 * kk) as *const i8);
+                    let mut lo = [[_mm256_setzero_ps(); R]; P];
+                    let mut hi = [[_mm256_setzero_ps(); R]; P];
+                    // One step along `k`: every row times every panel.
+                    macro_rules! step {
+                        ($kk:expr) => {
+                            for p in 0..P {
+                                let b = panel.add((p * k + $kk) * NR);
+                                let (b0, b1) = ($load(b), $load(b.add(8)));
+                                for r in 0..R {
+                                    let a = _mm256_broadcast_ss(&*x.add($kk * R + r));
+                                    lo[p][r] = _mm256_fmadd_ps(a, b0, lo[p][r]);
+                                    hi[p][r] = _mm256_fmadd_ps(a, b1, hi[p][r]);
+                                }
+                            }
+                        };
+                    }
+                    // Blocks of `STEPS` steps: the block's prefetches first, then
+                    // its steps, unrolled, with no bookkeeping between them.
+                    let mut kk = 0;
+                    while kk < k {
+                        let steps = STEPS.min(k - kk);
+                        for s in (kk..kk + steps).step_by(LINE) {
+                            for p in 0..P {
+                                let b = panel.add((p * k + s) * NR) as *const i8;
+                                // A prefetch never faults, even past the end of the panels.
+                                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH_BYTES));
+                            }
                         }
-                        if kk < expand_steps && kk % EXPAND_LINE_STEPS == 0 {
+                        // The next group's lines, `P` a step.
+                        for line in kk * P..((kk + steps) * P).min(ahead.lines) {
+                            _mm_prefetch::<_MM_HINT_T1>(ahead.from.wrapping_add(64 * line) as *const i8);
+                        }
+                        for s in (kk..(kk + steps).min(expand_steps)).step_by(EXPAND_LINE_STEPS) {
                             _mm_prefetch::<_MM_HINT_T1>(
-                                *job.expand_lines.get_unchecked(kk / EXPAND_LINE_STEPS) as *const i8
+                                *job.expand_lines.get_unchecked(s / EXPAND_LINE_STEPS) as *const i8
                             );
                         }
-                        let (b0, b1) = ($load(b), $load(b.add(8)));
-                        for r in 0..R {
-                            let a = _mm256_broadcast_ss(&*x.add(kk * R + r));
-                            lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
-                            hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+                        // Unrolled where the sums leave registers to spare:
+                        // with twelve, the widened weights of the steps the
+                        // compiler moves ahead spill (f16 at six rows ran at
+                        // three quarters of its rolled rate).
+                        if steps == STEPS && 2 * R * P <= 8 {
+                            for s in 0..STEPS {
+                                step!(kk + s);
+                            }
+                        } else {
+                            for s in kk..kk + steps {
+                                step!(s);
+                            }
                         }
+                        kk += steps;
                     }
-                    if cols == NR {
-                        for r in 0..R {
-                            _mm256_storeu_ps(out.add(r * ldo), lo[r]);
-                            _mm256_storeu_ps(out.add(r * ldo + 8), hi[r]);
-                        }
-                    } else {
-                        let mut row = [0f32; NR];
-                        for r in 0..R {
-                            _mm256_storeu_ps(row.as_mut_ptr(), lo[r]);
-                            _mm256_storeu_ps(row.as_mut_ptr().add(8), hi[r]);
-                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(r * ldo), cols);
+                    for p in 0..P {
+                        let width = cols.saturating_sub(p * NR).min(NR);
+                        let out = out.add(p * NR);
+                        if width == NR {
+                            for r in 0..R {
+                                _mm256_storeu_ps(out.add(r * ldo), lo[p][r]);
+                                _mm256_storeu_ps(out.add(r * ldo + 8), hi[p][r]);
+                            }
+                        } else {
+                            let mut row = [0f32; NR];
+                            for r in 0..R {
+                                _mm256_storeu_ps(row.as_mut_ptr(), lo[p][r]);
+                                _mm256_storeu_ps(row.as_mut_ptr().add(8), hi[p][r]);
+                                std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(r * ldo), width);
+                            }
                         }
                     }
                 }
@@ -1657,40 +1729,57 @@ mod x86 {
     expand_kernel!(expand_f16, f16, load_f16, load_f16_wide);
     expand_kernel!(expand_bf16, bf16, load_bf16, load_bf16_wide);
 
-    /// Dispatch on the kernel and the tile's height, for one element type.
+    /// Dispatch on the kernel and the tile's height and width, for one element type.
     macro_rules! tile {
         ($t:ty, $narrow:ident, $wide:ident) => {
             impl Tile for $t {
                 unsafe fn tile_simd(kernel: Kernel, job: &TileJob<'_, Self>) {
-                    let (rows, k) = (job.rows, job.panel.len() / NR);
+                    let (rows, panels) = (job.rows, job.panel_count);
                     let limit = if kernel == Kernel::Avx512 { MR_WIDE } else { MR };
-                    assert!(rows <= limit && job.x.len() >= rows * k && job.cols <= NR);
+                    assert!(
+                        rows <= limit
+                            && (1..=super::tile_panels(rows)).contains(&panels)
+                            && job.panel.len().is_multiple_of(panels * NR)
+                            && job.x.len() >= rows * job.panel.len() / (panels * NR)
+                            && job.cols <= panels * NR
+                    );
+                    // Several panels only for a tile of one or two rows.
+                    macro_rules! by_width {
+                        ($kernel:ident, $r:literal) => {
+                            match panels {
+                                1 => $kernel::<$r, 1>(job),
+                                2 => $kernel::<$r, 2>(job),
+                                3 => $kernel::<$r, 3>(job),
+                                _ => $kernel::<$r, 4>(job),
+                            }
+                        };
+                    }
                     // SAFETY: the assertion bounds every read; the caller vouches
                     // for `out` and for the CPU's features.
                     unsafe {
                         if kernel == Kernel::Avx512 {
                             match rows {
-                                1 => $wide::<1>(job),
-                                2 => $wide::<2>(job),
-                                3 => $wide::<3>(job),
-                                4 => $wide::<4>(job),
-                                5 => $wide::<5>(job),
-                                6 => $wide::<6>(job),
-                                7 => $wide::<7>(job),
-                                8 => $wide::<8>(job),
-                                9 => $wide::<9>(job),
-                                10 => $wide::<10>(job),
-                                11 => $wide::<11>(job),
-                                _ => $wide::<12>(job),
+                                1 => by_width!($wide, 1),
+                                2 => by_width!($wide, 2),
+                                3 => $wide::<3, 1>(job),
+                                4 => $wide::<4, 1>(job),
+                                5 => $wide::<5, 1>(job),
+                                6 => $wide::<6, 1>(job),
+                                7 => $wide::<7, 1>(job),
+                                8 => $wide::<8, 1>(job),
+                                9 => $wide::<9, 1>(job),
+                                10 => $wide::<10, 1>(job),
+                                11 => $wide::<11, 1>(job),
+                                _ => $wide::<12, 1>(job),
                             }
                         } else {
                             match rows {
-                                1 => $narrow::<1>(job),
-                                2 => $narrow::<2>(job),
-                                3 => $narrow::<3>(job),
-                                4 => $narrow::<4>(job),
-                                5 => $narrow::<5>(job),
-                                _ => $narrow::<6>(job),
+                                1 => by_width!($narrow, 1),
+                                2 => by_width!($narrow, 2),
+                                3 => $narrow::<3, 1>(job),
+                                4 => $narrow::<4, 1>(job),
+                                5 => $narrow::<5, 1>(job),
+                                _ => $narrow::<6, 1>(job),
                             }
                         }
                     }
@@ -1817,6 +1906,58 @@ mod tests {
             .unwrap()
             .to_vec1()
             .unwrap()
+    }
+
+    /// Tiles of one and two rows take several panels at once, taller ones
+    /// one: a row's outputs must not depend on which it got. Every row of
+    /// products of 1 to 13 rows against the same row alone, bit for bit, in
+    /// each precision, on every kernel here, in parallel tasks and on one
+    /// thread (whose single task ends in a group of fewer panels), with a
+    /// partial last panel.
+    #[test]
+    fn a_row_gives_the_same_bits_whatever_panels_share_its_tile() {
+        let mut rng = SplitMix::new(41);
+        for (n, k) in [(637, 33), (150, 64), (80, 1), (37, 70), (16, 9)] {
+            let w = random(n * k, &mut rng);
+            let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            for packed in [
+                PackedMatrix::from_f32(&w, n, k),
+                PackedMatrix::from_f16(&halves, n, k),
+                PackedMatrix::from_bf16(&brains, n, k),
+            ] {
+                let x = random(13 * k, &mut rng);
+                for kernel in Kernel::available() {
+                    let alone: Vec<Vec<f32>> = x
+                        .chunks_exact(k)
+                        .map(|row| {
+                            let mut out = vec![f32::NAN; n];
+                            packed.product(row, 1, &mut out, kernel, true);
+                            out
+                        })
+                        .collect();
+                    for m in 1..=13 {
+                        for parallel in [true, false] {
+                            let mut got = vec![f32::NAN; m * n];
+                            packed.product(&x[..m * k], m, &mut got, kernel, parallel);
+                            for (r, row) in got.chunks_exact(n).enumerate() {
+                                assert_eq!(
+                                    row,
+                                    &alone[r][..],
+                                    "{n}x{k} {:?} on {kernel:?}: row {r} of {m} (parallel {parallel})",
+                                    packed.precision()
+                                );
+                            }
+                        }
+                    }
+                    let want = candle_product(&w, n, k, &x[..k], 1);
+                    if packed.precision() == Precision::F32 {
+                        let err = relative_error(&alone[0], &want);
+                        assert!(err <= 1e-5, "{n}x{k} on {kernel:?}: relative error {err}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
