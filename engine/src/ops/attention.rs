@@ -227,17 +227,30 @@ unsafe fn scores_avx2_keys<const W: usize, const K: usize>(
 unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = values.d;
+    let base = values.data.as_ptr().wrapping_add(values.shift);
     // Four outputs × 16 floats of accumulators stay in registers while every
-    // position's value streams by.
+    // position's value streams by: one pass over the positions for each 16
+    // floats. The first pass asks for every line of the value `AHEAD`
+    // positions on, so that it reads them from memory once and the later
+    // passes find them in cache.
     for j0 in (0..g).step_by(4) {
         let width = (g - j0).min(4);
         for c in (0..d).step_by(16) {
+            let first = j0 == 0 && c == 0;
             // SAFETY (every access): `check` kept each value inside `values.data`,
             // `d % 16 == 0`, output `j0 + j < g` spans `(j0 + j)·d..` of `out`,
-            // and `weights` holds `n·g`.
+            // and `weights` holds `n·g`; a prefetch reads nothing.
             unsafe {
                 let mut acc = [[_mm256_setzero_ps(); 2]; 4];
                 for i in 0..values.offsets.len() {
+                    if first {
+                        if let Some(&ahead) = values.offsets.get(i + AHEAD) {
+                            let value = base.wrapping_add(ahead) as *const i8;
+                            for at in (0..4 * d).step_by(64).chain([4 * d - 1]) {
+                                _mm_prefetch::<_MM_HINT_T0>(value.wrapping_add(at));
+                            }
+                        }
+                    }
                     let value = values.data.as_ptr().add(values.offsets[i] + values.shift + c);
                     let (v0, v1) = (_mm256_loadu_ps(value), _mm256_loadu_ps(value.add(8)));
                     for (j, acc) in acc.iter_mut().enumerate().take(width) {
@@ -256,7 +269,8 @@ unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out
     }
 }
 
-/// Positions ahead whose values a pass of the AVX-512 weighted sums asks for.
+/// Positions ahead whose values the weighted sums ask for (each pass of the
+/// AVX-512 kernel, the first pass of the AVX2 one).
 const AHEAD: usize = 4;
 
 /// [`weighted_sum_avx2`]'s sums, bit for bit (each output float is the same
