@@ -74,6 +74,12 @@ const fn tile_panels(rows: usize) -> usize {
 /// blocks whose rows stay in the core's L2 cache while the panels stream by.
 const MC: usize = 96;
 
+/// Bytes of a block's token rows on float panels: fewer rows than [`MC`]
+/// where the inputs are long (the rows of a 2,816-input projection in 96
+/// rows are 1.1 MB, twice a core's L2 on some machines), so that they stay
+/// in L2 while each panel is read again by every tile.
+const BLOCK_BYTES: usize = 384 << 10;
+
 /// Token rows per tile of the bf16 pair kernel: with [`DOT_PANELS`] panels,
 /// 24 of the 32 AVX-512 registers hold sums.
 pub(crate) const MR_DOT: usize = 6;
@@ -817,8 +823,11 @@ impl PackedMatrix {
         let tasks = count.div_ceil(per_task);
         let target = OutPtr(out.as_mut_ptr());
         let mut packed_rows = Vec::new();
-        for first_row in (0..m).step_by(MC) {
-            let block_end = (first_row + MC).min(m);
+        // A block's rows in at most `BLOCK_BYTES`, whole tiles of them.
+        let rows = kernel.rows();
+        let mc = (BLOCK_BYTES / (4 * k).max(1)).clamp(rows, MC) / rows * rows;
+        for first_row in (0..m).step_by(mc) {
+            let block_end = (first_row + mc).min(m);
             // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
             // tile leaves the FMA units waiting on too few accumulators.
             let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(kernel.rows()));
@@ -1910,7 +1919,8 @@ mod tests {
 
     /// Tiles of one and two rows take several panels at once, taller ones
     /// one: a row's outputs must not depend on which it got. Every row of
-    /// products of 1 to 13 rows against the same row alone, bit for bit, in
+    /// products of 1 to 13 rows (and of a pre-fill block and one or two
+    /// rows more) against the same row alone, bit for bit, in
     /// each precision, on every kernel here, in parallel tasks and on one
     /// thread (whose single task ends in a group of fewer panels), with a
     /// partial last panel.
@@ -1926,7 +1936,7 @@ mod tests {
                 PackedMatrix::from_f16(&halves, n, k),
                 PackedMatrix::from_bf16(&brains, n, k),
             ] {
-                let x = random(13 * k, &mut rng);
+                let x = random((MC + 2) * k, &mut rng);
                 for kernel in Kernel::available() {
                     let alone: Vec<Vec<f32>> = x
                         .chunks_exact(k)
@@ -1936,7 +1946,8 @@ mod tests {
                             out
                         })
                         .collect();
-                    for m in 1..=13 {
+                    // A pre-fill block of `MC` rows then one or two more.
+                    for m in (1..=13).chain([MC + 1, MC + 2]) {
                         for parallel in [true, false] {
                             let mut got = vec![f32::NAN; m * n];
                             packed.product(&x[..m * k], m, &mut got, kernel, parallel);
