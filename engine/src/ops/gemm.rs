@@ -74,10 +74,10 @@ const fn tile_panels(rows: usize) -> usize {
 /// blocks whose rows stay in the core's L2 cache while the panels stream by.
 const MC: usize = 96;
 
-/// Bytes of a block's token rows on float panels: fewer rows than [`MC`]
-/// where the inputs are long (the rows of a 2,816-input projection in 96
-/// rows are 1.1 MB, twice a core's L2 on some machines), so that they stay
-/// in L2 while each panel is read again by every tile.
+/// Bytes of a pre-fill block's token rows on float panels: fewer rows than
+/// [`MC`] where the inputs are long (the rows of a 2,816-input projection in
+/// 96 rows are 1.1 MB, twice a core's L2 on some machines), so that they
+/// stay in L2 while each panel is read again by every tile.
 const BLOCK_BYTES: usize = 384 << 10;
 
 /// Token rows per tile of the bf16 pair kernel: with [`DOT_PANELS`] panels,
@@ -823,9 +823,15 @@ impl PackedMatrix {
         let tasks = count.div_ceil(per_task);
         let target = OutPtr(out.as_mut_ptr());
         let mut packed_rows = Vec::new();
-        // A block's rows in at most `BLOCK_BYTES`, whole tiles of them.
+        // A decoding step's rows in one block (a second block would read the
+        // weights again); pre-fill's in blocks of at most `BLOCK_BYTES`,
+        // whole tiles of them.
         let rows = kernel.rows();
-        let mc = (BLOCK_BYTES / (4 * k).max(1)).clamp(rows, MC) / rows * rows;
+        let mc = if m <= MC {
+            MC
+        } else {
+            (BLOCK_BYTES / (4 * k).max(1)).clamp(rows, MC) / rows * rows
+        };
         for first_row in (0..m).step_by(mc) {
             let block_end = (first_row + mc).min(m);
             // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
@@ -1927,7 +1933,8 @@ mod tests {
     #[test]
     fn a_row_gives_the_same_bits_whatever_panels_share_its_tile() {
         let mut rng = SplitMix::new(41);
-        for (n, k) in [(637, 33), (150, 64), (80, 1), (37, 70), (16, 9)] {
+        // 1,100 inputs: pre-fill blocks of 84 rows (`BLOCK_BYTES`).
+        for (n, k) in [(637, 33), (150, 64), (80, 1), (37, 70), (16, 9), (40, 1100)] {
             let w = random(n * k, &mut rng);
             let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
             let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -1946,7 +1953,7 @@ mod tests {
                             out
                         })
                         .collect();
-                    // A pre-fill block of `MC` rows then one or two more.
+                    // Pre-fill: past one block, then one or two rows more.
                     for m in (1..=13).chain([MC + 1, MC + 2]) {
                         for parallel in [true, false] {
                             let mut got = vec![f32::NAN; m * n];
