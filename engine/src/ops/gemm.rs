@@ -1923,6 +1923,17 @@ mod tests {
             .unwrap()
     }
 
+    /// `w` (`n × k`) packed in f32, and rounded to f16 and to bf16.
+    fn in_each_precision(w: &[f32], n: usize, k: usize) -> [PackedMatrix; 3] {
+        let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        [
+            PackedMatrix::from_f32(w, n, k),
+            PackedMatrix::from_f16(&halves, n, k),
+            PackedMatrix::from_bf16(&brains, n, k),
+        ]
+    }
+
     /// Tiles of one and two rows take several panels at once, taller ones
     /// one: a row's outputs must not depend on which it got. Every row of
     /// products of 1 to 13 rows (and of a pre-fill block and one or two
@@ -1936,13 +1947,7 @@ mod tests {
         // 1,100 inputs: pre-fill blocks of 84 rows (`BLOCK_BYTES`).
         for (n, k) in [(637, 33), (150, 64), (80, 1), (37, 70), (16, 9), (40, 1100)] {
             let w = random(n * k, &mut rng);
-            let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-            let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-            for packed in [
-                PackedMatrix::from_f32(&w, n, k),
-                PackedMatrix::from_f16(&halves, n, k),
-                PackedMatrix::from_bf16(&brains, n, k),
-            ] {
+            for packed in in_each_precision(&w, n, k) {
                 let x = random((MC + 2) * k, &mut rng);
                 for kernel in Kernel::available() {
                     let alone: Vec<Vec<f32>> = x
@@ -1984,13 +1989,7 @@ mod tests {
         for (n, k) in [(16, 1024), (8, 64), (2816, 16), (1000, 16), (37, 33), (1, 5)] {
             let w = random(n * k, &mut rng);
             let x = random(k, &mut rng);
-            let halves: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-            let brains: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-            for packed in [
-                PackedMatrix::from_f32(&w, n, k),
-                PackedMatrix::from_f16(&halves, n, k),
-                PackedMatrix::from_bf16(&brains, n, k),
-            ] {
+            for packed in in_each_precision(&w, n, k) {
                 let want = packed.matmul(&x, 1);
                 let mut got = vec![0f32; n];
                 if !packed.row_add(&x, &mut got, 1.0) {
