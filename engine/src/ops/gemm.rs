@@ -58,7 +58,7 @@ pub(crate) const MR: usize = 6;
 /// per multiply-add.
 pub(crate) const MR_WIDE: usize = 12;
 
-/// Panels side by side in a tile of `r` rows (`1..=MR`): a tile of one or
+/// Panels side by side in a tile of `rows` token rows: a tile of one or
 /// two rows holds too few chains of multiply-adds to cover their latency,
 /// so it takes several panels at once (each output still summed over `k` in
 /// the same order, whatever the panels beside it).
