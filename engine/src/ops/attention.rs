@@ -251,7 +251,7 @@ unsafe fn weighted_sum_avx2(weights: &[f32], values: Gathered<'_>, g: usize, out
                             }
                         }
                     }
-                    let value = values.data.as_ptr().add(values.offsets[i] + values.shift + c);
+                    let value = base.add(values.offsets[i] + c);
                     let (v0, v1) = (_mm256_loadu_ps(value), _mm256_loadu_ps(value.add(8)));
                     for (j, acc) in acc.iter_mut().enumerate().take(width) {
                         let w = _mm256_broadcast_ss(&*weights.as_ptr().add(i * g + j0 + j));

@@ -826,17 +826,17 @@ impl PackedMatrix {
         // A decoding step's rows in one block (a second block would read the
         // weights again); pre-fill's in blocks of at most `BLOCK_BYTES`,
         // whole tiles of them.
-        let rows = kernel.rows();
+        let height = kernel.rows();
         let mc = if m <= MC {
             MC
         } else {
-            (BLOCK_BYTES / (4 * k).max(1)).clamp(rows, MC) / rows * rows
+            (BLOCK_BYTES / (4 * k).max(1)).clamp(height, MC) / height * height
         };
         for first_row in (0..m).step_by(mc) {
             let block_end = (first_row + mc).min(m);
             // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
             // tile leaves the FMA units waiting on too few accumulators.
-            let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(kernel.rows()));
+            let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(height));
             let bounds: Vec<usize> = (0..=tiles).map(|t| first_row + t * len / tiles).collect();
             // Each tile's rows interleaved `[k][rows]`: the kernel then reads
             // one stream of inputs, whatever the tile's height.
@@ -1758,14 +1758,21 @@ mod x86 {
                             && job.x.len() >= rows * job.panel.len() / (panels * NR)
                             && job.cols <= panels * NR
                     );
-                    // Several panels only for a tile of one or two rows.
+                    // Several panels only for a tile of one or two rows
+                    // (at most [`super::tile_panels`]: the assertion).
                     macro_rules! by_width {
-                        ($kernel:ident, $r:literal) => {
+                        ($kernel:ident, 1) => {
                             match panels {
-                                1 => $kernel::<$r, 1>(job),
-                                2 => $kernel::<$r, 2>(job),
-                                3 => $kernel::<$r, 3>(job),
-                                _ => $kernel::<$r, 4>(job),
+                                1 => $kernel::<1, 1>(job),
+                                2 => $kernel::<1, 2>(job),
+                                3 => $kernel::<1, 3>(job),
+                                _ => $kernel::<1, 4>(job),
+                            }
+                        };
+                        ($kernel:ident, 2) => {
+                            match panels {
+                                1 => $kernel::<2, 1>(job),
+                                _ => $kernel::<2, 2>(job),
                             }
                         };
                     }
@@ -1973,8 +1980,8 @@ mod tests {
                             }
                         }
                     }
-                    let want = candle_product(&w, n, k, &x[..k], 1);
                     if packed.precision() == Precision::F32 {
+                        let want = candle_product(&w, n, k, &x[..k], 1);
                         let err = relative_error(&alone[0], &want);
                         assert!(err <= 1e-5, "{n}x{k} on {kernel:?}: relative error {err}");
                     }
