@@ -1999,7 +1999,7 @@ mod x86 {
     /// One tile kernel for each byte dot product: the same body, built for
     /// the instructions its features allow.
     macro_rules! tile_kernel {
-        ($name:ident, $features:literal, $dot:ident) => {
+        ($name:ident, $features:literal, $dot:ident, $widen_late:literal) => {
             /// A group's rows times `X` token rows, as [`tile`], on blocks of
             /// format `TY`.
             ///
@@ -2089,12 +2089,40 @@ mod x86 {
                                     _mm256_setzero_si256()
                                 };
                                 let high_bits = p.add(ty.high_bits_at(j));
-                                for c in 0..QK / 8 {
-                                    let (low, high) = quads::<TY>(q, fifth, high_bits, j, c);
-                                    let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
-                                    for r in 0..X {
-                                        sums[first][r] = $dot(sums[first][r], low, four!(r, 4 * c));
-                                        sums[second][r] = $dot(sums[second][r], high, four!(r, QK / 2 + 4 * c));
+                                if $widen_late && TY != Q6K {
+                                    // Without a byte dot product instruction: the 16-bit
+                                    // pair sums of several `vpmaddubsw` added as they are,
+                                    // then widened once (`vpmaddwd`), exact while they fit
+                                    // in an `i16`: a pair of 4-bit weights times quants of
+                                    // at most 127 is at most 3,810, of 5-bit ones 7,874, so
+                                    // eight and four of them.
+                                    let per = if ty.has_fifth_bits() { 2 } else { 4 };
+                                    for first in (0..QK / 8).step_by(per) {
+                                        let mut pairs = [[_mm256_setzero_si256(); X]; 2];
+                                        for c in first..first + per {
+                                            let (low, high) = quads::<TY>(q, fifth, high_bits, j, c);
+                                            for r in 0..X {
+                                                let (l, h) = (four!(r, 4 * c), four!(r, QK / 2 + 4 * c));
+                                                pairs[0][r] =
+                                                    _mm256_add_epi16(pairs[0][r], _mm256_maddubs_epi16(low, l));
+                                                pairs[1][r] =
+                                                    _mm256_add_epi16(pairs[1][r], _mm256_maddubs_epi16(high, h));
+                                            }
+                                        }
+                                        for r in 0..X {
+                                            let both = _mm256_add_epi16(pairs[0][r], pairs[1][r]);
+                                            let wide = _mm256_madd_epi16(both, _mm256_set1_epi16(1));
+                                            sums[0][r] = _mm256_add_epi32(sums[0][r], wide);
+                                        }
+                                    }
+                                } else {
+                                    for c in 0..QK / 8 {
+                                        let (low, high) = quads::<TY>(q, fifth, high_bits, j, c);
+                                        let (first, second) = ((2 * c) % chains, (2 * c + 1) % chains);
+                                        for r in 0..X {
+                                            sums[first][r] = $dot(sums[first][r], low, four!(r, 4 * c));
+                                            sums[second][r] = $dot(sums[second][r], high, four!(r, QK / 2 + 4 * c));
+                                        }
                                     }
                                 }
                             }
@@ -2192,9 +2220,14 @@ mod x86 {
         };
     }
 
-    tile_kernel!(tile_avx2, "avx2,fma,f16c", dot_avx2);
-    tile_kernel!(tile_avx_vnni, "avx2,fma,f16c,avxvnni", dot_avx_vnni);
-    tile_kernel!(tile_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dot_avx512_vnni);
+    tile_kernel!(tile_avx2, "avx2,fma,f16c", dot_avx2, true);
+    tile_kernel!(tile_avx_vnni, "avx2,fma,f16c,avxvnni", dot_avx_vnni, false);
+    tile_kernel!(
+        tile_avx512_vnni,
+        "avx2,fma,f16c,avx512vnni,avx512vl",
+        dot_avx512_vnni,
+        false
+    );
 }
 
 #[cfg(test)]
@@ -2349,6 +2382,53 @@ mod tests {
                         got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{kernel:?}, {n}×{k}, {m} rows"
                     );
+                }
+            }
+        }
+    }
+
+    /// Every kernel sums the largest quants a format holds against the
+    /// largest token quants (±127) exactly, as the reference does: every
+    /// quant byte and bit set (a 4-bit weight 15, a 5-bit one 31), the
+    /// block scales small and finite. The AVX2 kernel adds several
+    /// `vpmaddubsw` pair sums in 16 bits before widening them, exact only
+    /// within the counts it takes.
+    #[test]
+    fn the_largest_quants_sum_exactly_on_every_kernel() {
+        let (n, k) = (8, 512);
+        let small_scale = half::f16::from_f32(1.0 / 1024.0).to_le_bytes();
+        for (ty, _) in TYPES {
+            let (weights, bytes) = (ty.block_weights(), ty.block_bytes());
+            let mut block = vec![0xffu8; bytes];
+            // The f16 scales: first (`d`, then `m` or `dmin`), or last for `Q6_K`.
+            let scales = match ty {
+                QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => vec![0],
+                QuantType::Q6K => vec![bytes - 2],
+                _ => vec![0, 2],
+            };
+            for at in scales {
+                block[at..at + 2].copy_from_slice(&small_scale);
+            }
+            let blocks = block.repeat(n * k / weights);
+            let matrix = QuantMatrix::from_blocks(ty, &blocks, n, k, None).unwrap();
+            for sign in [1.0f32, -1.0] {
+                for m in [1, 2, 3, 4, 8, 17, 32] {
+                    let x = vec![sign; m * k];
+                    let rows = QuantizedRows::new(&x, m, k, if ty.is_k() { QKK } else { QK });
+                    let want: Vec<f32> = (0..m)
+                        .flat_map(|r| (0..n).map(move |c| (r, c)))
+                        .map(|(r, c)| dot_reference(&matrix.parts[0], c, &rows, r))
+                        .collect();
+                    assert!(want.iter().all(|y| y.is_finite() && *y != 0.0), "{}", ty.name());
+                    for kernel in QuantKernel::available() {
+                        let mut got = vec![f32::NAN; m * n];
+                        matrix.matmul_into(&x, m, &mut got, kernel);
+                        assert!(
+                            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{kernel:?}, {}, {m} rows of {sign}",
+                            ty.name()
+                        );
+                    }
                 }
             }
         }
