@@ -117,7 +117,8 @@ pub enum QuantKernel {
     Avx512Vnni,
     /// AVX-VNNI's `vpdpbusd` (VEX): tiles of [`XR`].
     AvxVnni,
-    /// AVX2's `vpmaddubsw` + `vpmaddwd`: tiles of [`XR`].
+    /// AVX2's `vpmaddubsw` + `vpmaddwd` (the nibble formats' pair sums
+    /// added in 16 bits, several to one `vpmaddwd`): tiles of [`XR`].
     Avx2,
     /// Plain Rust, any CPU: the reference.
     Portable,
