@@ -5,8 +5,9 @@
 //! minimum) and the weights as small integers: `Q8_0` (8-bit, `d·q`), `Q4_0`
 //! (4-bit, `d·(q − 8)`), `Q4_1` (4-bit, `d·q + m`), `Q5_0` (5-bit,
 //! `d·(q − 16)`) and `Q5_1` (5-bit, `d·q + m`; the fifth bits of a block kept
-//! apart as one `u32`, spread back into each weight's byte in the kernel
-//! before its dot product). Dequantizing them at load
+//! apart as one `u32`, re-ordered at load so that each weight's sits in the
+//! byte its quants will take, and put in place there with a mask in the
+//! kernel before its dot product). Dequantizing them at load
 //! multiplies the bytes every decode step reads by 4–6; here the blocks stay
 //! blocks and the product runs on them, as llama.cpp's does: each token row
 //! is quantized to 8-bit blocks of its own (`d = max|x| / 127`, one scale per
@@ -415,6 +416,20 @@ impl QuantType {
     }
 }
 
+/// A block's fifth bits (bit `i` weight `i`'s, as the file holds them) as a
+/// group keeps them: byte `t` holds those of weights `4c + t` (bit `c`) and
+/// `16 + 4c + t` (bit `4 + c`), `c` in `0..4`, so that the weights a 32-byte
+/// load of the quants holds (four of each row: `4c..4c + 4` and `16 + 4c..`)
+/// find theirs in their own bytes, under one mask (the kernels' `fifth_bit`).
+fn fifth_plane(bits: u32) -> u32 {
+    (0..QK).map(|i| ((bits >> i) & 1) << fifth_place(i)).sum()
+}
+
+/// Where weight `i`'s fifth bit lies in [`fifth_plane`].
+fn fifth_place(i: usize) -> usize {
+    8 * (i % 4) + 4 * (i / (QK / 2)) + (i % (QK / 2)) / 4
+}
+
 /// Re-lay one block of each of a group's rows (`blocks[l]`, as the file
 /// holds them; fewer than [`WR`] for the last group, the rest zero) into
 /// `out` (`group_bytes`).
@@ -429,7 +444,8 @@ fn lay_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
         }
         if ty.has_fifth_bits() {
             let at = ty.quants_at() - 4;
-            out[ty.fifth_at() + 4 * l..][..4].copy_from_slice(&block[at..at + 4]);
+            let bits = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+            out[ty.fifth_at() + 4 * l..][..4].copy_from_slice(&fifth_plane(bits).to_le_bytes());
         }
         let qs = &block[ty.quants_at()..];
         // Chunk `c` holds bytes `4c..4c + 4` of every row's quants, row by row.
@@ -539,8 +555,8 @@ fn lay_k_group(ty: QuantType, blocks: &[&[u8]], out: &mut [u8]) {
             }
             let sub = &mut out[ty.sub_block_at(j)..];
             if ty.has_fifth_bits() {
-                let plane: u32 = q.iter().enumerate().map(|(i, &q)| ((q as u32 >> 4) & 1) << i).sum();
-                sub[4 * l..][..4].copy_from_slice(&plane.to_le_bytes());
+                let bits: u32 = q.iter().enumerate().map(|(i, &q)| ((q as u32 >> 4) & 1) << i).sum();
+                sub[4 * l..][..4].copy_from_slice(&fifth_plane(bits).to_le_bytes());
             }
             for t in 0..QK / 2 {
                 sub[ty.quants_in() + (t / 4) * 4 * WR + 4 * l + t % 4] = (q[t] & 0x0f) | ((q[t + QK / 2] & 0x0f) << 4);
@@ -690,7 +706,7 @@ fn group_row(ty: QuantType, group: &[u8], l: usize, j: usize) -> Block {
             } else {
                 byte(i - QK / 2) >> 4
             };
-            let q = low as i32 | (((fifth >> i) & 1) << 4) as i32 | high(i);
+            let q = low as i32 | (((fifth >> fifth_place(i)) & 1) << 4) as i32 | high(i);
             if ty == QuantType::Q6K {
                 q - 32
             } else {
@@ -1493,21 +1509,14 @@ mod x86 {
         d
     }
 
-    /// The fifth bits of weights `from..from + 4` of each row (`bits`: a
-    /// `u32` a row), as `0x10` or 0 in the byte of each weight.
+    /// The fifth bits of weights `16·half + 4c..` `+ 4` of each row (`bits`:
+    /// a [`super::fifth_plane`] a row), as `0x10` or 0 in the byte of each
+    /// weight: its bit `4·half + c` in every byte.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn fifth_bit(bits: __m256i, from: usize) -> __m256i {
-        let shifted = _mm256_srl_epi32(bits, _mm_cvtsi32_si128(from as i32));
-        // Each row's low byte into its four bytes, then byte `t` keeps bit `t`.
-        let spread = _mm256_shuffle_epi8(
-            shifted,
-            _mm256_setr_epi8(
-                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-            ),
-        );
-        let select = _mm256_set1_epi32(0x0804_0201);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    fn fifth_bit(bits: __m256i, half: usize, c: usize) -> __m256i {
+        let select = _mm256_set1_epi8((1u8 << (4 * half + c)) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, select), select);
         _mm256_and_si256(set, _mm256_set1_epi8(0x10))
     }
 
@@ -1535,8 +1544,8 @@ mod x86 {
         let mut low = _mm256_and_si256(w, nibble);
         let mut high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
         if format(TY).has_fifth_bits() {
-            low = _mm256_or_si256(low, fifth_bit(fifth, 4 * c));
-            high = _mm256_or_si256(high, fifth_bit(fifth, QK / 2 + 4 * c));
+            low = _mm256_or_si256(low, fifth_bit(fifth, 0, c));
+            high = _mm256_or_si256(high, fifth_bit(fifth, 1, c));
         }
         if TY == Q6K {
             // Weight `t`'s two bits at `2·(j % 2)`, weight `t + 16`'s at `4 +
