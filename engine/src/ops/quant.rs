@@ -2099,14 +2099,15 @@ mod x86 {
                                     _mm256_setzero_si256()
                                 };
                                 let high_bits = p.add(ty.high_bits_at(j));
-                                if $widen_late && TY != Q6K {
+                                if $widen_late {
                                     // Without a byte dot product instruction: the 16-bit
                                     // pair sums of several `vpmaddubsw` added as they are,
                                     // then widened once (`vpmaddwd`), exact while they fit
                                     // in an `i16`: a pair of 4-bit weights times quants of
-                                    // at most 127 is at most 3,810, of 5-bit ones 7,874, so
-                                    // eight and four of them.
-                                    let per = if ty.has_fifth_bits() { 2 } else { 4 };
+                                    // at most 127 is at most 3,810, of 5-bit ones 7,874, of
+                                    // `Q6_K`'s 6-bit ones 16,002, so eight, four and two of
+                                    // them (`Q6_K`'s halves apart, each for its own scale).
+                                    let per = if TY == Q6K || ty.has_fifth_bits() { 2 } else { 4 };
                                     for first in (0..QK / 8).step_by(per) {
                                         let mut pairs = [[_mm256_setzero_si256(); X]; 2];
                                         for c in first..first + per {
@@ -2119,10 +2120,17 @@ mod x86 {
                                                     _mm256_add_epi16(pairs[1][r], _mm256_maddubs_epi16(high, h));
                                             }
                                         }
+                                        let ones = _mm256_set1_epi16(1);
                                         for r in 0..X {
+                                            if TY == Q6K {
+                                                for (sums, pairs) in sums.iter_mut().zip(&pairs) {
+                                                    sums[r] =
+                                                        _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
+                                                }
+                                                continue;
+                                            }
                                             let both = _mm256_add_epi16(pairs[0][r], pairs[1][r]);
-                                            let wide = _mm256_madd_epi16(both, _mm256_set1_epi16(1));
-                                            sums[0][r] = _mm256_add_epi32(sums[0][r], wide);
+                                            sums[0][r] = _mm256_add_epi32(sums[0][r], _mm256_madd_epi16(both, ones));
                                         }
                                     }
                                 } else {
