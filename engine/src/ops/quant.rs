@@ -118,8 +118,9 @@ pub enum QuantKernel {
     Avx512Vnni,
     /// AVX-VNNI's `vpdpbusd` (VEX): tiles of [`XR`].
     AvxVnni,
-    /// AVX2's `vpmaddubsw` + `vpmaddwd` (the nibble formats' pair sums
-    /// added in 16 bits, several to one `vpmaddwd`): tiles of [`XR`].
+    /// AVX2's `vpmaddubsw` + `vpmaddwd` (the 4-, 5- and 6-bit formats'
+    /// pair sums added in 16 bits, several to one `vpmaddwd`): tiles of
+    /// [`XR`].
     Avx2,
     /// Plain Rust, any CPU: the reference.
     Portable,
@@ -2407,7 +2408,7 @@ mod tests {
 
     /// Every kernel sums the largest quants a format holds against the
     /// largest token quants (±127) exactly, as the reference does: every
-    /// quant byte and bit set (a 4-bit weight 15, a 5-bit one 31), the
+    /// quant byte and bit set (a 4-bit weight 15, a 5-bit one 31, a 6-bit one 63), the
     /// block scales small and finite. The AVX2 kernel adds several
     /// `vpmaddubsw` pair sums in 16 bits before widening them, exact only
     /// within the counts it takes.
