@@ -2034,8 +2034,14 @@ mod x86 {
                 // few rows does not wait on one chain's latency (integer sums:
                 // the split changes nothing). `Q6_K` keeps a block's halves
                 // apart: its even chains take the first half, its odd ones the
-                // second.
-                let chains = if TY == Q6K { (4 / X).max(2) } else { (4 / X).max(1) };
+                // second. Widening late, the 16-bit sums are the chains and
+                // each half one 32-bit sum: nothing to merge.
+                let chains = match (TY == Q6K, $widen_late) {
+                    (true, true) => 2,
+                    (false, true) => 1,
+                    (true, false) => (4 / X).max(2),
+                    (false, false) => (4 / X).max(1),
+                };
                 // The K-quants' token rows come in blocks of 256: a scale per
                 // super-block, and sums of two sub-blocks' quants as `i16` pairs.
                 let is_k = TY == Q4K || TY == Q5K || TY == Q6K;
