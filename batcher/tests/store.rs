@@ -486,3 +486,93 @@ async fn a_dead_lettered_chunk_ends_its_unfinished_requests_as_errors(pool: PgPo
         (1, 2)
     );
 }
+
+/// The rows the index scans of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan
+/// read, all loops: those they returned and those their filters removed.
+fn index_rows_read(node: &serde_json::Value) -> f64 {
+    let count = |key: &str| node[key].as_f64().unwrap_or(0.0);
+    let own = match node["Node Type"].as_str() {
+        Some("Index Scan" | "Index Only Scan" | "Bitmap Index Scan") => {
+            (count("Actual Rows") + count("Rows Removed by Filter")) * node["Actual Loops"].as_f64().unwrap_or(1.0)
+        }
+        _ => 0.0,
+    };
+    own + node["Plans"]
+        .as_array()
+        .map_or(0.0, |children| children.iter().map(index_rows_read).sum())
+}
+
+/// `statement` (with `types`) prepared, planned once for all parameters as a
+/// pooled connection's prepared statement may be, run on `arguments` and
+/// rolled back: the rows its index scans read.
+async fn generic_plan_reads(pool: &PgPool, statement: &str, types: &str, arguments: &str) -> f64 {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!("PREPARE probe({types}) AS {statement}"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let plan: serde_json::Value =
+        sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe({arguments})"))
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    index_rows_read(&plan[0]["Plan"])
+}
+
+#[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
+async fn a_chunks_claim_and_commit_read_its_own_rows_not_every_open_request_of_the_batch(pool: PgPool) {
+    // A large batch's requests are mostly open while it drains. A statement
+    // that read them all for each chunk would cost each chunk of a
+    // 50,000-request batch as much as the whole batch. The table's
+    // statistics, as in a deployment that has served batches before, say
+    // that open requests are rare: they were taken with every request ended.
+    let (store, ended) = store_with_batch(pool.clone(), 5_000, Duration::from_secs(3600)).await;
+    store
+        .cancel_batch(&AccountId("acct".into()), &ended)
+        .await
+        .unwrap()
+        .unwrap();
+    sqlx::query("ANALYZE requests").execute(&pool).await.unwrap();
+    let id = BatchId::generate();
+    assert!(matches!(
+        store
+            .create_batch(new_batch(&id, 5_000, Duration::from_secs(3600), 0), vec![])
+            .await
+            .unwrap(),
+        Created::New(_)
+    ));
+    store.claim(&chunk(&id, 64, 128)).await.unwrap();
+    let batch = format!("'{}'", id.as_str());
+    let claim = generic_plan_reads(
+        &pool,
+        lorry_batcher::store::CLAIM_SQL,
+        "text, int, int",
+        &format!("{batch}, 128, 192"),
+    )
+    .await;
+    assert!(claim <= 64.0, "a claim of 64 requests read {claim} index entries");
+    let list = |item: &dyn Fn(i32) -> String| (64..96).map(item).collect::<Vec<_>>().join(",");
+    let arguments = format!(
+        "{batch}, ARRAY[{}], ARRAY[{}], ARRAY[{}], ARRAY[{}]::jsonb[], ARRAY[{}], ARRAY[{}], ARRAY[{}], 64, 95",
+        list(&|i| i.to_string()),
+        list(&|_| "'succeeded'".into()),
+        list(&|i| format!("'{{\"response\": {i}}}'")),
+        list(&|_| "NULL".into()),
+        list(&|_| "1".into()),
+        list(&|_| "1".into()),
+        list(&|_| "'stop'".into()),
+    );
+    let commit = generic_plan_reads(
+        &pool,
+        lorry_batcher::store::COMMIT_SQL,
+        "text, int[], text[], text[], jsonb[], int[], int[], text[], int, int",
+        &arguments,
+    )
+    .await;
+    assert!(commit <= 64.0, "a commit of 32 results read {commit} index entries");
+}

@@ -27,7 +27,7 @@ pub use gauges::QueuedRequests;
 pub use outbox::{Dispatch, DueDelivery, OutboxMessage, Room, OUTBOX_CHANNEL};
 pub use retention::BatchDeletion;
 pub use usage::{UsageGroup, UsageRow};
-pub use work::{Claimed, ClaimedInput, Committed, Ending, Outcome};
+pub use work::{Claimed, ClaimedInput, Committed, Ending, Outcome, CLAIM_SQL, COMMIT_SQL};
 
 use crate::ids::AccountId;
 use crate::BatcherError;

@@ -14,6 +14,30 @@ use super::{Result, Store};
 use crate::ids::BatchId;
 use crate::model::{Batch, BatchStatus, Chunk, OpenAiBatch, RequestError, RequestStatus};
 
+/// [`Store::claim`]'s statement: `$1` the batch, `$2..$3` the chunk's indexes.
+pub const CLAIM_SQL: &str =
+    "UPDATE requests SET status = 'running', attempts = attempts + 1, started_at = coalesce(started_at, now())
+     WHERE batch_id = $1 AND idx >= $2 AND idx < $3 AND status IN ('pending', 'running')
+     RETURNING idx, request, body, attempts";
+
+/// [`Store::commit`]'s statement: `$1` the batch, `$2..$8` the results
+/// (index, status, response, error, prompt and completion tokens, finish
+/// reason), `$9..$10` their least and greatest index. It answers what it
+/// wrote (not what it was given: a redelivered chunk's rows already ended
+/// are left alone), for the metrics. The indexes' range bounds the scan of
+/// the batch's rows, so that no plan reads every open request of a large
+/// batch for a few results.
+pub const COMMIT_SQL: &str = "WITH written AS (
+         UPDATE requests r SET status = u.status, response = u.response::json, error = u.error,
+             prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
+         FROM UNNEST($2::int[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
+             AS u(idx, status, response, error, pt, ct, finish)
+         WHERE r.batch_id = $1 AND r.idx BETWEEN $9 AND $10 AND r.idx = u.idx AND r.status = 'running'
+         RETURNING r.status, r.prompt_tokens, r.completion_tokens)
+     SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'),
+            coalesce(sum(prompt_tokens), 0)::bigint, coalesce(sum(completion_tokens), 0)::bigint
+     FROM written";
+
 /// What one [`Store::commit`] wrote.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Committed {
@@ -130,16 +154,12 @@ impl Store {
     /// Take the chunk's unfinished requests. A redelivered chunk takes back the
     /// requests its earlier holder left running.
     pub async fn claim(&self, chunk: &Chunk) -> Result<Vec<Claimed>> {
-        let rows = sqlx::query(
-            "UPDATE requests SET status = 'running', attempts = attempts + 1, started_at = coalesce(started_at, now())
-             WHERE batch_id = $1 AND idx >= $2 AND idx < $3 AND status IN ('pending', 'running')
-             RETURNING idx, request, body, attempts",
-        )
-        .bind(chunk.batch_id.as_str())
-        .bind(chunk.start)
-        .bind(chunk.end)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows = sqlx::query(CLAIM_SQL)
+            .bind(chunk.batch_id.as_str())
+            .bind(chunk.start)
+            .bind(chunk.end)
+            .fetch_all(&self.pool)
+            .await?;
         let mut claimed = rows
             .iter()
             .map(|r| {
@@ -184,30 +204,19 @@ impl Store {
                 }
             }
         }
-        // What the statement wrote (not what it was given: a redelivered
-        // chunk's rows already ended are left alone), for the metrics.
-        let row = sqlx::query(
-            "WITH written AS (
-                 UPDATE requests r SET status = u.status, response = u.response::json, error = u.error,
-                     prompt_tokens = u.pt, completion_tokens = u.ct, finish_reason = u.finish, finished_at = now()
-                 FROM UNNEST($2::int[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[], $8::text[])
-                     AS u(idx, status, response, error, pt, ct, finish)
-                 WHERE r.batch_id = $1 AND r.idx = u.idx AND r.status = 'running'
-                 RETURNING r.status, r.prompt_tokens, r.completion_tokens)
-             SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'),
-                    coalesce(sum(prompt_tokens), 0)::bigint, coalesce(sum(completion_tokens), 0)::bigint
-             FROM written",
-        )
-        .bind(batch.as_str())
-        .bind(&idx)
-        .bind(&status)
-        .bind(&response)
-        .bind(&error)
-        .bind(&pt)
-        .bind(&ct)
-        .bind(&finish)
-        .fetch_one(&self.pool)
-        .await?;
+        let row = sqlx::query(COMMIT_SQL)
+            .bind(batch.as_str())
+            .bind(&idx)
+            .bind(&status)
+            .bind(&response)
+            .bind(&error)
+            .bind(&pt)
+            .bind(&ct)
+            .bind(&finish)
+            .bind(idx.iter().min())
+            .bind(idx.iter().max())
+            .fetch_one(&self.pool)
+            .await?;
         let count = |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i)?.max(0) as u64) };
         let rows = count(0)?;
         let succeeded = count(1)?;
