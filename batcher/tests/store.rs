@@ -487,24 +487,25 @@ async fn a_dead_lettered_chunk_ends_its_unfinished_requests_as_errors(pool: PgPo
     );
 }
 
-/// The rows the index scans of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan
-/// read, all loops: those they returned and those their filters removed.
-fn index_rows_read(node: &serde_json::Value) -> f64 {
+/// The rows the scans of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan read, all
+/// loops: those they returned and those their filters removed (a bitmap's
+/// by its index scan, the entries it found).
+fn rows_read(node: &serde_json::Value) -> f64 {
     let count = |key: &str| node[key].as_f64().unwrap_or(0.0);
     let own = match node["Node Type"].as_str() {
-        Some("Index Scan" | "Index Only Scan" | "Bitmap Index Scan") => {
+        Some("Seq Scan" | "Index Scan" | "Index Only Scan" | "Bitmap Index Scan") => {
             (count("Actual Rows") + count("Rows Removed by Filter")) * node["Actual Loops"].as_f64().unwrap_or(1.0)
         }
         _ => 0.0,
     };
     own + node["Plans"]
         .as_array()
-        .map_or(0.0, |children| children.iter().map(index_rows_read).sum())
+        .map_or(0.0, |children| children.iter().map(rows_read).sum())
 }
 
 /// `statement` (with `types`) prepared, planned once for all parameters as a
 /// pooled connection's prepared statement may be, run on `arguments` and
-/// rolled back: the rows its index scans read.
+/// rolled back: the rows its scans read.
 async fn generic_plan_reads(pool: &PgPool, statement: &str, types: &str, arguments: &str) -> f64 {
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
@@ -521,7 +522,7 @@ async fn generic_plan_reads(pool: &PgPool, statement: &str, types: &str, argumen
             .await
             .unwrap();
     tx.rollback().await.unwrap();
-    index_rows_read(&plan[0]["Plan"])
+    rows_read(&plan[0]["Plan"])
 }
 
 #[sqlx::test(migrator = "lorry_batcher::MIGRATOR")]
@@ -555,7 +556,7 @@ async fn a_chunks_claim_and_commit_read_its_own_rows_not_every_open_request_of_t
         &format!("{batch}, 128, 192"),
     )
     .await;
-    assert!(claim <= 64.0, "a claim of 64 requests read {claim} index entries");
+    assert!(claim <= 64.0, "a claim of 64 requests read {claim} rows");
     let list = |item: &dyn Fn(i32) -> String| (64..96).map(item).collect::<Vec<_>>().join(",");
     let arguments = format!(
         "{batch}, ARRAY[{}], ARRAY[{}], ARRAY[{}], ARRAY[{}]::jsonb[], ARRAY[{}], ARRAY[{}], ARRAY[{}], 64, 95",
@@ -574,5 +575,5 @@ async fn a_chunks_claim_and_commit_read_its_own_rows_not_every_open_request_of_t
         &arguments,
     )
     .await;
-    assert!(commit <= 64.0, "a commit of 32 results read {commit} index entries");
+    assert!(commit <= 64.0, "a commit of 32 results read {commit} rows");
 }
