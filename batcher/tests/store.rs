@@ -539,14 +539,7 @@ async fn a_chunks_claim_and_commit_read_its_own_rows_not_every_open_request_of_t
         .unwrap()
         .unwrap();
     sqlx::query("ANALYZE requests").execute(&pool).await.unwrap();
-    let id = BatchId::generate();
-    assert!(matches!(
-        store
-            .create_batch(new_batch(&id, 5_000, Duration::from_secs(3600), 0), vec![])
-            .await
-            .unwrap(),
-        Created::New(_)
-    ));
+    let (store, id) = store_with_batch(pool.clone(), 5_000, Duration::from_secs(3600)).await;
     store.claim(&chunk(&id, 64, 128)).await.unwrap();
     let batch = format!("'{}'", id.as_str());
     let claim = generic_plan_reads(
