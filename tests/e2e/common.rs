@@ -17,18 +17,19 @@ static TRACING: Once = Once::new();
 
 fn init_tracing() {
     TRACING.call_once(|| {
-        if let Ok(filter) = std::env::var("TEST_LOG") {
-            // `TEST_LOG=1`, or a filter of its own (`TEST_LOG=lorry_batcher=debug`).
-            let filter = if filter == "1" {
-                "info,lorry=debug".to_string()
-            } else {
-                filter
-            };
-            tracing_subscriber::fmt()
-                .with_env_filter(filter.as_str())
-                .with_test_writer()
-                .init();
-        }
+        // `TEST_LOG=1`, or a filter of its own (`TEST_LOG=lorry_batcher=debug`);
+        // errors always, so that a failing test's output says what failed
+        // inside the service (the runner shows a test's output only when it fails).
+        let filter = match std::env::var("TEST_LOG") {
+            Ok(filter) if filter == "1" => "info,lorry=debug".to_string(),
+            Ok(filter) => filter,
+            Err(_) => "error".to_string(),
+        };
+        tracing_subscriber::fmt()
+            .with_env_filter(filter.as_str())
+            .with_ansi(false)
+            .with_test_writer()
+            .init();
     });
 }
 
