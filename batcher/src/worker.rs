@@ -140,6 +140,14 @@ impl Worker {
             _ => return Err(BatcherError::UnknownModel(chunk.model.clone())),
         };
         let claimed = inner.store.claim(chunk).await?;
+        tracing::debug!(
+            batch = %chunk.batch_id,
+            account = %chunk.account_id,
+            start = chunk.start,
+            end = chunk.end,
+            claimed = claimed.len(),
+            "chunk claimed"
+        );
         let mut report = ChunkReport {
             claimed: claimed.len(),
             ..Default::default()
@@ -191,6 +199,7 @@ impl Worker {
         }
         let interval = inner.config.flush_interval;
         let mut last_flush = Instant::now();
+        let mut commits = std::time::Duration::ZERO;
         while !running.is_empty() {
             tokio::select! {
                 Some((index, result)) = running.next() => match result {
@@ -200,11 +209,23 @@ impl Worker {
                 _ = tokio::time::sleep_until(last_flush + interval) => {}
             }
             if ready.len() >= inner.config.flush_rows || last_flush.elapsed() >= interval {
+                let began = Instant::now();
                 report.committed += self.commit(chunk, &std::mem::take(&mut ready)).await?;
+                commits += began.elapsed();
                 last_flush = Instant::now();
             }
         }
+        let began = Instant::now();
         report.committed += self.commit(chunk, &ready).await?;
+        tracing::debug!(
+            batch = %chunk.batch_id,
+            start = chunk.start,
+            committed = report.committed,
+            deferred = report.deferred,
+            commit_ms = (commits + began.elapsed()).as_secs_f64() * 1e3,
+            last_commit_ms = began.elapsed().as_secs_f64() * 1e3,
+            "chunk served"
+        );
         inner.finaliser.report_progress(&chunk.batch_id).await?;
         if report.deferred == 0 {
             inner.finaliser.try_finalize(&chunk.batch_id).await?;

@@ -262,7 +262,26 @@ impl Store {
         if room.one_account && held.iter().any(|h| h.account != held[0].account) {
             return Ok(Dispatch::Stale);
         }
-        let chosen = take_turns(held, room, &crate::broker::ahead_queue(lane));
+        // Each account's chunks in flight and held, for the round's log.
+        let accounts = tracing::enabled!(tracing::Level::DEBUG).then(|| {
+            held.iter().fold(Vec::<(String, i64, i64)>::new(), |mut seen, h| {
+                if !seen.iter().any(|(a, ..)| *a == h.account) {
+                    seen.push((h.account.clone(), h.in_flight, h.held));
+                }
+                seen
+            })
+        });
+        let ahead = crate::broker::ahead_queue(lane);
+        let chosen = take_turns(held, room, &ahead);
+        tracing::debug!(
+            lane,
+            queue_room = room.queue,
+            ahead_room = room.ahead,
+            accounts = ?accounts.unwrap_or_default(),
+            sent = chosen.len(),
+            sent_ahead = chosen.iter().filter(|h| h.message.routing_key == ahead).count(),
+            "dispatch round"
+        );
         if chosen.is_empty() {
             return Ok(Dispatch::Sent(0));
         }
