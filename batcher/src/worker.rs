@@ -211,19 +211,20 @@ impl Worker {
             if ready.len() >= inner.config.flush_rows || last_flush.elapsed() >= interval {
                 let began = Instant::now();
                 report.committed += self.commit(chunk, &std::mem::take(&mut ready)).await?;
-                commits += began.elapsed();
                 last_flush = Instant::now();
+                commits += last_flush - began;
             }
         }
         let began = Instant::now();
         report.committed += self.commit(chunk, &ready).await?;
+        let last_commit = began.elapsed();
         tracing::debug!(
             batch = %chunk.batch_id,
             start = chunk.start,
             committed = report.committed,
             deferred = report.deferred,
-            commit_ms = (commits + began.elapsed()).as_secs_f64() * 1e3,
-            last_commit_ms = began.elapsed().as_secs_f64() * 1e3,
+            commit_ms = (commits + last_commit).as_secs_f64() * 1e3,
+            last_commit_ms = last_commit.as_secs_f64() * 1e3,
             "chunk served"
         );
         inner.finaliser.report_progress(&chunk.batch_id).await?;

@@ -507,29 +507,23 @@ fn rows_read(node: &serde_json::Value) -> f64 {
 /// pooled connection's prepared statement may be, run on `arguments` and
 /// rolled back: the rows its scans read.
 async fn generic_plan_reads(pool: &PgPool, statement: &str, types: &str, arguments: &str) -> f64 {
-    // A prepared statement outlives the transaction (a rollback keeps it),
-    // and the pool may hand the same connection to the next call: each
-    // call's has a name of its own, and is dropped when read.
-    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let name = format!("probe_{}", PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
         .execute(&mut *tx)
         .await
         .unwrap();
-    sqlx::raw_sql(&format!("PREPARE {name}({types}) AS {statement}"))
+    sqlx::raw_sql(&format!("PREPARE probe({types}) AS {statement}"))
         .execute(&mut *tx)
         .await
         .unwrap();
     let plan: serde_json::Value =
-        sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({arguments})"))
+        sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe({arguments})"))
             .fetch_one(&mut *tx)
             .await
             .unwrap();
-    sqlx::raw_sql(&format!("DEALLOCATE {name}"))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    // A prepared statement outlives the transaction (a rollback keeps it),
+    // and the pool may hand this connection to the next call.
+    sqlx::query("DEALLOCATE probe").execute(&mut *tx).await.unwrap();
     tx.rollback().await.unwrap();
     rows_read(&plan[0]["Plan"])
 }

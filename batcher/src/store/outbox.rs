@@ -262,14 +262,13 @@ impl Store {
         if room.one_account && held.iter().any(|h| h.account != held[0].account) {
             return Ok(Dispatch::Stale);
         }
-        // Each account's chunks in flight and held, for the round's log.
+        // Each account's chunks in flight and held, for the round's log (its
+        // rows come together, each with the account's figures).
         let accounts = tracing::enabled!(tracing::Level::DEBUG).then(|| {
-            held.iter().fold(Vec::<(String, i64, i64)>::new(), |mut seen, h| {
-                if !seen.iter().any(|(a, ..)| *a == h.account) {
-                    seen.push((h.account.clone(), h.in_flight, h.held));
-                }
-                seen
-            })
+            let mut accounts: Vec<(String, i64, i64)> =
+                held.iter().map(|h| (h.account.clone(), h.in_flight, h.held)).collect();
+            accounts.dedup();
+            accounts
         });
         let ahead = crate::broker::ahead_queue(lane);
         let chosen = take_turns(held, room, &ahead);
