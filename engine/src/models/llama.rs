@@ -674,6 +674,17 @@ impl Linear {
         }
     }
 
+    /// Name this product as the one the pass runs next
+    /// ([`crate::ops::ahead`]): the pool's idle threads ask for its weights
+    /// while the serial work before it runs.
+    fn ahead(&self) {
+        match &self.weight {
+            Weight::Packed(w) => crate::ops::ahead::set(&[w.raw()]),
+            Weight::Quant(q) => crate::ops::ahead::set(&q.raw()),
+            Weight::Tensor(_) => crate::ops::ahead::clear(),
+        }
+    }
+
     /// Bytes the weight is read in, and its parameters.
     fn weight_bytes(&self) -> (usize, usize) {
         match &self.weight {
@@ -733,6 +744,7 @@ impl Attention {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Target::Q, 0), (Target::K, q_width), (Target::V, q_width + kv_width)];
         let qkv = self.qkv_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
+        self.o_proj.ahead();
         let (mut q, mut k, v) = with_values(&qkv, |all| {
             let (mut q, mut k, mut v) = (
                 Vec::with_capacity(tokens * q_width),
@@ -856,6 +868,7 @@ impl Mlp {
     fn forward(&self, x: &Tensor, pass: &Pass<'_>, layer: usize) -> Result<Tensor> {
         let parts = [(Target::Gate, 0), (Target::Up, self.intermediate)];
         let gate_up = self.gate_up_proj.forward_adapted(x, pass.lora_for(layer, &parts))?;
+        self.down_proj.ahead();
         let i = self.intermediate;
         let hidden = match self.activation {
             // `silu(gate)·up`, a row at a time.
@@ -926,6 +939,7 @@ impl DecoderLayer {
         let attn = self
             .self_attn
             .forward(&self.input_layernorm.forward(x)?, pass, kv, layer)?;
+        self.mlp.gate_up_proj.ahead();
         let x = (x + attn)?;
         let mlp = self
             .mlp
@@ -1191,8 +1205,17 @@ impl Llama {
         if self.config.scale_embeddings {
             x = (x * (self.config.hidden_size as f64).sqrt())?;
         }
+        // Each product is named to the pool's idle threads before the
+        // serial work that comes before it (the layers name their own).
+        if let Some(layer) = self.layers.first() {
+            layer.self_attn.qkv_proj.ahead();
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, &pass, kv, i)?;
+            match self.layers.get(i + 1) {
+                Some(next) => next.self_attn.qkv_proj.ahead(),
+                None => self.lm_head.ahead(),
+            }
         }
         let mut last = Vec::new();
         let mut end = 0u32;

@@ -559,6 +559,20 @@ impl PackedMatrix {
         out
     }
 
+    /// The panels' bytes, as a product reads them.
+    pub(crate) fn raw(&self) -> &[u8] {
+        fn bytes<T>(values: &[T]) -> &[u8] {
+            // SAFETY: plain numbers, read as bytes within their own allocation.
+            unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
+        }
+        match &*self.panels {
+            Panels::F32(p) => bytes(p.as_slice()),
+            Panels::F16(p) => bytes(p.as_slice()),
+            Panels::Bf16(p) => bytes(p.as_slice()),
+            Panels::Pairs(p) => bytes(p.as_slice()),
+        }
+    }
+
     /// The first byte of the panels.
     fn start(&self) -> *const u8 {
         match &*self.panels {

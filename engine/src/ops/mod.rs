@@ -55,7 +55,7 @@ pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                     return;
                 }
                 while !done.load(Ordering::Acquire) && PASSES.load(Ordering::Acquire) == 1 {
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) && !ahead::step() {
                         // Nothing to take: the core goes to any other
                         // thread waiting for it (the service's own, the
                         // database's) and comes back at once otherwise.
@@ -65,8 +65,124 @@ pub fn hot_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             });
         }
         let _done = Done(done);
-        f()
+        let result = f();
+        ahead::clear();
+        result
     })
+}
+
+/// The weights a pass reads next, asked for by the pool's idle helpers
+/// ([`hot_pass`]) while the pass's own thread runs a serial stretch (norms,
+/// rotary, attention's bookkeeping) or ends its share of a product, so that
+/// the memory, idle there, brings them into the caches before the product
+/// that reads them starts. Prefetches only: nothing computed changes, and
+/// an address no longer valid is harmless (a prefetch never faults).
+pub(crate) mod ahead {
+    use std::sync::Mutex;
+
+    /// Ranges one product's weights may span (a stacked product's parts).
+    const RANGES: usize = 4;
+    /// Bytes a helper asks for between looks for work.
+    const CHUNK: usize = 4096;
+
+    /// One product's weights and how far the helpers have asked for them.
+    pub(super) struct Ahead {
+        /// `(start address, length)` of each range, in the product's order.
+        ranges: [(usize, usize); RANGES],
+        count: usize,
+        /// Stretches asked for side by side, one per thread: each thread of
+        /// a product starts at the start of its share of the weights.
+        stretches: usize,
+        /// Chunks handed out so far.
+        taken: usize,
+    }
+
+    impl Ahead {
+        pub(super) const NONE: Ahead = Ahead {
+            ranges: [(0, 0); RANGES],
+            count: 0,
+            stretches: 1,
+            taken: 0,
+        };
+
+        /// The first [`RANGES`] of `ranges`, asked for in `stretches` side by side.
+        pub(super) fn new(ranges: &[&[u8]], stretches: usize) -> Ahead {
+            let mut ahead = Ahead {
+                stretches: stretches.max(1),
+                ..Ahead::NONE
+            };
+            for (slot, range) in ahead.ranges.iter_mut().zip(ranges) {
+                *slot = (range.as_ptr() as usize, range.len());
+                ahead.count += 1;
+            }
+            ahead
+        }
+
+        /// The next chunk to ask for, as the `(address, bytes)` of each range
+        /// it lies in: the stretches' chunks in turn, each stretch from its
+        /// start; `None` once all are out.
+        pub(super) fn next(&mut self) -> Option<Vec<(usize, usize)>> {
+            let ranges = &self.ranges[..self.count];
+            let total: usize = ranges.iter().map(|r| r.1).sum();
+            let stretch = total.div_ceil(self.stretches).next_multiple_of(CHUNK);
+            loop {
+                let (nth, of) = (self.taken / self.stretches, self.taken % self.stretches);
+                if nth * CHUNK >= stretch {
+                    return None;
+                }
+                self.taken += 1;
+                // Bytes `from..to` of the ranges laid end to end (none past
+                // their end, in a short last stretch: the next chunk, then).
+                let from = of * stretch + nth * CHUNK;
+                let to = (from + CHUNK).min(total);
+                let mut pieces = Vec::new();
+                let mut before = 0;
+                for &(start, len) in ranges {
+                    let (lo, hi) = (from.max(before), to.min(before + len));
+                    if lo < hi {
+                        pieces.push((start + lo - before, hi - lo));
+                    }
+                    before += len;
+                }
+                if !pieces.is_empty() {
+                    return Some(pieces);
+                }
+            }
+        }
+    }
+
+    static AHEAD: Mutex<Ahead> = Mutex::new(Ahead::NONE);
+
+    fn lock() -> std::sync::MutexGuard<'static, Ahead> {
+        AHEAD.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The product the pass runs next, as the byte ranges of its weights.
+    pub(crate) fn set(ranges: &[&[u8]]) {
+        *lock() = Ahead::new(ranges, rayon::current_num_threads());
+    }
+
+    /// Nothing more to ask for.
+    pub(crate) fn clear() {
+        *lock() = Ahead::NONE;
+    }
+
+    /// Ask for the next chunk; `false` when nothing is left.
+    pub(super) fn step() -> bool {
+        let Some(pieces) = lock().next() else {
+            return false;
+        };
+        #[cfg(target_arch = "x86_64")]
+        for (start, len) in pieces {
+            for line in (start..start + len).step_by(64) {
+                // SAFETY: a prefetch reads nothing and never faults.
+                unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line as *const i8) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = pieces;
+        true
+    }
 }
 
 #[cfg(test)]
@@ -85,6 +201,85 @@ mod tests {
             .into_par_iter()
             .map(|i| (0..i % 97).into_par_iter().map(|j| j * i).sum::<u64>())
             .sum()
+    }
+
+    /// Every chunk [`super::ahead::Ahead`] hands out, as its pieces' byte
+    /// offsets into `buffer` and lengths.
+    fn chunks(buffer: &[u8], ranges: &[std::ops::Range<usize>], stretches: usize) -> Vec<Vec<(usize, usize)>> {
+        let slices: Vec<&[u8]> = ranges.iter().map(|r| &buffer[r.clone()]).collect();
+        let mut ahead = super::ahead::Ahead::new(&slices, stretches);
+        std::iter::from_fn(|| ahead.next())
+            .map(|pieces| {
+                pieces
+                    .into_iter()
+                    .map(|(address, len)| (address - buffer.as_ptr() as usize, len))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_weights_named_ahead_are_asked_for_once_each_every_thread_s_share_from_its_start() {
+        let buffer = vec![0u8; 64 << 10];
+        // `(start, end)` of each range in the buffer.
+        let cases: [&[(usize, usize)]; 6] = [
+            &[],
+            &[(0, 0)],
+            &[(0, 1)],
+            &[(100, 4196)],
+            &[(0, (5 << 12) + 3)],
+            &[(0, 10_000), (20_000, 20_001), (30_000, 41_000)],
+        ];
+        for case in cases {
+            let ranges: Vec<std::ops::Range<usize>> = case.iter().map(|&(start, end)| start..end).collect();
+            let ranges = ranges.as_slice();
+            for stretches in 1..=3 {
+                let taken = chunks(&buffer, ranges, stretches);
+                // Each byte of the ranges once, nothing outside them.
+                let mut seen = vec![0u8; buffer.len()];
+                for pieces in &taken {
+                    let bytes: usize = pieces.iter().map(|p| p.1).sum();
+                    assert!(bytes > 0 && bytes <= 4096, "{ranges:?}: a chunk of {bytes} bytes");
+                    for &(start, len) in pieces {
+                        seen[start..start + len].iter_mut().for_each(|b| *b += 1);
+                    }
+                }
+                for (i, &count) in seen.iter().enumerate() {
+                    let inside = ranges.iter().any(|r| r.contains(&i));
+                    assert_eq!(
+                        count,
+                        u8::from(inside),
+                        "byte {i} of {ranges:?} over {stretches} stretches"
+                    );
+                }
+                // The first chunks are the starts of the stretches, in order.
+                let total: usize = ranges.iter().map(|r| r.len()).sum();
+                let stretch = total.div_ceil(stretches).next_multiple_of(4096);
+                let mut starts = Vec::new();
+                let mut at = 0;
+                while at < total && starts.len() < stretches {
+                    starts.push(at);
+                    at += stretch;
+                }
+                let first: Vec<usize> = taken
+                    .iter()
+                    .take(starts.len())
+                    .map(|pieces| {
+                        let start = pieces[0].0;
+                        // The chunk's place among the ranges laid end to end.
+                        let mut before = 0;
+                        for r in ranges {
+                            if r.contains(&start) {
+                                return before + start - r.start;
+                            }
+                            before += r.len();
+                        }
+                        unreachable!("checked above")
+                    })
+                    .collect();
+                assert_eq!(first, starts, "{ranges:?} over {stretches} stretches");
+            }
+        }
     }
 
     #[test]

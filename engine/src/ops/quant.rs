@@ -899,6 +899,11 @@ impl QuantMatrix {
         self.k
     }
 
+    /// The blocks of each part, as a product reads them.
+    pub(crate) fn raw(&self) -> Vec<&[u8]> {
+        self.parts.iter().map(|p| p.data.as_slice()).collect()
+    }
+
     /// Bytes the blocks occupy (what one product reads).
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.data.len()).sum()
