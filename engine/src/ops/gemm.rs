@@ -575,12 +575,7 @@ impl PackedMatrix {
 
     /// The first byte of the panels.
     fn start(&self) -> *const u8 {
-        match &*self.panels {
-            Panels::F32(p) => p.as_slice().as_ptr() as *const u8,
-            Panels::F16(p) => p.as_slice().as_ptr() as *const u8,
-            Panels::Bf16(p) => p.as_slice().as_ptr() as *const u8,
-            Panels::Pairs(p) => p.as_slice().as_ptr() as *const u8,
-        }
+        self.raw().as_ptr()
     }
 
     /// [`PackedMatrix::matmul`] into `out` (`m × n`), on the kernel chosen.

@@ -90,9 +90,13 @@ pub(crate) mod ahead {
         /// `(start address, length)` of each range, in the product's order.
         ranges: [(usize, usize); RANGES],
         count: usize,
+        /// The ranges' bytes together.
+        total: usize,
         /// Stretches asked for side by side, one per thread: each thread of
         /// a product starts at the start of its share of the weights.
         stretches: usize,
+        /// Bytes of one stretch, whole chunks.
+        stretch: usize,
         /// Chunks handed out so far.
         taken: usize,
     }
@@ -101,7 +105,9 @@ pub(crate) mod ahead {
         pub(super) const NONE: Ahead = Ahead {
             ranges: [(0, 0); RANGES],
             count: 0,
+            total: 0,
             stretches: 1,
+            stretch: 0,
             taken: 0,
         };
 
@@ -114,7 +120,9 @@ pub(crate) mod ahead {
             for (slot, range) in ahead.ranges.iter_mut().zip(ranges) {
                 *slot = (range.as_ptr() as usize, range.len());
                 ahead.count += 1;
+                ahead.total += range.len();
             }
+            ahead.stretch = ahead.total.div_ceil(ahead.stretches).next_multiple_of(CHUNK);
             ahead
         }
 
@@ -123,18 +131,16 @@ pub(crate) mod ahead {
         /// start; `None` once all are out.
         pub(super) fn next(&mut self) -> Option<Vec<(usize, usize)>> {
             let ranges = &self.ranges[..self.count];
-            let total: usize = ranges.iter().map(|r| r.1).sum();
-            let stretch = total.div_ceil(self.stretches).next_multiple_of(CHUNK);
             loop {
                 let (nth, of) = (self.taken / self.stretches, self.taken % self.stretches);
-                if nth * CHUNK >= stretch {
+                if nth * CHUNK >= self.stretch {
                     return None;
                 }
                 self.taken += 1;
                 // Bytes `from..to` of the ranges laid end to end (none past
                 // their end, in a short last stretch: the next chunk, then).
-                let from = of * stretch + nth * CHUNK;
-                let to = (from + CHUNK).min(total);
+                let from = of * self.stretch + nth * CHUNK;
+                let to = (from + CHUNK).min(self.total);
                 let mut pieces = Vec::new();
                 let mut before = 0;
                 for &(start, len) in ranges {
