@@ -1002,35 +1002,47 @@ impl<'e, 'a> Fused<'e, 'a> {
         })
     }
 
-    /// The cache lines of every `B` panel that panel `p`'s expand reads for
-    /// `rows`, onto `lines`.
-    pub(crate) fn lines(self, rows: std::ops::Range<usize>, p: usize, lines: &mut Vec<*const u8>) {
-        for parts in self.expand.get(rows).unwrap_or_default() {
-            if let Some((part, q)) = Self::part(parts, p) {
+    /// The first byte and the length of each `B` panel that panel `p`'s
+    /// expand reads for `rows`, in row order; a panel that rows sharing an
+    /// adapter read one after another is listed once.
+    fn panels(self, rows: std::ops::Range<usize>, p: usize) -> impl Iterator<Item = (*const u8, usize)> + 'e {
+        let mut last = std::ptr::null();
+        self.expand
+            .get(rows)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(move |parts| {
+                let (part, q) = Self::part(parts, p)?;
                 let bytes = part.b.k * NR * part.b.precision().bytes();
                 let start = part.b.start().wrapping_add(q * bytes);
-                lines.extend((0..bytes).step_by(64).map(|at| start.wrapping_add(at)));
-            }
+                (start != last).then(|| {
+                    last = start;
+                    (start, bytes)
+                })
+            })
+    }
+
+    /// The cache lines of every `B` panel that panel `p`'s expand reads for
+    /// `rows`, onto `lines`: each panel's once, however many rows share it.
+    pub(crate) fn lines(self, rows: std::ops::Range<usize>, p: usize, lines: &mut Vec<*const u8>) {
+        for (start, bytes) in self.panels(rows, p) {
+            lines.extend((0..bytes).step_by(64).map(|at| start.wrapping_add(at)));
         }
     }
 
     /// Ask for every line of the `B` panels that panel `p`'s expand reads
-    /// for `rows`, into L2: what a product's tiles do for the panel they
-    /// compute next, so that its expand finds them there.
+    /// for `rows`, into L2 (each panel's once): what a product's tiles do for
+    /// the panel they compute next, so that its expand finds them there.
     pub(crate) fn prefetch(self, rows: std::ops::Range<usize>, p: usize) {
         #[cfg(target_arch = "x86_64")]
-        for parts in self.expand.get(rows).unwrap_or_default() {
-            if let Some((part, q)) = Self::part(parts, p) {
-                let bytes = part.b.k * NR * part.b.precision().bytes();
-                let start = part.b.start().wrapping_add(q * bytes);
-                for at in (0..bytes).step_by(64) {
-                    // SAFETY: a prefetch only; the line lies in the part's `B`.
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                            start.wrapping_add(at) as *const i8
-                        )
-                    };
-                }
+        for (start, bytes) in self.panels(rows, p) {
+            for at in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch only; the line lies in the part's `B`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        start.wrapping_add(at) as *const i8
+                    )
+                };
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -2094,6 +2106,51 @@ mod tests {
                 assert_eq!(got, want, "{m} rows, bf16 pairs: {}", w.bf16_dot());
                 assert_eq!(w.matmul_expand(&x, m, &[]), w.matmul(&x, m), "{m} rows, no parts");
             }
+        }
+    }
+
+    #[test]
+    fn the_lines_asked_for_ahead_of_an_expand_are_every_line_of_its_panels_a_shared_panel_once() {
+        let mut rng = SplitMix::new(31);
+        let half = |outputs: usize, rank: usize, rng: &mut SplitMix| {
+            let values: Vec<bf16> = random(outputs * rank, rng).iter().map(|&v| bf16::from_f32(v)).collect();
+            PackedMatrix::from_bf16(&values, outputs, rank)
+        };
+        // Two adapters' `B` of rank 16 (a panel is 16 × 16 halves: 8 lines)
+        // over 48 outputs (3 panels), at column 16 of the product.
+        let (one, two) = (half(48, 16, &mut rng), half(48, 16, &mut rng));
+        let shrunk = vec![0f32; 16];
+        let part = |b| Expand {
+            b,
+            shrunk: &shrunk,
+            first_column: 16,
+            scale: 1.0,
+        };
+        // Rows 0-2 share `one`, row 3 has `two`, row 4 none, row 5 `one` again.
+        let parts: Vec<Vec<Expand<'_>>> = [Some(&one), Some(&one), Some(&one), Some(&two), None, Some(&one)]
+            .into_iter()
+            .map(|b| b.map(part).into_iter().collect())
+            .collect();
+        let lists: Vec<&[Expand<'_>]> = parts.iter().map(Vec::as_slice).collect();
+        let fused = Fused { expand: &lists };
+        let panel_lines = |b: &PackedMatrix, q: usize| -> Vec<*const u8> {
+            let start = b.raw()[q * 16 * NR * 2..].as_ptr();
+            (0..8).map(|l| start.wrapping_add(64 * l)).collect()
+        };
+        for (p, q) in [(1, 0), (3, 2)] {
+            let mut lines = Vec::new();
+            fused.lines(0..6, p, &mut lines);
+            let want = [panel_lines(&one, q), panel_lines(&two, q), panel_lines(&one, q)].concat();
+            assert_eq!(lines, want, "panel {p}");
+            lines.clear();
+            fused.lines(3..5, p, &mut lines);
+            assert_eq!(lines, panel_lines(&two, q), "panel {p}, rows 3 and 4");
+        }
+        // Panels 0 and 4 lie outside every part.
+        for p in [0, 4] {
+            let mut lines = Vec::new();
+            fused.lines(0..6, p, &mut lines);
+            assert!(lines.is_empty(), "panel {p}");
         }
     }
 

@@ -1294,6 +1294,8 @@ unsafe fn part_product(
     } else {
         kernel
     };
+    // The lines of the next panel's expand, listed at the panel's first group.
+    let mut lines: Vec<*const u8> = Vec::new();
     for chunk in (0..m).step_by(MC) {
         let chunk = chunk..(chunk + MC).min(m);
         for g in groups.clone() {
@@ -1319,8 +1321,10 @@ unsafe fn part_product(
                 let pair = g - (g - groups.start) % 2;
                 let in_panel = (g - groups.start) % per_panel;
                 // The next panel's expand, if this task computes it: its
-                // rows' `B` lines asked for a slice before each tile of the
-                // panel's groups (on the tiles: all of them, before the pair).
+                // `B` lines (each panel's once) listed at the panel's first
+                // group, a slice of them to each tile of the panel's groups,
+                // which asks for a few between its blocks (on the tiles: all
+                // of them, before the pair).
                 let next_panel = !expand.is_none() && g - in_panel + per_panel < groups.end;
                 if let Some((unit, scratch)) = byte_tiles.as_mut().filter(|_| whole > 0 && pair + 1 < groups.end) {
                     if g == pair {
@@ -1351,14 +1355,19 @@ unsafe fn part_product(
                 // Whole tiles, then one for each power of two in the rest.
                 let tiles = rest.len() / height + (rest.len() % height).count_ones() as usize;
                 let slots = per_panel * tiles;
+                if next_panel && in_panel == 0 {
+                    lines.clear();
+                    expand.lines(rest.clone(), panel + 1, &mut lines);
+                }
                 let (mut r, mut tile_index) = (rest.start, 0);
                 while r < rest.end {
                     // Tiles of a power of two rows: 3 rows are 2 and 1.
                     let rows = tile_rows(r);
+                    let mut expand_lines: &[*const u8] = &[];
                     if next_panel {
                         let slot = in_panel * tiles + tile_index;
-                        let share = |s: usize| rest.start + s * rest.len() / slots;
-                        expand.prefetch(share(slot)..share(slot + 1), panel + 1);
+                        let share = |s: usize| s * lines.len() / slots;
+                        expand_lines = &lines[share(slot)..share(slot + 1)];
                     }
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
@@ -1371,6 +1380,7 @@ unsafe fn part_product(
                             out: out.0.add(r * n + first_col),
                             ldo: n,
                             cols,
+                            expand_lines,
                         };
                         x86::tile(kernel, part.ty, rows, &tile);
                     }
@@ -1409,6 +1419,9 @@ mod x86 {
         pub out: *mut f32,
         pub ldo: usize,
         pub cols: usize,
+        /// Lines of adapter weights (the fused expand's next panel) to ask
+        /// for into L2, spread over the tile's blocks.
+        pub expand_lines: &'a [*const u8],
     }
 
     /// The formats as const parameters of the kernels.
@@ -2031,6 +2044,7 @@ mod x86 {
                     out,
                     ldo,
                     cols,
+                    expand_lines,
                 } = tile;
                 let ty = format(TY);
                 let (gb, subs) = (ty.group_bytes(), ty.sub_blocks());
@@ -2067,6 +2081,8 @@ mod x86 {
                     }
                     xh[r] = &x.h[2 * (row + r) * nb..][..2 * nb];
                 }
+                // The expand's lines, a few a block.
+                let per_block = expand_lines.len().div_ceil(nb / subs);
                 for fb in 0..nb / subs {
                     // The group's blocks [`PREFETCH_BYTES`] on, every line of
                     // this block's length: the hardware prefetchers stop at
@@ -2075,6 +2091,11 @@ mod x86 {
                     let ahead = blocks.wrapping_add(fb * gb + PREFETCH_BYTES);
                     for line in (0..gb).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                    }
+                    let lines =
+                        (fb * per_block).min(expand_lines.len())..((fb + 1) * per_block).min(expand_lines.len());
+                    for &line in &expand_lines[lines] {
+                        _mm_prefetch::<_MM_HINT_T1>(line as *const i8);
                     }
                     // SAFETY: the caller's contract: group block `fb` and the
                     // rows' blocks lie in range; unaligned reads.
