@@ -1363,12 +1363,13 @@ unsafe fn part_product(
                 while r < rest.end {
                     // Tiles of a power of two rows: 3 rows are 2 and 1.
                     let rows = tile_rows(r);
-                    let mut expand_lines: &[*const u8] = &[];
-                    if next_panel {
+                    let expand_lines: &[*const u8] = if next_panel {
                         let slot = in_panel * tiles + tile_index;
                         let share = |s: usize| s * lines.len() / slots;
-                        expand_lines = &lines[share(slot)..share(slot + 1)];
-                    }
+                        &lines[share(slot)..share(slot + 1)]
+                    } else {
+                        &[]
+                    };
                     // SAFETY: the caller's contract; the group holds `nb × WR`
                     // blocks and each token row `nb` quantized blocks.
                     unsafe {
