@@ -1050,10 +1050,10 @@ impl<'e, 'a> Fused<'e, 'a> {
     }
 
     /// Add the parts on panel `p` to rows `rows` of `out` (`· × ldo`):
-    /// whole panels up to [`EXPAND_WIDE_ROWS`] rows at a time (four on
-    /// AVX2) whose `B` share a precision and a rank, a part's last, partial
-    /// panel up to [`EXPAND_ROWS`] rows at a time, so that their chains of
-    /// multiply-adds run side by side.
+    /// up to [`EXPAND_WIDE_ROWS`] rows at a time (four on AVX2) whose `B`
+    /// share a precision and a rank, whole panels apart from a part's last,
+    /// partial one, so that their chains of multiply-adds run side by side;
+    /// rows of one adapter load each step of their shared panel once.
     ///
     /// # Safety
     /// The caller alone writes panel `p`'s columns of those rows of `out`.
@@ -1105,7 +1105,7 @@ struct RowBatch<'w, const N: usize, const WHOLE: bool> {
 }
 
 /// [`RowBatch`] on the rows kernel: shrinks and a part's partial last panel.
-type PanelBatch<'w> = RowBatch<'w, EXPAND_ROWS, false>;
+type PanelBatch<'w> = RowBatch<'w, EXPAND_WIDE_ROWS, false>;
 
 /// [`RowBatch`] on the expand kernel: [`Fused::add`]'s whole panels.
 type WholeBatch<'w> = RowBatch<'w, EXPAND_WIDE_ROWS, true>;
@@ -1147,10 +1147,17 @@ impl<'w, const N: usize, const WHOLE: bool> RowBatch<'w, N, WHOLE> {
     unsafe fn run(&mut self) {
         let batch = &self.rows[..self.len];
         self.len = 0;
-        let Some(Some((first, ..))) = batch.first() else { return };
+        let Some(&Some((first, first_q, ..))) = batch.first() else {
+            return;
+        };
         let (k, wide) = (first.k, Kernel::best() == Kernel::Avx512);
+        // Rows of one adapter go through one panel: its steps loaded once.
+        let shared = batch
+            .iter()
+            .flatten()
+            .all(|&(w, q, ..)| std::ptr::eq(w, first) && q == first_q);
         macro_rules! run {
-            ($variant:ident, $rows:ident, $expand:ident) => {{
+            ($variant:ident, $rows:ident, $rows_wide:ident, $expand:ident) => {{
                 let mut rows = [PanelRow::NONE; N];
                 for (slot, &(w, q, x, out, scale)) in rows.iter_mut().zip(batch.iter().flatten()) {
                     let Panels::$variant(panels) = &*w.panels else {
@@ -1170,17 +1177,19 @@ impl<'w, const N: usize, const WHOLE: bool> RowBatch<'w, N, WHOLE> {
                 // weights (and `NR` outputs where `WHOLE`).
                 unsafe {
                     if WHOLE {
-                        x86::$expand(rows, k, wide)
+                        x86::$expand(rows, k, wide, shared)
+                    } else if wide {
+                        x86::$rows_wide(rows, k, shared, true)
                     } else {
-                        x86::$rows(rows, k)
+                        rows.chunks(EXPAND_ROWS).for_each(|rows| x86::$rows(rows, k))
                     }
                 };
             }};
         }
         match &*first.panels {
-            Panels::F32(_) => run!(F32, rows_f32, expand_f32),
-            Panels::F16(_) => run!(F16, rows_f16, expand_f16),
-            Panels::Bf16(_) => run!(Bf16, rows_bf16, expand_bf16),
+            Panels::F32(_) => run!(F32, rows_f32, rows_wide_f32, expand_f32),
+            Panels::F16(_) => run!(F16, rows_f16, rows_wide_f16, expand_f16),
+            Panels::Bf16(_) => run!(Bf16, rows_bf16, rows_wide_bf16, expand_bf16),
             Panels::Pairs(_) => unreachable!("bf16 pairs hold a model's own weights, not an adapter's"),
         }
     }
@@ -1646,6 +1655,93 @@ mod x86 {
     rows_kernel!(rows_f16, f16, load_f16);
     rows_kernel!(rows_bf16, bf16, load_bf16);
 
+    /// [`rows_kernel`] on AVX-512, up to [`EXPAND_WIDE_ROWS`](super::EXPAND_WIDE_ROWS)
+    /// rows, one register of [`NR`] outputs each; where every row goes
+    /// through one panel (`shared`: rows of one adapter), each step of the
+    /// panel is loaded once for all of them. Each output summed over `k` as
+    /// [`row_kernel`] sums it: one fused multiply-add a step in order, then
+    /// `out + scale · sum`.
+    macro_rules! rows_wide_kernel {
+        ($name:ident, $t:ty, $load_wide:ident) => {
+            /// # Safety
+            /// The CPU must have AVX2, FMA, F16C and AVX-512F/VL; every row's
+            /// panel must hold `k × NR` weights (`shared`: all the same), its
+            /// input `k` values, its output `cols ≤ NR`.
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+            pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize, shared: bool, ahead: bool) {
+                #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+                #[allow(clippy::modulo_one)] // a line holds one step of an f32 panel
+                unsafe fn run<const N: usize, const SHARED: bool, const AHEAD: bool>(rows: &[PanelRow<$t>], k: usize) {
+                    // SAFETY (body): the caller's contract, for these `N` rows.
+                    unsafe {
+                        const LINE: usize = 64 / (NR * std::mem::size_of::<$t>());
+                        let streams = if SHARED { 1 } else { N };
+                        let mut acc = [_mm512_setzero_ps(); N];
+                        for kk in 0..k {
+                            if AHEAD && kk % LINE == 0 {
+                                for row in &rows[..streams] {
+                                    let at = row.panel.add(kk * NR) as *const i8;
+                                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                                }
+                            }
+                            if SHARED {
+                                let b = $load_wide(rows[0].panel.add(kk * NR));
+                                for g in 0..N {
+                                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(*rows[g].x.add(kk)), b, acc[g]);
+                                }
+                            } else {
+                                for g in 0..N {
+                                    let b = $load_wide(rows[g].panel.add(kk * NR));
+                                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(*rows[g].x.add(kk)), b, acc[g]);
+                                }
+                            }
+                        }
+                        for g in 0..N {
+                            let (out, scale) = (rows[g].out, _mm512_set1_ps(rows[g].scale));
+                            let mask: __mmask16 = if rows[g].cols >= NR {
+                                !0
+                            } else {
+                                (1 << rows[g].cols) - 1
+                            };
+                            // `out + scale · sum`, a multiply then an add, lane by lane.
+                            let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), _mm512_mul_ps(scale, acc[g]));
+                            _mm512_mask_storeu_ps(out, mask, sum);
+                        }
+                    }
+                }
+                // SAFETY (block): the caller's contract.
+                unsafe {
+                    for rows in rows.chunks(super::EXPAND_WIDE_ROWS) {
+                        macro_rules! by_count {
+                            ($shared:literal, $ahead:literal) => {
+                                match rows.len() {
+                                    1 => run::<1, $shared, $ahead>(rows, k),
+                                    2 => run::<2, $shared, $ahead>(rows, k),
+                                    3 => run::<3, $shared, $ahead>(rows, k),
+                                    4 => run::<4, $shared, $ahead>(rows, k),
+                                    5 => run::<5, $shared, $ahead>(rows, k),
+                                    6 => run::<6, $shared, $ahead>(rows, k),
+                                    7 => run::<7, $shared, $ahead>(rows, k),
+                                    _ => run::<8, $shared, $ahead>(rows, k),
+                                }
+                            };
+                        }
+                        match (shared, ahead) {
+                            (true, true) => by_count!(true, true),
+                            (true, false) => by_count!(true, false),
+                            (false, true) => by_count!(false, true),
+                            (false, false) => by_count!(false, false),
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    rows_wide_kernel!(rows_wide_f32, f32, load_f32_wide);
+    rows_wide_kernel!(rows_wide_f16, f16, load_f16_wide);
+    rows_wide_kernel!(rows_wide_bf16, bf16, load_bf16_wide);
+
     row_kernel!(row_f32, f32, load_f32);
     row_kernel!(row_f16, f16, load_f16);
     row_kernel!(row_bf16, bf16, load_bf16);
@@ -1681,13 +1777,13 @@ mod x86 {
     /// output summed over `k` as [`row_kernel`] sums it: one fused
     /// multiply-add a step in order, then `out + scale · sum`.
     macro_rules! expand_kernel {
-        ($name:ident, $t:ty, $load:ident, $load_wide:ident) => {
+        ($name:ident, $t:ty, $load:ident, $rows_wide:ident) => {
             /// # Safety
             /// The CPU must have AVX2, FMA and F16C (and AVX-512F/VL for
-            /// `on_avx512`); every row's panel must hold `k × NR` weights, its
-            /// input `k` values, its output `NR`.
+            /// `on_avx512`); every row's panel must hold `k × NR` weights
+            /// (`shared`: all the same), its input `k` values, its output `NR`.
             #[target_feature(enable = "avx2,fma,f16c")]
-            pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize, on_avx512: bool) {
+            pub(super) unsafe fn $name(rows: &[PanelRow<$t>], k: usize, on_avx512: bool, shared: bool) {
                 #[target_feature(enable = "avx2,fma,f16c")]
                 unsafe fn narrow<const N: usize>(rows: &[PanelRow<$t>], k: usize) {
                     // SAFETY (body): the caller's contract, for these `N` rows.
@@ -1711,41 +1807,10 @@ mod x86 {
                         }
                     }
                 }
-                #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-                unsafe fn wide<const N: usize>(rows: &[PanelRow<$t>], k: usize) {
-                    // SAFETY (body): the caller's contract, for these `N` rows.
-                    unsafe {
-                        let mut acc = [_mm512_setzero_ps(); N];
-                        for kk in 0..k {
-                            for g in 0..N {
-                                let a = _mm512_set1_ps(*rows[g].x.add(kk));
-                                acc[g] = _mm512_fmadd_ps(a, $load_wide(rows[g].panel.add(kk * NR)), acc[g]);
-                            }
-                        }
-                        for g in 0..N {
-                            let (out, scale) = (rows[g].out, _mm512_set1_ps(rows[g].scale));
-                            _mm512_storeu_ps(
-                                out,
-                                _mm512_add_ps(_mm512_loadu_ps(out), _mm512_mul_ps(scale, acc[g])),
-                            );
-                        }
-                    }
-                }
                 // SAFETY (block): the caller's contract.
                 unsafe {
                     if on_avx512 {
-                        for rows in rows.chunks(super::EXPAND_WIDE_ROWS) {
-                            match rows.len() {
-                                1 => wide::<1>(rows, k),
-                                2 => wide::<2>(rows, k),
-                                3 => wide::<3>(rows, k),
-                                4 => wide::<4>(rows, k),
-                                5 => wide::<5>(rows, k),
-                                6 => wide::<6>(rows, k),
-                                7 => wide::<7>(rows, k),
-                                _ => wide::<8>(rows, k),
-                            }
-                        }
+                        $rows_wide(rows, k, shared, false);
                     } else {
                         for rows in rows.chunks(super::EXPAND_ROWS) {
                             match rows.len() {
@@ -1761,9 +1826,9 @@ mod x86 {
         };
     }
 
-    expand_kernel!(expand_f32, f32, load_f32, load_f32_wide);
-    expand_kernel!(expand_f16, f16, load_f16, load_f16_wide);
-    expand_kernel!(expand_bf16, bf16, load_bf16, load_bf16_wide);
+    expand_kernel!(expand_f32, f32, load_f32, rows_wide_f32);
+    expand_kernel!(expand_f16, f16, load_f16, rows_wide_f16);
+    expand_kernel!(expand_bf16, bf16, load_bf16, rows_wide_bf16);
 
     /// Dispatch on the kernel and the tile's height and width, for one element type.
     macro_rules! tile {
@@ -2154,6 +2219,80 @@ mod tests {
         }
     }
 
+    /// A matrix, an input row, its outputs and the scale, for a row kernel.
+    #[cfg(target_arch = "x86_64")]
+    type RowJob<'w> = (&'w PackedMatrix, *const f32, *mut f32, f32);
+
+    /// Row products of `rows` rows (each its own matrix of `outputs × k`,
+    /// or all the first one's where `shared`), through panel `q`, on one of
+    /// this CPU's row kernels (`run`), against [`PackedMatrix::row_add`]: bit
+    /// for bit in every precision.
+    #[cfg(target_arch = "x86_64")]
+    fn row_kernel_matches_row_add(
+        outputs: usize,
+        k: usize,
+        rows: usize,
+        rng: &mut SplitMix,
+        run: &dyn Fn(Vec<RowJob<'_>>, usize, bool),
+    ) {
+        let values: Vec<Vec<f32>> = (0..rows).map(|_| random(outputs * k, rng)).collect();
+        let inputs: Vec<Vec<f32>> = (0..rows).map(|_| random(k, rng)).collect();
+        let scales: Vec<f32> = (0..rows).map(|r| 0.25 * (r + 1) as f32).collect();
+        for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+            let ws: Vec<PackedMatrix> = values
+                .iter()
+                .map(|v| match precision {
+                    Precision::F32 => PackedMatrix::from_f32(v, outputs, k),
+                    Precision::F16 => {
+                        let h: Vec<f16> = v.iter().map(|&v| f16::from_f32(v)).collect();
+                        PackedMatrix::from_f16(&h, outputs, k)
+                    }
+                    Precision::Bf16 => {
+                        let h: Vec<bf16> = v.iter().map(|&v| bf16::from_f32(v)).collect();
+                        PackedMatrix::from_bf16(&h, outputs, k)
+                    }
+                })
+                .collect();
+            let start: Vec<Vec<f32>> = (0..rows).map(|_| random(outputs, rng)).collect();
+            for shared in [false, true] {
+                let w = |r: usize| if shared { &ws[0] } else { &ws[r] };
+                let mut want = start.clone();
+                for (r, out) in want.iter_mut().enumerate() {
+                    assert!(w(r).row_add(&inputs[r], out, scales[r]));
+                }
+                let mut got = start.clone();
+                for q in 0..outputs.div_ceil(NR) {
+                    let jobs = (0..rows)
+                        .zip(&mut got)
+                        .map(|(r, out)| (w(r), inputs[r].as_ptr(), out[q * NR..].as_mut_ptr(), scales[r]))
+                        .collect();
+                    run(jobs, q, shared);
+                }
+                assert_eq!(
+                    got, want,
+                    "{outputs} × {k}, {rows} rows, {precision:?}, shared: {shared}"
+                );
+            }
+        }
+    }
+
+    /// `jobs` as [`PanelRow`]s of panel `q`, for a kernel of `T`.
+    #[cfg(target_arch = "x86_64")]
+    fn panel_rows<T>(jobs: &[RowJob<'_>], q: usize) -> Vec<PanelRow<T>> {
+        jobs.iter()
+            .map(|&(w, x, out, scale)| {
+                assert_eq!(w.precision().bytes(), std::mem::size_of::<T>(), "one precision");
+                PanelRow {
+                    panel: w.raw()[q * w.k * NR * std::mem::size_of::<T>()..].as_ptr() as *const T,
+                    x,
+                    out,
+                    cols: NR.min(w.n - q * NR),
+                    scale,
+                }
+            })
+            .collect()
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_expand_kernels_on_whole_panels_add_what_row_add_adds_on_every_kernel_here() {
@@ -2168,66 +2307,70 @@ mod tests {
             .collect();
         for rank in [1, 4, 16, 33] {
             for rows in 1..=(EXPAND_WIDE_ROWS + 3) {
-                // Each row its own `B` (two panels of outputs) in one precision.
-                let values: Vec<Vec<f32>> = (0..rows).map(|_| random(2 * NR * rank, &mut rng)).collect();
-                let shrunk: Vec<Vec<f32>> = (0..rows).map(|_| random(rank, &mut rng)).collect();
-                let scales: Vec<f32> = (0..rows).map(|r| 0.25 * (r + 1) as f32).collect();
-                for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
-                    let bs: Vec<PackedMatrix> = values
-                        .iter()
-                        .map(|v| match precision {
-                            Precision::F32 => PackedMatrix::from_f32(v, 2 * NR, rank),
-                            Precision::F16 => {
-                                let h: Vec<f16> = v.iter().map(|&v| f16::from_f32(v)).collect();
-                                PackedMatrix::from_f16(&h, 2 * NR, rank)
-                            }
-                            Precision::Bf16 => {
-                                let h: Vec<bf16> = v.iter().map(|&v| bf16::from_f32(v)).collect();
-                                PackedMatrix::from_bf16(&h, 2 * NR, rank)
-                            }
-                        })
-                        .collect();
-                    let start: Vec<Vec<f32>> = (0..rows).map(|_| random(2 * NR, &mut rng)).collect();
-                    let mut want = start.clone();
-                    for ((b, out), (x, &scale)) in bs.iter().zip(&mut want).zip(shrunk.iter().zip(&scales)) {
-                        assert!(b.row_add(x, out, scale));
-                    }
-                    for &wide in &kernels {
-                        let mut got = start.clone();
-                        for q in 0..2 {
-                            macro_rules! run {
-                                ($variant:ident, $kernel:ident) => {{
-                                    let jobs: Vec<_> = bs
-                                        .iter()
-                                        .zip(&mut got)
-                                        .zip(shrunk.iter().zip(&scales))
-                                        .map(|((b, out), (x, &scale))| {
-                                            let Panels::$variant(panels) = &*b.panels else {
-                                                unreachable!()
-                                            };
-                                            PanelRow {
-                                                panel: panels.as_slice()[q * rank * NR..].as_ptr(),
-                                                x: x.as_ptr(),
-                                                out: out[q * NR..].as_mut_ptr(),
-                                                cols: NR,
-                                                scale,
-                                            }
-                                        })
-                                        .collect();
-                                    // SAFETY: AVX2 (and AVX-512 where `wide`) checked above;
-                                    // each panel holds `rank × NR` weights, each output `NR`.
-                                    unsafe { x86::$kernel(&jobs, rank, wide) };
-                                }};
-                            }
-                            match precision {
-                                Precision::F32 => run!(F32, expand_f32),
-                                Precision::F16 => run!(F16, expand_f16),
-                                Precision::Bf16 => run!(Bf16, expand_bf16),
+                for &wide in &kernels {
+                    // Each row its own `B` (two panels of outputs), or one for all.
+                    row_kernel_matches_row_add(2 * NR, rank, rows, &mut rng, &|jobs, q, shared| {
+                        // SAFETY: AVX2 (and AVX-512 where `wide`) checked above;
+                        // each panel holds `rank × NR` weights, each output `NR`.
+                        unsafe {
+                            match jobs[0].0.precision() {
+                                Precision::F32 => x86::expand_f32(&panel_rows(&jobs, q), rank, wide, shared),
+                                Precision::F16 => x86::expand_f16(&panel_rows(&jobs, q), rank, wide, shared),
+                                Precision::Bf16 => x86::expand_bf16(&panel_rows(&jobs, q), rank, wide, shared),
                             }
                         }
-                        assert_eq!(got, want, "rank {rank}, {rows} rows, {precision:?}, AVX-512: {wide}");
-                    }
+                    });
                 }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_row_kernels_add_what_row_add_adds_shared_panel_or_not_on_every_kernel_here() {
+        if !PackedMatrix::rows_direct() {
+            return; // no AVX2 here: callers add the adapters after the product.
+        }
+        let mut rng = SplitMix::new(37);
+        // A rank's worth of outputs (one panel, or a partial second) over
+        // the inputs of a shrink, and odd `k`.
+        for (outputs, k) in [(16, 64), (8, 40), (24, 33)] {
+            for rows in 1..=(EXPAND_WIDE_ROWS + 3) {
+                // AVX2's kernel, four rows at a time.
+                row_kernel_matches_row_add(outputs, k, rows, &mut rng, &|jobs, q, _| {
+                    for jobs in jobs.chunks(EXPAND_ROWS) {
+                        // SAFETY: AVX2 checked above; the shapes are the panels'.
+                        unsafe {
+                            match jobs[0].0.precision() {
+                                Precision::F32 => x86::rows_f32(&panel_rows(jobs, q), k),
+                                Precision::F16 => x86::rows_f16(&panel_rows(jobs, q), k),
+                                Precision::Bf16 => x86::rows_bf16(&panel_rows(jobs, q), k),
+                            }
+                        }
+                    }
+                });
+                if Kernel::best() == Kernel::Avx512 {
+                    row_kernel_matches_row_add(outputs, k, rows, &mut rng, &|jobs, q, shared| {
+                        // SAFETY: AVX-512 checked; the shapes are the panels'.
+                        unsafe {
+                            match jobs[0].0.precision() {
+                                Precision::F32 => x86::rows_wide_f32(&panel_rows(&jobs, q), k, shared, true),
+                                Precision::F16 => x86::rows_wide_f16(&panel_rows(&jobs, q), k, shared, true),
+                                Precision::Bf16 => x86::rows_wide_bf16(&panel_rows(&jobs, q), k, shared, true),
+                            }
+                        }
+                    });
+                }
+                // What the shrinks call: this CPU's best, through `RowBatch`.
+                row_kernel_matches_row_add(outputs, k, rows, &mut rng, &|jobs, q, _| {
+                    let mut batch = PanelBatch::default();
+                    for (w, x, out, scale) in jobs {
+                        // SAFETY: as above; each output its own row's.
+                        unsafe { batch.push(w, q, x, out, scale) };
+                    }
+                    // SAFETY: as above.
+                    unsafe { batch.run() };
+                });
             }
         }
     }
