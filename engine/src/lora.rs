@@ -6,10 +6,6 @@
 //! many adapters in one batch is [`crate::ops::sgmv`]; which adapters are
 //! resident is [`crate::adapters`]'s.
 
-use std::collections::BTreeMap;
-
-use half::{bf16, f16};
-
 use crate::ops::gemm::PackedMatrix;
 pub use lorry_protocol::lora::{
     check_config, check_weights, Adapter, AdapterError, AdapterLimits, LoraWeights, Precision, Target,
@@ -32,7 +28,9 @@ pub struct PackedLora {
 /// An adapter ready to serve: every module packed.
 #[derive(Debug, Clone)]
 pub struct PackedAdapter {
-    modules: BTreeMap<(usize, Target), PackedLora>,
+    /// Layer by layer, [`Target::ALL`]'s order within a layer: what a pass
+    /// looks up for each adapter, layer and projection, one index each.
+    modules: Vec<Option<PackedLora>>,
     key: [u8; 32],
 }
 
@@ -46,13 +44,18 @@ impl PackedAdapter {
 
     /// Memory the packed weights take.
     pub fn bytes(&self) -> usize {
-        self.modules.values().map(|m| m.a.bytes() + m.b.bytes()).sum()
+        self.modules.iter().flatten().map(|m| m.a.bytes() + m.b.bytes()).sum()
     }
 
     /// The module adapting `target` in `layer`, if the adapter has one.
     pub fn module(&self, layer: usize, target: Target) -> Option<&PackedLora> {
-        self.modules.get(&(layer, target))
+        self.modules.get(slot(layer, target))?.as_ref()
     }
+}
+
+/// Where [`PackedAdapter::module`] keeps `target` of `layer`.
+fn slot(layer: usize, target: Target) -> usize {
+    layer * Target::ALL.len() + target as usize
 }
 
 /// The content key of [`PackedAdapter::key`].
@@ -71,33 +74,25 @@ fn content_key(adapter: &Adapter) -> [u8; 32] {
 impl PackedAdapter {
     /// Pack every module of a checked adapter for the forward pass.
     pub fn new(adapter: &Adapter) -> PackedAdapter {
+        let slots = adapter
+            .modules
+            .keys()
+            .map(|&(layer, target)| slot(layer, target) + 1)
+            .max();
+        let mut modules: Vec<Option<PackedLora>> = vec![None; slots.unwrap_or(0)];
+        for (&(layer, target), m) in &adapter.modules {
+            let inputs = m.a.len() / m.rank;
+            let outputs = m.b.len() / m.rank;
+            let pack = |values: &[f32], n: usize, k: usize| PackedMatrix::from_f32_in(m.precision, values, n, k);
+            modules[slot(layer, target)] = Some(PackedLora {
+                a: pack(&m.a, m.rank, inputs),
+                b: pack(&m.b, outputs, m.rank),
+                scale: m.scale,
+            });
+        }
         PackedAdapter {
             key: content_key(adapter),
-            modules: adapter
-                .modules
-                .iter()
-                .map(|(&at, m)| {
-                    let inputs = m.a.len() / m.rank;
-                    let outputs = m.b.len() / m.rank;
-                    let pack = |values: &[f32], n: usize, k: usize| match m.precision {
-                        Precision::F32 => PackedMatrix::from_f32(values, n, k),
-                        Precision::F16 => {
-                            let halves: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
-                            PackedMatrix::from_f16(&halves, n, k)
-                        }
-                        Precision::Bf16 => {
-                            let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-                            PackedMatrix::from_bf16(&halves, n, k)
-                        }
-                    };
-                    let packed = PackedLora {
-                        a: pack(&m.a, m.rank, inputs),
-                        b: pack(&m.b, outputs, m.rank),
-                        scale: m.scale,
-                    };
-                    (at, packed)
-                })
-                .collect(),
+            modules,
         }
     }
 }

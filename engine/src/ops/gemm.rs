@@ -409,6 +409,16 @@ impl PackedMatrix {
         Self::new(n, k, Panels::Bf16(pack(w, n, k)))
     }
 
+    /// Pack an f32 `n × k` row-major matrix in `precision`: each value
+    /// rounded to it (to nearest, ties to even).
+    pub(crate) fn from_f32_in(precision: Precision, w: &[f32], n: usize, k: usize) -> Self {
+        match precision {
+            Precision::F32 => Self::from_f32(w, n, k),
+            Precision::F16 => Self::from_f16(&w.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>(), n, k),
+            Precision::Bf16 => Self::from_bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(), n, k),
+        }
+    }
+
     /// Pack a 2-D `(n, k)` tensor in its own precision (f32, f16 or bf16;
     /// any other dtype is converted to f32).
     pub fn from_tensor(w: &Tensor) -> candle_core::Result<Self> {
@@ -2241,17 +2251,7 @@ mod tests {
         for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
             let ws: Vec<PackedMatrix> = values
                 .iter()
-                .map(|v| match precision {
-                    Precision::F32 => PackedMatrix::from_f32(v, outputs, k),
-                    Precision::F16 => {
-                        let h: Vec<f16> = v.iter().map(|&v| f16::from_f32(v)).collect();
-                        PackedMatrix::from_f16(&h, outputs, k)
-                    }
-                    Precision::Bf16 => {
-                        let h: Vec<bf16> = v.iter().map(|&v| bf16::from_f32(v)).collect();
-                        PackedMatrix::from_bf16(&h, outputs, k)
-                    }
-                })
+                .map(|v| PackedMatrix::from_f32_in(precision, v, outputs, k))
                 .collect();
             let start: Vec<Vec<f32>> = (0..rows).map(|_| random(outputs, rng)).collect();
             for shared in [false, true] {
