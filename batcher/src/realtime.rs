@@ -263,6 +263,23 @@ type Waiters = Arc<Mutex<HashMap<String, (u64, mpsc::Sender<Reply>)>>>;
 /// client can make the API hold an unbounded backlog.
 pub const MAX_BUFFERED_REPLIES: usize = 1024;
 
+/// Tries of [`RealtimeClient::submit`] where the broker did not take a request.
+pub const SUBMIT_ATTEMPTS: u32 = 4;
+
+/// The wait before [`RealtimeClient::submit`]'s second try, doubled before each
+/// one after it.
+const SUBMIT_BACKOFF: Duration = Duration::from_millis(10);
+
+/// How one try of [`RealtimeClient::submit`] failed.
+enum Submit {
+    /// The broker holds no copy of the request, and a new try may find the
+    /// lane's queue: tried again.
+    Again(BatcherError),
+    /// The lane is full, the broker unreachable, or the request's fate
+    /// unknown (the connection lost before its confirm): answered as is.
+    Final(BatcherError),
+}
+
 struct Link {
     /// Which link this is (replies of requests published on it come only to it).
     id: u64,
@@ -384,13 +401,39 @@ impl RealtimeClient {
     }
 
     /// Publish a request; its replies arrive on the returned channel. The message
-    /// expires unserved after `timeout`.
+    /// expires unserved after `timeout`. Where the broker did not take it —
+    /// the lane's queue missing (deleted, or not yet ready: another declarer
+    /// may still be making it when this link's declare returns) or the
+    /// message returned or refused — it is published again, up to
+    /// [`SUBMIT_ATTEMPTS`] tries in all, on a link that declares the lanes
+    /// afresh where the failure closed the last one. A publish whose fate is
+    /// unknown (the connection lost before its confirm) is not repeated.
     pub async fn submit(
         &self,
         request: &RtRequest,
         timeout: Duration,
     ) -> Result<(String, mpsc::Receiver<Reply>), BatcherError> {
-        let link = self.link().await?;
+        let mut attempt = 1;
+        loop {
+            match self.submit_once(request, timeout).await {
+                Ok(submitted) => return Ok(submitted),
+                Err(Submit::Again(e)) if attempt < SUBMIT_ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt, "the broker did not take a real-time request; asking again");
+                    tokio::time::sleep(SUBMIT_BACKOFF * (1 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(Submit::Again(e) | Submit::Final(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// One try of [`RealtimeClient::submit`].
+    async fn submit_once(
+        &self,
+        request: &RtRequest,
+        timeout: Duration,
+    ) -> Result<(String, mpsc::Receiver<Reply>), Submit> {
+        let link = self.link().await.map_err(Submit::Final)?;
         let queue = self.topology.rt_queue(&request.model);
         let depth = link
             .publisher
@@ -403,10 +446,11 @@ impl RealtimeClient {
                 },
                 FieldTable::default(),
             )
-            .await?
+            .await
+            .map_err(|e| Submit::Again(e.into()))?
             .message_count();
         if depth >= self.max_depth {
-            return Err(BatcherError::Saturated);
+            return Err(Submit::Final(BatcherError::Saturated));
         }
         let correlation = uuid::Uuid::new_v4().simple().to_string();
         let (tx, rx) = mpsc::channel(MAX_BUFFERED_REPLIES);
@@ -420,10 +464,14 @@ impl RealtimeClient {
             .with_expiration(timeout.as_millis().to_string().into());
         let traceparent = crate::trace::traceparent(&tracing::Span::current());
         let properties = crate::trace::with_traceparent(properties, traceparent.as_deref());
-        let body = serde_json::to_vec(request)?;
+        let body = serde_json::to_vec(request).map_err(|e| Submit::Final(e.into()))?;
         if let Err(e) = link.publisher.publish("", &queue, &body, properties).await {
             self.forget(&correlation);
-            return Err(e);
+            return Err(match e {
+                // Returned or refused: the broker holds no copy.
+                BatcherError::NotConfirmed(_) => Submit::Again(e),
+                e => Submit::Final(e),
+            });
         }
         Ok((correlation, rx))
     }

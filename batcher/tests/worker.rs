@@ -3,8 +3,9 @@
 //! engine whose every answer is decided by its prompt, so redelivery,
 //! deferral, failures, deleted adapters and dead-lettering are each
 //! reproduced exactly, with no timing involved; and the worker's consumers
-//! on the real broker for what only the broker can do (a real-time request
-//! that expires in its queue).
+//! and the API's real-time client on the real broker for what only the
+//! broker can do (a real-time request that expires in its queue, a lane's
+//! queue deleted under a live link).
 
 mod support;
 
@@ -16,7 +17,7 @@ use lorry_batcher::broker::{self, Topology};
 use lorry_batcher::finaliser::{Finaliser, FinaliserConfig};
 use lorry_batcher::ids::{AccountId, BatchId};
 use lorry_batcher::model::{BatchStatus, Chunk, RequestStatus, Shape};
-use lorry_batcher::realtime::RtRequest;
+use lorry_batcher::realtime::{RealtimeClient, RtRequest};
 use lorry_batcher::store::{Created, NewBatch, NewRequest, Store};
 use lorry_batcher::worker::{Worker, WorkerConfig};
 use lorry_engine::input::Prompt;
@@ -353,6 +354,21 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
     // 3.10 a quorum queue deleted while its worker starts can take down the
     // node's supervisor of them (`dead_letter_workers_started` in
     // tests/e2e/common.rs says how, and waits the same way).
+    dead_letter_workers_started().await;
+    for queue in [
+        lane.topology.rt_queue(MODEL),
+        lane.topology.batch_queue(MODEL),
+        lane.topology.batch_ahead_queue(MODEL),
+        dlq,
+    ] {
+        let _ = channel.queue_delete(&queue, Default::default()).await;
+    }
+}
+
+/// Wait until every quorum queue's dead-letter worker has started, before
+/// queues are deleted (see `dead_letter_workers_started` in
+/// tests/e2e/common.rs).
+async fn dead_letter_workers_started() {
     let _ = tokio::process::Command::new("rabbitmqctl")
         .args([
             "-q",
@@ -361,11 +377,44 @@ async fn a_real_time_request_that_expired_in_its_queue_is_dropped_unserved(pool:
         ])
         .output()
         .await;
+}
+
+#[tokio::test]
+async fn a_real_time_request_finds_its_lane_declared_again_after_its_queue_was_deleted() {
+    let prefix = format!("lorry-test-rt-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let topology = Topology::new(&prefix, 5);
+    let client = RealtimeClient::new(&amqp_url(), topology.clone(), vec![MODEL.into()], 64);
+    let request = RtRequest {
+        model: MODEL.into(),
+        request: ValidRequest::parse(Task::Echo, &json!({"prompt": "ok:rt"})).unwrap(),
+        account_id: Some(AccountId("acct".into())),
+    };
+    let queue = topology.rt_queue(MODEL);
+    // The first request opens the client's link, which declares the lanes.
+    client.submit(&request, Duration::from_secs(600)).await.unwrap();
+    let connection = broker::connect(&amqp_url(), "lorry-test").await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    assert_eq!(depth(&channel, &queue).await, 1);
+    // The queue goes (an operator, an expiry policy) while the link lives:
+    // the next request is not lost to a 503 but published on a link that
+    // declares the lane again.
+    dead_letter_workers_started().await;
+    channel.queue_delete(&queue, Default::default()).await.unwrap();
+    client
+        .submit(&request, Duration::from_secs(600))
+        .await
+        .expect("published onto the lane declared again");
+    assert_eq!(
+        depth(&channel, &queue).await,
+        1,
+        "the second request alone, in the new queue"
+    );
+    dead_letter_workers_started().await;
     for queue in [
-        lane.topology.rt_queue(MODEL),
-        lane.topology.batch_queue(MODEL),
-        lane.topology.batch_ahead_queue(MODEL),
-        dlq,
+        queue,
+        topology.batch_queue(MODEL),
+        topology.batch_ahead_queue(MODEL),
+        topology.dead_letter_queue(),
     ] {
         let _ = channel.queue_delete(&queue, Default::default()).await;
     }
