@@ -1063,7 +1063,8 @@ impl<'e, 'a> Fused<'e, 'a> {
     /// up to [`EXPAND_WIDE_ROWS`] rows at a time (four on AVX2) whose `B`
     /// share a precision and a rank, whole panels apart from a part's last,
     /// partial one, so that their chains of multiply-adds run side by side;
-    /// rows of one adapter load each step of their shared panel once.
+    /// on AVX-512, rows of one adapter load each step of their shared panel
+    /// once.
     ///
     /// # Safety
     /// The caller alone writes panel `p`'s columns of those rows of `out`.
