@@ -2189,8 +2189,7 @@ mod tests {
     fn the_lines_asked_for_ahead_of_an_expand_are_every_line_of_its_panels_a_shared_panel_once() {
         let mut rng = SplitMix::new(31);
         let half = |outputs: usize, rank: usize, rng: &mut SplitMix| {
-            let values: Vec<bf16> = random(outputs * rank, rng).iter().map(|&v| bf16::from_f32(v)).collect();
-            PackedMatrix::from_bf16(&values, outputs, rank)
+            PackedMatrix::from_f32_in(Precision::Bf16, &random(outputs * rank, rng), outputs, rank)
         };
         // Two adapters' `B` of rank 16 (a panel is 16 × 16 halves: 8 lines)
         // over 48 outputs (3 panels), at column 16 of the product.
