@@ -693,3 +693,90 @@ fn the_expand_fused_into_a_quantized_product_adds_what_the_separate_pass_adds() 
     }];
     assert!(CpuSgmv.apply_fused(&uneven, &x, 1, &one).is_err());
 }
+
+#[test]
+fn the_adapters_beside_the_product_add_what_the_separate_pass_adds() {
+    use lorry_engine::lora::PackedLora;
+    use lorry_engine::ops::gemm::PackedMatrix;
+    use lorry_engine::ops::quant::{QuantMatrix, QuantType};
+    use lorry_engine::ops::sgmv::{Base, CpuSgmv, Segment};
+    if !PackedMatrix::rows_direct() {
+        return; // no AVX2 here: the separate pass is the only one.
+    }
+    let mut random = uniform_values(13);
+    let inputs = 256;
+    // Two stacked projections, 64 and 48 outputs (q and k, say), the last
+    // panel of the second half full.
+    let quant = QuantMatrix::stack(&[
+        QuantMatrix::quantize(QuantType::Q4_1, &random(64 * inputs), 64, inputs).unwrap(),
+        QuantMatrix::quantize(QuantType::Q8_0, &random(40 * inputs), 40, inputs).unwrap(),
+    ])
+    .unwrap();
+    let float = PackedMatrix::from_f32(&random(104 * inputs), 104, inputs);
+    // A matrix in a precision, through the tensor an adapter file gives.
+    let mut packed = |n: usize, k: usize, dtype: DType| {
+        let w = Tensor::from_vec(random(n * k), (n, k), &Device::Cpu).unwrap();
+        PackedMatrix::from_tensor(&w.to_dtype(dtype).unwrap()).unwrap()
+    };
+    // Adapters of ranks 4, 8 and 16 in f32, f16 and bf16, each on both
+    // projections: a decoding step's rows, most with an adapter of their
+    // own, five sharing one, the last three with none.
+    let dtypes = [DType::F32, DType::BF16, DType::F16];
+    let adapters: Vec<[PackedLora; 2]> = (0..13)
+        .map(|i| {
+            let (rank, dtype) = ([4, 8, 16][i % 3], dtypes[(i / 3) % 3]);
+            [(64, 0.5), (40, 2.0)].map(|(out, scale)| PackedLora {
+                a: packed(rank, inputs, dtype),
+                b: packed(out, rank, dtype),
+                scale,
+            })
+        })
+        .collect();
+    let tokens = 20;
+    let rows: Vec<Vec<usize>> = (0..13).map(|i| if i < 12 { vec![i] } else { (12..17).collect() }).collect();
+    let segments: Vec<Segment<'_>> = adapters
+        .iter()
+        .zip(&rows)
+        .flat_map(|([q, k], rows)| {
+            [
+                Segment {
+                    module: q,
+                    rows,
+                    offset: 0,
+                },
+                Segment {
+                    module: k,
+                    rows,
+                    offset: 64,
+                },
+            ]
+        })
+        .collect();
+    let x = random(tokens * inputs);
+    for (name, w) in [("quantized", Base::Quant(&quant)), ("float", Base::Packed(&float))] {
+        let plain = match w {
+            Base::Quant(w) => w.matmul(&x, tokens),
+            Base::Packed(w) => w.matmul(&x, tokens),
+        };
+        let beside = CpuSgmv.apply_beside(w, &x, tokens, &segments).unwrap();
+        let mut separate = plain.clone();
+        CpuSgmv
+            .apply_rows(&x, inputs, &mut separate, plain.len() / tokens, &segments)
+            .unwrap();
+        assert_eq!(beside, separate, "{name}: beside the product");
+        assert_eq!(beside, CpuSgmv.apply_fused(w, &x, tokens, &segments).unwrap(), "{name}: inside it");
+        for r in 0..tokens {
+            let row = r * plain.len() / tokens..(r + 1) * plain.len() / tokens;
+            assert_eq!(beside[row.clone()] == plain[row], r >= 17, "{name}: row {r} changed or not");
+        }
+    }
+    // A pre-fill's rows (64 for one adapter) are not a decoding step's.
+    let many: Vec<usize> = (0..64).collect();
+    let prefill = [Segment {
+        module: &adapters[0][0],
+        rows: &many,
+        offset: 0,
+    }];
+    let x = random(64 * inputs);
+    assert!(CpuSgmv.apply_beside(&quant, &x, 64, &prefill).is_err());
+}

@@ -13,13 +13,16 @@
 //! run first, side by side on the cores, and the product's task that has
 //! just computed a panel of outputs adds each row's `scale · shrunk·Bᵀ` for
 //! those columns, so the adapters' `B` bytes are read while the cores
-//! multiply the base's. Otherwise [`CpuSgmv::apply_rows`] runs after the
-//! product. Every path gives every output the same sums, bit for bit.
+//! multiply the base's. Where those adapters read a megabyte or more for
+//! one product (many distinct adapters), they run beside the product
+//! instead ([`CpuSgmv::apply_beside`]): one thread streams their weights
+//! while the others multiply. Otherwise [`CpuSgmv::apply_rows`] runs after
+//! the product. Every path gives every output the same sums, bit for bit.
 
 use candle_core::Tensor;
 
 use crate::lora::PackedLora;
-use crate::ops::gemm::{Expand, PackedMatrix, RowProduct};
+use crate::ops::gemm::{EXPAND_WIDE_ROWS, Expand, Fused, NR, PackedMatrix, RowProduct};
 use crate::ops::quant::QuantMatrix;
 
 /// A base product the adapters' expand can run inside
@@ -110,6 +113,11 @@ const FEW_ROWS: usize = 8;
 /// `A` and `B` then stay in cache from one row to the next). From it on
 /// (pre-fill chunks) the shrinks go through tiles.
 const FUSED_ROWS: usize = 64;
+
+/// From this many bytes of adapter weights in one product (a core's L2,
+/// about), [`CpuSgmv::apply_fused`] runs a decoding step's adapters beside
+/// the product ([`CpuSgmv::apply_beside`]) rather than inside it.
+const BESIDE_BYTES: usize = 1 << 20;
 
 impl Sgmv for CpuSgmv {
     fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor> {
@@ -209,7 +217,7 @@ impl CpuSgmv {
     /// after the product read each `B` once for all its rows.
     pub(crate) fn fusable(segments: &[Segment<'_>]) -> bool {
         PackedMatrix::rows_direct()
-            && segments.iter().all(|s| s.offset % crate::ops::gemm::NR == 0)
+            && segments.iter().all(|s| s.offset % NR == 0)
             && segments.iter().any(|s| s.rows.len() < FUSED_ROWS)
     }
 
@@ -230,29 +238,11 @@ impl CpuSgmv {
     ) -> candle_core::Result<Vec<f32>> {
         use rayon::prelude::*;
         let w = w.into();
-        if !w.fusable() {
-            candle_core::bail!("sgmv: the base's quantized parts do not start on panels");
+        check_fused(w, tokens, segments)?;
+        if Self::beside(segments) {
+            return self.apply_beside(w, x, tokens, segments);
         }
         let inputs = w.inputs();
-        let mut rows_seen = vec![None; tokens];
-        for (i, segment) in segments.iter().enumerate() {
-            let module = segment.module;
-            if module.a.inputs() != inputs
-                || segment.offset + module.b.outputs() > w.outputs()
-                || module.b.inputs() != module.a.outputs()
-                || segment.offset % crate::ops::gemm::NR != 0
-            {
-                candle_core::bail!("sgmv: a projection out of place at column {}", segment.offset);
-            }
-            for &r in segment.rows {
-                // Segments over the same rows are one adapter's projections.
-                match rows_seen.get_mut(r) {
-                    Some(seen @ None) => *seen = Some(segment.rows),
-                    Some(Some(rows)) if *rows == segment.rows => {}
-                    _ => candle_core::bail!("sgmv: row {r} is out of range or in two adapters' rows (segment {i})"),
-                }
-            }
-        }
         // The shrinks. A segment of a decoding step's rows (one row, the
         // usual case, or the rows of a shared adapter) goes row by row, every
         // such row of every segment in one list whose products run several
@@ -279,18 +269,7 @@ impl CpuSgmv {
             .collect();
         let (_, tiled_shrunk) = rayon::join(
             || {
-                let mut products = Vec::with_capacity(few.len());
-                let mut rest = few_shrunk.as_mut_slice();
-                for &(i, r) in &few {
-                    let a = &segments[i].module.a;
-                    let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
-                    rest = tail;
-                    products.push(RowProduct {
-                        w: a,
-                        x: &x[r * inputs..(r + 1) * inputs],
-                        out,
-                    });
-                }
+                let mut products = row_shrinks(x, inputs, segments, &few, &mut few_shrunk);
                 let per_task = products.len().div_ceil(4 * threads).max(1);
                 products.par_chunks_mut(per_task).for_each(|chunk| {
                     PackedMatrix::row_products(chunk);
@@ -303,19 +282,7 @@ impl CpuSgmv {
                     .collect::<Vec<_>>()
             },
         );
-        let mut expand: Vec<Vec<Expand<'_>>> = vec![Vec::new(); tokens];
-        let mut rest = few_shrunk.as_slice();
-        for &(i, r) in &few {
-            let segment = &segments[i];
-            let (shrunk, tail) = rest.split_at(segment.module.a.outputs());
-            rest = tail;
-            expand[r].push(Expand {
-                b: &segment.module.b,
-                shrunk,
-                first_column: segment.offset,
-                scale: segment.module.scale,
-            });
-        }
+        let mut expand = expand_lists(tokens, segments, &few, &few_shrunk, None);
         for ((i, range), shrunk) in tiled.iter().zip(&tiled_shrunk) {
             let segment = &segments[*i];
             let rank = segment.module.a.outputs();
@@ -331,6 +298,169 @@ impl CpuSgmv {
         let expand: Vec<&[Expand<'_>]> = expand.iter().map(Vec::as_slice).collect();
         Ok(w.matmul_expand(x, tokens, &expand))
     }
+}
+
+impl CpuSgmv {
+    /// Whether [`CpuSgmv::apply_fused`] runs `segments` beside the product
+    /// ([`CpuSgmv::apply_beside`]): a pool of more than one thread, and a
+    /// decoding step's rows only, whose adapters read at least
+    /// [`BESIDE_BYTES`] for this product (many distinct adapters, whose
+    /// weights come from memory).
+    pub(crate) fn beside(segments: &[Segment<'_>]) -> bool {
+        rayon::current_num_threads() > 1
+            && segments.iter().all(|s| s.rows.len() < FUSED_ROWS)
+            && segments
+                .iter()
+                .map(|s| s.module.a.bytes() + s.module.b.bytes())
+                .sum::<usize>()
+                >= BESIDE_BYTES
+    }
+
+    /// What [`CpuSgmv::apply_fused`] gives, bit for bit, with the adapters
+    /// beside the product rather than inside it: one thread runs every
+    /// row's shrink and then its expand into a buffer of its own (`shrunk·Bᵀ`,
+    /// each adapter's weights read front to back), while the pool's other
+    /// threads start the base product, which this thread joins when it is
+    /// done; each row then gets `out + scale · sum`. Where every row has
+    /// its own adapter, their bytes stream from memory on one core while
+    /// the others multiply, instead of every core waiting on them in turn.
+    /// Needs what [`CpuSgmv::apply_fused`] needs, and a decoding step's
+    /// rows (fewer than 64 for each adapter).
+    pub fn apply_beside<'w>(
+        &self,
+        w: impl Into<Base<'w>>,
+        x: &[f32],
+        tokens: usize,
+        segments: &[Segment<'_>],
+    ) -> candle_core::Result<Vec<f32>> {
+        let w = w.into();
+        check_fused(w, tokens, segments)?;
+        if !PackedMatrix::rows_direct() {
+            candle_core::bail!("sgmv: the adapters beside the product need AVX2, FMA and F16C");
+        }
+        if let Some(s) = segments.iter().find(|s| s.rows.len() >= FUSED_ROWS) {
+            candle_core::bail!("sgmv: {} rows of one adapter are a pre-fill's, not a decoding step's", s.rows.len());
+        }
+        let (inputs, outputs) = (w.inputs(), w.outputs());
+        let rows: Vec<(usize, usize)> = segments
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| s.rows.iter().map(move |&r| (i, r)))
+            .collect();
+        // `-0 + 1 · sum` is each sum exactly, a zero's sign included.
+        let mut sums = vec![-0f32; tokens * outputs];
+        let ((), mut y) = rayon::join(
+            || {
+                let mut shrunk = vec![0f32; rows.iter().map(|&(i, _)| segments[i].module.a.outputs()).sum()];
+                PackedMatrix::row_products(&mut row_shrinks(x, inputs, segments, &rows, &mut shrunk));
+                let lists = expand_lists(tokens, segments, &rows, &shrunk, Some(1.0));
+                let lists: Vec<&[Expand<'_>]> = lists.iter().map(Vec::as_slice).collect();
+                let expand = Fused::checked(&lists, tokens, outputs);
+                // Eight rows at a time, panel after panel: each row's `B`
+                // read front to back.
+                for first in (0..tokens).step_by(EXPAND_WIDE_ROWS) {
+                    for p in 0..outputs.div_ceil(NR) {
+                        // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
+                        unsafe {
+                            expand.add(first..(first + EXPAND_WIDE_ROWS).min(tokens), p, sums.as_mut_ptr(), outputs)
+                        };
+                    }
+                }
+            },
+            || w.matmul_expand(x, tokens, &[]),
+        );
+        for segment in segments {
+            let (columns, scale) = (segment.module.b.outputs(), segment.module.scale);
+            for &r in segment.rows {
+                let at = r * outputs + segment.offset;
+                // `out + scale · sum`, a multiply then an add, as inside the product.
+                for (y, sum) in y[at..at + columns].iter_mut().zip(&sums[at..at + columns]) {
+                    *y += scale * sum;
+                }
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// [`CpuSgmv::apply_fused`]'s checks: the base's parts start on panels, and
+/// each segment's projection fits the product, starts on a panel, and has
+/// rows in range that no other adapter claims.
+fn check_fused(w: Base<'_>, tokens: usize, segments: &[Segment<'_>]) -> candle_core::Result<()> {
+    if !w.fusable() {
+        candle_core::bail!("sgmv: the base's quantized parts do not start on panels");
+    }
+    let inputs = w.inputs();
+    let mut rows_seen = vec![None; tokens];
+    for (i, segment) in segments.iter().enumerate() {
+        let module = segment.module;
+        if module.a.inputs() != inputs
+            || segment.offset + module.b.outputs() > w.outputs()
+            || module.b.inputs() != module.a.outputs()
+            || segment.offset % NR != 0
+        {
+            candle_core::bail!("sgmv: a projection out of place at column {}", segment.offset);
+        }
+        for &r in segment.rows {
+            // Segments over the same rows are one adapter's projections.
+            match rows_seen.get_mut(r) {
+                Some(seen @ None) => *seen = Some(segment.rows),
+                Some(Some(rows)) if *rows == segment.rows => {}
+                _ => candle_core::bail!("sgmv: row {r} is out of range or in two adapters' rows (segment {i})"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One row product per `(segment, row)` of `rows`: the row of `x` times the
+/// segment's `A`, into `rank` values of `shrunk` each, in order.
+fn row_shrinks<'a>(
+    x: &'a [f32],
+    inputs: usize,
+    segments: &[Segment<'a>],
+    rows: &[(usize, usize)],
+    shrunk: &'a mut [f32],
+) -> Vec<RowProduct<'a>> {
+    let mut products = Vec::with_capacity(rows.len());
+    let mut rest = shrunk;
+    for &(i, r) in rows {
+        let a = &segments[i].module.a;
+        let (out, tail) = std::mem::take(&mut rest).split_at_mut(a.outputs());
+        rest = tail;
+        products.push(RowProduct {
+            w: a,
+            x: &x[r * inputs..(r + 1) * inputs],
+            out,
+        });
+    }
+    products
+}
+
+/// Each row's expand list (`tokens` of them) for the `(segment, row)` pairs
+/// of `rows`, whose shrunk inputs lie in `shrunk` in that order; each part
+/// at its segment's scale, or at `scale`.
+fn expand_lists<'a>(
+    tokens: usize,
+    segments: &[Segment<'a>],
+    rows: &[(usize, usize)],
+    shrunk: &'a [f32],
+    scale: Option<f32>,
+) -> Vec<Vec<Expand<'a>>> {
+    let mut expand: Vec<Vec<Expand<'a>>> = vec![Vec::new(); tokens];
+    let mut rest = shrunk;
+    for &(i, r) in rows {
+        let segment = &segments[i];
+        let (shrunk, tail) = rest.split_at(segment.module.a.outputs());
+        rest = tail;
+        expand[r].push(Expand {
+            b: &segment.module.b,
+            shrunk,
+            first_column: segment.offset,
+            scale: scale.unwrap_or(segment.module.scale),
+        });
+    }
+    expand
 }
 
 /// `x[rows]·Aᵀ` (`rows × rank`, row-major) on this thread's tiles.
