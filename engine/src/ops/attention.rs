@@ -8,10 +8,10 @@
 
 /// AVX-512F beside AVX2 and FMA: the weighted sums take a head's values in
 /// 512-bit registers, one pass over the positions.
-fn has_avx512f() -> bool {
+pub(crate) fn has_avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        has_avx2_fma() && std::is_x86_feature_detected!("avx512f")
+        has_avx2_fma() && super::avx512_allowed() && std::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

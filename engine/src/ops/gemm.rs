@@ -114,7 +114,11 @@ impl Kernel {
             let avx2 = std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c");
-            if avx2 && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512vl") {
+            if avx2
+                && super::avx512_allowed()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512vl")
+            {
                 kernels.push(Kernel::Avx512);
             }
             if avx2 {

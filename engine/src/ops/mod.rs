@@ -15,6 +15,15 @@ pub mod sgmv;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+/// Whether the kernels may use AVX-512 where the CPU has it (the default):
+/// `LORRY_AVX512=off` keeps every kernel to AVX2 (AVX-VNNI included, which
+/// is not an AVX-512 extension), and so AMX off too, as on a CPU without
+/// AVX-512: the same runs compare the two on one machine. Read once.
+pub fn avx512_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| !std::env::var("LORRY_AVX512").is_ok_and(|v| v.eq_ignore_ascii_case("off")))
+}
+
 /// Run `f` (a forward pass) on a thread of rayon's pool, with the pool's
 /// other threads kept awake until it returns: each takes the pass's parallel
 /// work as soon as it is split off, instead of going to sleep in the pass's
@@ -196,6 +205,52 @@ mod tests {
     use rayon::prelude::*;
 
     use super::hot_pass;
+
+    /// `LORRY_AVX512=off` is read once at a process's start, so the test
+    /// runs itself again in a process of its own with it set.
+    #[test]
+    fn lorry_avx512_off_keeps_every_kernel_to_avx2() {
+        use super::gemm::{bf16_dot_available, Kernel, PairKernel};
+        use super::quant::QuantKernel;
+        const NAME: &str = "ops::tests::lorry_avx512_off_keeps_every_kernel_to_avx2";
+        let (gemm, quant) = (Kernel::available(), QuantKernel::available());
+        if std::env::var_os("LORRY_AVX512_CHILD").is_some() {
+            assert!(!super::avx512_allowed());
+            assert!(!gemm.contains(&Kernel::Avx512), "{gemm:?}");
+            assert!(
+                !quant.iter().any(|k| matches!(k, QuantKernel::Amx | QuantKernel::Avx512Vnni)),
+                "{quant:?}"
+            );
+            assert!(!bf16_dot_available());
+            assert_eq!(PairKernel::available(), [PairKernel::Portable]);
+            assert!(!super::attention::has_avx512f());
+            return;
+        }
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("LORRY_AVX512", "off")
+            .env("LORRY_AVX512_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&child.stdout);
+        assert!(
+            child.status.success() && stdout.contains("1 passed"),
+            "{stdout}{}",
+            String::from_utf8_lossy(&child.stderr)
+        );
+        // Without it, a CPU with AVX-512 keeps its kernels.
+        #[cfg(target_arch = "x86_64")]
+        if std::env::var_os("LORRY_AVX512").is_none()
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512vl")
+        {
+            assert_eq!(Kernel::best(), Kernel::Avx512);
+            assert!(super::attention::has_avx512f());
+        }
+    }
 
     fn pool(threads: usize) -> rayon::ThreadPool {
         rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()

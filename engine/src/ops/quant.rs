@@ -136,13 +136,18 @@ impl QuantKernel {
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c");
             let avx512 = avx2
+                && super::avx512_allowed()
                 && std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512bw")
                 && std::is_x86_feature_detected!("avx512vl");
             if avx512 && std::is_x86_feature_detected!("avx512vnni") && super::amx::int8_available() {
                 kernels.push(QuantKernel::Amx);
             }
-            if avx2 && std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+            if avx2
+                && super::avx512_allowed()
+                && std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512vl")
+            {
                 kernels.push(QuantKernel::Avx512Vnni);
             }
             if avx2 && std::is_x86_feature_detected!("avxvnni") {
