@@ -733,7 +733,9 @@ fn the_adapters_beside_the_product_add_what_the_separate_pass_adds() {
         })
         .collect();
     let tokens = 20;
-    let rows: Vec<Vec<usize>> = (0..13).map(|i| if i < 12 { vec![i] } else { (12..17).collect() }).collect();
+    let rows: Vec<Vec<usize>> = (0..13)
+        .map(|i| if i < 12 { vec![i] } else { (12..17).collect() })
+        .collect();
     let segments: Vec<Segment<'_>> = adapters
         .iter()
         .zip(&rows)
@@ -764,10 +766,18 @@ fn the_adapters_beside_the_product_add_what_the_separate_pass_adds() {
             .apply_rows(&x, inputs, &mut separate, plain.len() / tokens, &segments)
             .unwrap();
         assert_eq!(beside, separate, "{name}: beside the product");
-        assert_eq!(beside, CpuSgmv.apply_fused(w, &x, tokens, &segments).unwrap(), "{name}: inside it");
+        assert_eq!(
+            beside,
+            CpuSgmv.apply_fused(w, &x, tokens, &segments).unwrap(),
+            "{name}: inside it"
+        );
         for r in 0..tokens {
             let row = r * plain.len() / tokens..(r + 1) * plain.len() / tokens;
-            assert_eq!(beside[row.clone()] == plain[row], r >= 17, "{name}: row {r} changed or not");
+            assert_eq!(
+                beside[row.clone()] == plain[row],
+                r >= 17,
+                "{name}: row {r} changed or not"
+            );
         }
     }
     // A pre-fill's rows (64 for one adapter) are not a decoding step's.

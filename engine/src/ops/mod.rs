@@ -218,7 +218,9 @@ mod tests {
             assert!(!super::avx512_allowed());
             assert!(!gemm.contains(&Kernel::Avx512), "{gemm:?}");
             assert!(
-                !quant.iter().any(|k| matches!(k, QuantKernel::Amx | QuantKernel::Avx512Vnni)),
+                !quant
+                    .iter()
+                    .any(|k| matches!(k, QuantKernel::Amx | QuantKernel::Avx512Vnni)),
                 "{quant:?}"
             );
             assert!(!bf16_dot_available());

@@ -22,7 +22,7 @@
 use candle_core::Tensor;
 
 use crate::lora::PackedLora;
-use crate::ops::gemm::{EXPAND_WIDE_ROWS, Expand, Fused, NR, PackedMatrix, RowProduct};
+use crate::ops::gemm::{Expand, Fused, PackedMatrix, RowProduct, EXPAND_WIDE_ROWS, NR};
 use crate::ops::quant::QuantMatrix;
 
 /// A base product the adapters' expand can run inside
@@ -339,7 +339,10 @@ impl CpuSgmv {
             candle_core::bail!("sgmv: the adapters beside the product need AVX2, FMA and F16C");
         }
         if let Some(s) = segments.iter().find(|s| s.rows.len() >= FUSED_ROWS) {
-            candle_core::bail!("sgmv: {} rows of one adapter are a pre-fill's, not a decoding step's", s.rows.len());
+            candle_core::bail!(
+                "sgmv: {} rows of one adapter are a pre-fill's, not a decoding step's",
+                s.rows.len()
+            );
         }
         let (inputs, outputs) = (w.inputs(), w.outputs());
         let rows: Vec<(usize, usize)> = segments
@@ -362,7 +365,12 @@ impl CpuSgmv {
                     for p in 0..outputs.div_ceil(NR) {
                         // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
                         unsafe {
-                            expand.add(first..(first + EXPAND_WIDE_ROWS).min(tokens), p, sums.as_mut_ptr(), outputs)
+                            expand.add(
+                                first..(first + EXPAND_WIDE_ROWS).min(tokens),
+                                p,
+                                sums.as_mut_ptr(),
+                                outputs,
+                            )
                         };
                     }
                 }
