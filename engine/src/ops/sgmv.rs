@@ -227,7 +227,9 @@ impl CpuSgmv {
     /// first each segment's shrink `x[rows]·Aᵀ`, side by side on the cores,
     /// then one product whose tasks add each row's `scale · shrunk·Bᵀ` to
     /// the panels they have just computed. The same sums as the product
-    /// followed by [`CpuSgmv::apply_rows`], bit for bit. Needs
+    /// followed by [`CpuSgmv::apply_rows`], bit for bit. A decoding step
+    /// whose adapters read a megabyte or more here runs beside the product
+    /// instead ([`CpuSgmv::apply_beside`], the same sums). Needs
     /// [`CpuSgmv::fusable`] and [`Base::fusable`].
     pub fn apply_fused<'w>(
         &self,
