@@ -364,16 +364,13 @@ impl CpuSgmv {
                 // Eight rows at a time, panel after panel: each row's `B`
                 // read front to back.
                 for first in (0..tokens).step_by(EXPAND_WIDE_ROWS) {
+                    let batch = first..(first + EXPAND_WIDE_ROWS).min(tokens);
                     for p in 0..outputs.div_ceil(NR) {
+                        // The next panel's lines asked for while this one's
+                        // are multiplied.
+                        expand.prefetch(batch.clone(), p + 1);
                         // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
-                        unsafe {
-                            expand.add(
-                                first..(first + EXPAND_WIDE_ROWS).min(tokens),
-                                p,
-                                sums.as_mut_ptr(),
-                                outputs,
-                            )
-                        };
+                        unsafe { expand.add(batch.clone(), p, sums.as_mut_ptr(), outputs) };
                     }
                 }
             },
