@@ -352,10 +352,10 @@ impl CpuSgmv {
             .enumerate()
             .flat_map(|(i, s)| s.rows.iter().map(move |&r| (i, r)))
             .collect();
-        // `-0 + 1 · sum` is each sum exactly, a zero's sign included.
-        let mut sums = vec![-0f32; tokens * outputs];
-        let ((), mut y) = rayon::join(
+        let (sums, mut y) = rayon::join(
             || {
+                // `-0 + 1 · sum` is each sum exactly, a zero's sign included.
+                let mut sums = vec![-0f32; tokens * outputs];
                 let mut shrunk = vec![0f32; rows.iter().map(|&(i, _)| segments[i].module.a.outputs()).sum()];
                 PackedMatrix::row_products(&mut row_shrinks(x, inputs, segments, &rows, &mut shrunk));
                 let lists = expand_lists(tokens, segments, &rows, &shrunk, Some(1.0));
@@ -373,6 +373,7 @@ impl CpuSgmv {
                         unsafe { expand.add(batch.clone(), p, sums.as_mut_ptr(), outputs) };
                     }
                 }
+                sums
             },
             || w.matmul_expand(x, tokens, &[]),
         );
