@@ -268,7 +268,7 @@ pub const SUBMIT_ATTEMPTS: u32 = 4;
 
 /// The wait before [`RealtimeClient::submit`]'s second try, doubled before each
 /// one after it.
-const SUBMIT_BACKOFF: Duration = Duration::from_millis(10);
+const SUBMIT_BACKOFF: Duration = Duration::from_millis(20);
 
 /// How one try of [`RealtimeClient::submit`] failed.
 enum Submit {
@@ -419,7 +419,7 @@ impl RealtimeClient {
                 Ok(submitted) => return Ok(submitted),
                 Err(Submit::Again(e)) if attempt < SUBMIT_ATTEMPTS => {
                     tracing::debug!(error = %e, attempt, "the broker did not take a real-time request; asking again");
-                    tokio::time::sleep(SUBMIT_BACKOFF * (1 << attempt)).await;
+                    tokio::time::sleep(SUBMIT_BACKOFF * (1 << (attempt - 1))).await;
                     attempt += 1;
                 }
                 Err(Submit::Again(e) | Submit::Final(e)) => return Err(e),

@@ -705,7 +705,7 @@ fn the_adapters_beside_the_product_add_what_the_separate_pass_adds() {
     }
     let mut random = uniform_values(13);
     let inputs = 256;
-    // Two stacked projections, 64 and 48 outputs (q and k, say), the last
+    // Two stacked projections, 64 and 40 outputs (q and k, say), the last
     // panel of the second half full.
     let quant = QuantMatrix::stack(&[
         QuantMatrix::quantize(QuantType::Q4_1, &random(64 * inputs), 64, inputs).unwrap(),

@@ -242,7 +242,7 @@ impl CpuSgmv {
         let w = w.into();
         check_fused(w, tokens, segments)?;
         if Self::beside(segments) {
-            return self.apply_beside(w, x, tokens, segments);
+            return Ok(beside_product(w, x, tokens, segments));
         }
         let inputs = w.inputs();
         // The shrinks. A segment of a decoding step's rows (one row, the
@@ -346,49 +346,54 @@ impl CpuSgmv {
                 s.rows.len()
             );
         }
-        let (inputs, outputs) = (w.inputs(), w.outputs());
-        let rows: Vec<(usize, usize)> = segments
-            .iter()
-            .enumerate()
-            .flat_map(|(i, s)| s.rows.iter().map(move |&r| (i, r)))
-            .collect();
-        let (sums, mut y) = rayon::join(
-            || {
-                // `-0 + 1 · sum` is each sum exactly, a zero's sign included.
-                let mut sums = vec![-0f32; tokens * outputs];
-                let mut shrunk = vec![0f32; rows.iter().map(|&(i, _)| segments[i].module.a.outputs()).sum()];
-                PackedMatrix::row_products(&mut row_shrinks(x, inputs, segments, &rows, &mut shrunk));
-                let lists = expand_lists(tokens, segments, &rows, &shrunk, Some(1.0));
-                let lists: Vec<&[Expand<'_>]> = lists.iter().map(Vec::as_slice).collect();
-                let expand = Fused::checked(&lists, tokens, outputs);
-                // Eight rows at a time, panel after panel: each row's `B`
-                // read front to back.
-                for first in (0..tokens).step_by(EXPAND_WIDE_ROWS) {
-                    let batch = first..(first + EXPAND_WIDE_ROWS).min(tokens);
-                    for p in 0..outputs.div_ceil(NR) {
-                        // The next panel's lines asked for while this one's
-                        // are multiplied.
-                        expand.prefetch(batch.clone(), p + 1);
-                        // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
-                        unsafe { expand.add(batch.clone(), p, sums.as_mut_ptr(), outputs) };
-                    }
-                }
-                sums
-            },
-            || w.matmul_expand(x, tokens, &[]),
-        );
-        for segment in segments {
-            let (columns, scale) = (segment.module.b.outputs(), segment.module.scale);
-            for &r in segment.rows {
-                let at = r * outputs + segment.offset;
-                // `out + scale · sum`, a multiply then an add, as inside the product.
-                for (y, sum) in y[at..at + columns].iter_mut().zip(&sums[at..at + columns]) {
-                    *y += scale * sum;
+        Ok(beside_product(w, x, tokens, segments))
+    }
+}
+
+/// [`CpuSgmv::apply_beside`] on segments it has checked.
+fn beside_product(w: Base<'_>, x: &[f32], tokens: usize, segments: &[Segment<'_>]) -> Vec<f32> {
+    let (inputs, outputs) = (w.inputs(), w.outputs());
+    let rows: Vec<(usize, usize)> = segments
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| s.rows.iter().map(move |&r| (i, r)))
+        .collect();
+    let (sums, mut y) = rayon::join(
+        || {
+            // `-0 + 1 · sum` is each sum exactly, a zero's sign included.
+            let mut sums = vec![-0f32; tokens * outputs];
+            let mut shrunk = vec![0f32; rows.iter().map(|&(i, _)| segments[i].module.a.outputs()).sum()];
+            PackedMatrix::row_products(&mut row_shrinks(x, inputs, segments, &rows, &mut shrunk));
+            let lists = expand_lists(tokens, segments, &rows, &shrunk, Some(1.0));
+            let lists: Vec<&[Expand<'_>]> = lists.iter().map(Vec::as_slice).collect();
+            let expand = Fused::checked(&lists, tokens, outputs);
+            // Eight rows at a time, panel after panel: each row's `B`
+            // read front to back.
+            for first in (0..tokens).step_by(EXPAND_WIDE_ROWS) {
+                let batch = first..(first + EXPAND_WIDE_ROWS).min(tokens);
+                for p in 0..outputs.div_ceil(NR) {
+                    // The next panel's lines asked for while this one's
+                    // are multiplied.
+                    expand.prefetch(batch.clone(), p + 1);
+                    // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
+                    unsafe { expand.add(batch.clone(), p, sums.as_mut_ptr(), outputs) };
                 }
             }
+            sums
+        },
+        || w.matmul_expand(x, tokens, &[]),
+    );
+    for segment in segments {
+        let (columns, scale) = (segment.module.b.outputs(), segment.module.scale);
+        for &r in segment.rows {
+            let at = r * outputs + segment.offset;
+            // `out + scale · sum`, a multiply then an add, as inside the product.
+            for (y, sum) in y[at..at + columns].iter_mut().zip(&sums[at..at + columns]) {
+                *y += scale * sum;
+            }
         }
-        Ok(y)
     }
+    y
 }
 
 /// [`CpuSgmv::apply_fused`]'s checks: the base's parts start on panels, and
