@@ -92,6 +92,28 @@ pub(crate) const DOT_PANELS: usize = 4;
 /// page boundaries; the explicit prefetch runs on across them.
 const PREFETCH_BYTES: usize = 1024;
 
+/// How far ahead of the current step the rows kernels ask for each row's
+/// weights into L2, beyond the line they ask for into L1 [`PREFETCH_BYTES`]
+/// ahead: a thread streaming many rows' adapters from memory (every row its
+/// own weights, each a short stream) keeps more lines in flight than L1's
+/// misses allow. [`PackedMatrix::row_products`] asks for the first this many
+/// bytes of the next batch's panels while a batch runs.
+pub(crate) const STREAM_AHEAD_BYTES: usize = 2048;
+
+/// Ask for `bytes` from `start` into L2, a line at a time. A prefetch
+/// reads nothing and never faults.
+pub(crate) fn prefetch_l2(start: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch only.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(start.wrapping_add(at) as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, bytes);
+}
+
 /// Which kernel a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
@@ -1048,19 +1070,9 @@ impl<'e, 'a> Fused<'e, 'a> {
     /// for `rows`, into L2 (each panel's once): what a product's tiles do for
     /// the panel they compute next, so that its expand finds them there.
     pub(crate) fn prefetch(self, rows: std::ops::Range<usize>, p: usize) {
-        #[cfg(target_arch = "x86_64")]
         for (start, bytes) in self.panels(rows, p) {
-            for at in (0..bytes).step_by(64) {
-                // SAFETY: a prefetch only; the line lies in the part's `B`.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                        start.wrapping_add(at) as *const i8
-                    )
-                };
-            }
+            prefetch_l2(start, bytes);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (rows, p);
     }
 
     /// Add the parts on panel `p` to rows `rows` of `out` (`· × ldo`):
@@ -1232,7 +1244,16 @@ impl PackedMatrix {
             return false;
         }
         let mut batch = PanelBatch::default();
-        for product in products.iter_mut() {
+        // The head of each product's weights, asked for from the product a
+        // batch before it on (the rows kernel asks for the rest on the way).
+        let heads: Vec<(*const u8, usize)> = products
+            .iter()
+            .map(|p| (p.w.start(), p.w.raw().len().min(STREAM_AHEAD_BYTES)))
+            .collect();
+        for (j, product) in products.iter_mut().enumerate() {
+            if let Some(&(start, bytes)) = heads.get(j + EXPAND_WIDE_ROWS) {
+                prefetch_l2(start, bytes);
+            }
             let w = product.w;
             assert!(product.x.len() == w.k && product.out.len() == w.n, "row product shape");
             product.out.fill(0.0);
@@ -1406,7 +1427,7 @@ mod x86 {
 
     use super::{
         Kernel, PairJob, PanelRow, Tile, TileJob, DOT_PANELS, EXPAND_LINE_STEPS, MR, MR_DOT, MR_WIDE, NR,
-        PREFETCH_BYTES,
+        PREFETCH_BYTES, STREAM_AHEAD_BYTES,
     };
 
     #[inline]
@@ -1625,6 +1646,7 @@ mod x86 {
                                     for g in 0..$g {
                                         let at = rows[g].panel.add(kk * NR) as *const i8;
                                         _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                                        _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(STREAM_AHEAD_BYTES));
                                     }
                                 }
                                 for g in 0..$g {
@@ -1697,6 +1719,7 @@ mod x86 {
                                 for row in &rows[..streams] {
                                     let at = row.panel.add(kk * NR) as *const i8;
                                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(STREAM_AHEAD_BYTES));
                                 }
                             }
                             if SHARED {

@@ -119,6 +119,11 @@ const FUSED_ROWS: usize = 64;
 /// the product ([`CpuSgmv::apply_beside`]) rather than inside it.
 const BESIDE_BYTES: usize = 1 << 20;
 
+/// How many panels ahead of the one it multiplies the expand beside the
+/// product asks for each row's `B` (a rank-16 bf16 panel is 512 bytes:
+/// [`crate::ops::gemm::STREAM_AHEAD_BYTES`] of each row's stream).
+const BESIDE_AHEAD_PANELS: usize = 4;
+
 impl Sgmv for CpuSgmv {
     fn apply(&self, x: &Tensor, y: Tensor, segments: &[Segment<'_>]) -> candle_core::Result<Tensor> {
         if segments.is_empty() {
@@ -372,9 +377,12 @@ fn beside_product(w: Base<'_>, x: &[f32], tokens: usize, segments: &[Segment<'_>
             for first in (0..tokens).step_by(EXPAND_WIDE_ROWS) {
                 let batch = first..(first + EXPAND_WIDE_ROWS).min(tokens);
                 for p in 0..outputs.div_ceil(NR) {
-                    // The next panel's lines asked for while this one's
-                    // are multiplied.
-                    expand.prefetch(batch.clone(), p + 1);
+                    // The lines of the panels ahead asked for while this
+                    // one's are multiplied: at the first, each of them.
+                    let ahead = if p == 0 { 1 } else { BESIDE_AHEAD_PANELS };
+                    for q in p + ahead..=p + BESIDE_AHEAD_PANELS {
+                        expand.prefetch(batch.clone(), q);
+                    }
                     // SAFETY: this thread alone writes `sums`, `tokens × outputs`.
                     unsafe { expand.add(batch.clone(), p, sums.as_mut_ptr(), outputs) };
                 }
