@@ -97,7 +97,7 @@ const PREFETCH_BYTES: usize = 1024;
 /// ahead: a thread streaming many rows' adapters from memory (every row its
 /// own weights, each a short stream) keeps more lines in flight than L1's
 /// misses allow. [`PackedMatrix::row_products`] asks for the first this many
-/// bytes of the next batch's panels while a batch runs.
+/// bytes of each product's weights a batch of products ahead.
 pub(crate) const STREAM_AHEAD_BYTES: usize = 2048;
 
 /// Ask for `bytes` from `start` into L2, a line at a time. A prefetch
