@@ -1244,16 +1244,13 @@ impl PackedMatrix {
             return false;
         }
         let mut batch = PanelBatch::default();
-        // The head of each product's weights, asked for from the product a
-        // batch before it on (the rows kernel asks for the rest on the way).
-        let heads: Vec<(*const u8, usize)> = products
-            .iter()
-            .map(|p| (p.w.start(), p.w.raw().len().min(STREAM_AHEAD_BYTES)))
-            .collect();
-        for (j, product) in products.iter_mut().enumerate() {
-            if let Some(&(start, bytes)) = heads.get(j + EXPAND_WIDE_ROWS) {
-                prefetch_l2(start, bytes);
+        for j in 0..products.len() {
+            // The head of the weights a batch of products on (the rows
+            // kernel asks for the rest on the way).
+            if let Some(ahead) = products.get(j + EXPAND_WIDE_ROWS) {
+                prefetch_l2(ahead.w.start(), ahead.w.raw().len().min(STREAM_AHEAD_BYTES));
             }
+            let product = &mut products[j];
             let w = product.w;
             assert!(product.x.len() == w.k && product.out.len() == w.n, "row product shape");
             product.out.fill(0.0);
