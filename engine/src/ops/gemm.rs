@@ -100,20 +100,6 @@ const PREFETCH_BYTES: usize = 1024;
 /// bytes of each product's weights a batch of products ahead.
 pub(crate) const STREAM_AHEAD_BYTES: usize = 2048;
 
-/// Ask for `bytes` from `start` into L2, a line at a time. A prefetch
-/// reads nothing and never faults.
-pub(crate) fn prefetch_l2(start: *const u8, bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for at in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch only.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(start.wrapping_add(at) as *const i8)
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (start, bytes);
-}
-
 /// Which kernel a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
@@ -1071,7 +1057,7 @@ impl<'e, 'a> Fused<'e, 'a> {
     /// the panel they compute next, so that its expand finds them there.
     pub(crate) fn prefetch(self, rows: std::ops::Range<usize>, p: usize) {
         for (start, bytes) in self.panels(rows, p) {
-            prefetch_l2(start, bytes);
+            super::prefetch_l2(start, bytes);
         }
     }
 
@@ -1248,7 +1234,7 @@ impl PackedMatrix {
             // The head of the weights a batch of products on (the rows
             // kernel asks for the rest on the way).
             if let Some(ahead) = products.get(j + EXPAND_WIDE_ROWS) {
-                prefetch_l2(ahead.w.start(), ahead.w.raw().len().min(STREAM_AHEAD_BYTES));
+                super::prefetch_l2(ahead.w.start(), ahead.w.raw().len().min(STREAM_AHEAD_BYTES));
             }
             let product = &mut products[j];
             let w = product.w;

@@ -24,6 +24,20 @@ pub fn avx512_allowed() -> bool {
     *ALLOWED.get_or_init(|| !std::env::var("LORRY_AVX512").is_ok_and(|v| v.eq_ignore_ascii_case("off")))
 }
 
+/// Ask for `bytes` from `start` into L2, a line at a time. A prefetch
+/// reads nothing and never faults.
+pub(crate) fn prefetch_l2(start: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch only.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(start.wrapping_add(at) as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, bytes);
+}
+
 /// Run `f` (a forward pass) on a thread of rayon's pool, with the pool's
 /// other threads kept awake until it returns: each takes the pass's parallel
 /// work as soon as it is split off, instead of going to sleep in the pass's
@@ -187,15 +201,9 @@ pub(crate) mod ahead {
         let Some(pieces) = lock().next() else {
             return false;
         };
-        #[cfg(target_arch = "x86_64")]
         for (start, len) in pieces {
-            for line in (start..start + len).step_by(64) {
-                // SAFETY: a prefetch reads nothing and never faults.
-                unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line as *const i8) };
-            }
+            super::prefetch_l2(start as *const u8, len);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = pieces;
         true
     }
 }
