@@ -135,29 +135,66 @@ impl KvCache {
             .collect();
         let stored = &self.layers[layer];
         let (kv_heads, groups) = (self.layout.kv_heads, heads / self.layout.kv_heads);
-        let mut out = vec![0f32; queries.len()];
-        // One task per row and key-value head: a decoding step of one
-        // sequence then runs on every core too. Each head's sums are its
-        // own, whichever thread computes them.
-        out.par_chunks_mut(groups * d)
-            .zip(queries.par_chunks(groups * d))
-            .enumerate()
-            .for_each_init(Scratch::default, |scratch, (i, (out, query))| {
-                self.attend_head(stored, rows[i / kv_heads], i % kv_heads, query, out, scratch);
+        let width = groups * d;
+        // One task per row, key-value head and stretch of its positions: a
+        // decoding step of one sequence then has two tasks per key-value
+        // head once it sees more than `ATTENTION_STRETCH` positions, and
+        // the cores share them evenly. A stretch's sums are its own,
+        // whichever thread computes them, and how a row is cut depends on
+        // its positions alone.
+        let mut parts = Vec::new();
+        let mut first_part = Vec::with_capacity(rows.len() * kv_heads + 1);
+        for (unit, row) in (0..rows.len() * kv_heads).map(|unit| (unit, rows[unit / kv_heads])) {
+            first_part.push(parts.len());
+            let stretch = ATTENTION_STRETCH.max(row.len().div_ceil(ATTENTION_STRETCHES));
+            parts.extend((0..row.len()).step_by(stretch).map(|start| Part {
+                unit,
+                positions: start..(start + stretch).min(row.len()),
+            }));
+        }
+        first_part.push(parts.len());
+        // Each part's weighted sums before the division, and each query
+        // head's largest scaled score and sum of exponentials.
+        let mut sums = vec![0f32; parts.len() * width];
+        let mut stats = vec![0f32; parts.len() * 2 * groups];
+        sums.par_chunks_mut(width)
+            .zip(stats.par_chunks_mut(2 * groups))
+            .zip(parts.par_iter())
+            .for_each_init(Scratch::default, |scratch, ((sums, stats), part)| {
+                let (row, kv_head) = (part.unit / kv_heads, part.unit % kv_heads);
+                let query = &queries[part.unit * width..][..width];
+                let slots = &rows[row][part.positions.clone()];
+                let (max, total) = stats.split_at_mut(groups);
+                self.attend_part(stored, slots, kv_head, query, sums, max, total, scratch);
             });
+        let mut out = vec![0f32; queries.len()];
+        out.par_chunks_mut(width).enumerate().for_each(|(unit, out)| {
+            let parts = first_part[unit]..first_part[unit + 1];
+            combine(
+                &sums[parts.start * width..parts.end * width],
+                &stats[parts.start * 2 * groups..parts.end * 2 * groups],
+                groups,
+                out,
+            );
+        });
         out
     }
 
-    /// One query row's attention over the positions at `slots`, for the
-    /// query heads of key-value head `kv_head` (`query` and `out` hold
-    /// theirs).
-    fn attend_head(
+    /// One query row's attention over the positions at `slots` (a stretch
+    /// of them), for the query heads of key-value head `kv_head` (`query`
+    /// holds theirs): each head's weighted sum of values before the
+    /// division onto `sums`, its largest scaled score into `max` and its
+    /// sum of exponentials into `total`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_part(
         &self,
         stored: &LayerKv,
         slots: &[usize],
         kv_head: usize,
         query: &[f32],
-        out: &mut [f32],
+        sums: &mut [f32],
+        max: &mut [f32],
+        total: &mut [f32],
         scratch: &mut Scratch,
     ) {
         let d = self.layout.head_dim;
@@ -166,7 +203,11 @@ impl KvCache {
         // Scores `[position][query head of the group]`: each key and value
         // is read once for all the query heads that share it. `scores`
         // writes every one, so the buffer is only sized, not cleared.
-        let Scratch { weights, max, total } = scratch;
+        let Scratch {
+            weights,
+            max: m,
+            total: t,
+        } = scratch;
         weights.resize(slots.len() * groups, 0.0);
         let gathered = |data| Gathered {
             data,
@@ -175,11 +216,10 @@ impl KvCache {
             d,
         };
         scores(query, gathered(&stored.keys), weights);
-        softmax_unnormalised(weights, groups, scale, max, total);
-        weighted_sum(weights, gathered(&stored.values), out);
-        for (o, t) in out.chunks_exact_mut(d).zip(total.iter()) {
-            o.iter_mut().for_each(|v| *v /= t);
-        }
+        softmax_unnormalised(weights, groups, scale, m, t);
+        weighted_sum(weights, gathered(&stored.values), sums);
+        max.copy_from_slice(m);
+        total.copy_from_slice(t);
     }
 
     /// The offsets of positions `0..len` of a sequence, block by block.
@@ -195,6 +235,59 @@ impl KvCache {
             }
         }
         offsets
+    }
+}
+
+/// A row that sees more positions than this is cut into stretches, one
+/// task each, whose sums [`combine`] puts together.
+const ATTENTION_STRETCH: usize = 64;
+
+/// The most stretches a row is cut into (each but the last of
+/// `max(ATTENTION_STRETCH, ⌈positions / ATTENTION_STRETCHES⌉)` positions):
+/// enough for one sequence's key-value heads to share two cores evenly;
+/// each stretch starts its streams of keys and values from memory anew.
+const ATTENTION_STRETCHES: usize = 2;
+
+/// One task of [`KvCache::attend`]: a row and key-value head (`unit`, the
+/// row times the key-value heads plus the head) and a stretch of the
+/// positions it sees.
+struct Part {
+    unit: usize,
+    positions: std::ops::Range<usize>,
+}
+
+/// One row's attention for the query heads of one key-value head, into
+/// `out` (`groups` heads), from its stretches' weighted sums (`sums`, each
+/// `groups × d`) and their largest scaled scores and sums of exponentials
+/// (`stats`, each `groups` of either). A single stretch's sums are divided
+/// by its total as they are; several are brought to their common largest
+/// score first, `e^(m − M)` each, and added in order.
+fn combine(sums: &[f32], stats: &[f32], groups: usize, out: &mut [f32]) {
+    let d = out.len() / groups;
+    let parts = stats.len() / (2 * groups);
+    if parts == 1 {
+        for ((out, sums), t) in out.chunks_exact_mut(d).zip(sums.chunks_exact(d)).zip(&stats[groups..]) {
+            for (o, s) in out.iter_mut().zip(sums) {
+                *o = s / t;
+            }
+        }
+        return;
+    }
+    for (j, out) in out.chunks_exact_mut(d).enumerate() {
+        let stat = |p: usize| (stats[p * 2 * groups + j], stats[p * 2 * groups + groups + j]);
+        let largest = (0..parts).map(|p| stat(p).0).fold(f32::NEG_INFINITY, f32::max);
+        out.fill(0.0);
+        let mut total = 0.0;
+        for p in 0..parts {
+            let (m, t) = stat(p);
+            let factor = (m - largest).exp();
+            total += factor * t;
+            let sums = &sums[(p * groups + j) * d..][..d];
+            for (o, s) in out.iter_mut().zip(sums) {
+                *o += factor * s;
+            }
+        }
+        out.iter_mut().for_each(|o| *o /= total);
     }
 }
 
@@ -259,7 +352,7 @@ fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mu
     }
 }
 
-/// A worker's buffers for [`KvCache::attend_head`], kept across the rows and heads it takes.
+/// A worker's buffers for [`KvCache::attend_part`], kept across the rows and heads it takes.
 #[derive(Default)]
 struct Scratch {
     weights: Vec<f32>,
@@ -443,6 +536,68 @@ mod tests {
                 let got = cache.attend(0, &[alone], heads, q);
                 assert_eq!(got, together[row * heads * 16..(row + 1) * heads * 16], "row {row}");
                 row += 1;
+            }
+        }
+    }
+
+    /// Rows that see more positions than one task takes, cut into
+    /// stretches and put together again: each row attends as the reference
+    /// does over all it sees, and as it does alone, bit for bit, when a
+    /// pre-fill's rows of every length are computed together.
+    #[test]
+    fn rows_cut_into_stretches_attend_over_every_position() {
+        let (kv_heads, heads, d) = (3, 9, 64);
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads,
+            head_dim: d,
+            block_size: 16,
+        };
+        let len = 700;
+        let mut pool = BlockPool::new(64, 16);
+        let mut cache = KvCache::new(layout, 64);
+        let mut rng = SplitMix::new(21);
+        let mut table = BlockTable::default();
+        table.append(&mut pool, len).unwrap();
+        let width = kv_heads * d;
+        let (keys, values) = (random(len * width, &mut rng), random(len * width, &mut rng));
+        let all = AttentionSeq {
+            blocks: table.blocks(),
+            start: 0,
+            len,
+        };
+        cache.write(0, &[all], &keys, &values);
+        let queries = random(len * heads * d, &mut rng);
+        let together = cache.attend(0, &[all], heads, &queries);
+        let per_head = |data: &[f32], kv: usize, seen: usize| -> Vec<Vec<f32>> {
+            (0..seen).map(|p| data[p * width + kv * d..][..d].to_vec()).collect()
+        };
+        // One stretch; two, the second of one position; two halves of long rows.
+        for position in [0, 62, 63, 64, 127, 128, 300, 511, 512, 513, 699] {
+            let row = &queries[position * heads * d..][..heads * d];
+            let alone = AttentionSeq {
+                blocks: table.blocks(),
+                start: position,
+                len: 1,
+            };
+            let got = cache.attend(0, &[alone], heads, row);
+            assert_eq!(
+                got,
+                together[position * heads * d..][..heads * d],
+                "position {position}"
+            );
+            for h in 0..heads {
+                let kv = h / (heads / kv_heads);
+                let seen = position + 1;
+                let want = reference(
+                    &row[h * d..][..d],
+                    &per_head(&keys, kv, seen),
+                    &per_head(&values, kv, seen),
+                    d,
+                );
+                for (g, w) in got[h * d..][..d].iter().zip(&want) {
+                    assert!((g - w).abs() < 2e-5, "position {position}, head {h}: {g} vs {w}");
+                }
             }
         }
     }
