@@ -136,47 +136,72 @@ impl KvCache {
         let stored = &self.layers[layer];
         let (kv_heads, groups) = (self.layout.kv_heads, heads / self.layout.kv_heads);
         let width = groups * d;
+        let units = rows.len() * kv_heads;
         // One task per row, key-value head and stretch of its positions: a
         // decoding step of one sequence then has two tasks per key-value
         // head once it sees more than `ATTENTION_STRETCH` positions, and
         // the cores share them evenly. A stretch's sums are its own,
-        // whichever thread computes them, and how a row is cut depends on
-        // its positions alone.
-        let mut parts = Vec::new();
-        let mut first_part = Vec::with_capacity(rows.len() * kv_heads + 1);
-        for (unit, row) in (0..rows.len() * kv_heads).map(|unit| (unit, rows[unit / kv_heads])) {
-            first_part.push(parts.len());
-            let stretch = ATTENTION_STRETCH.max(row.len().div_ceil(ATTENTION_STRETCHES));
-            parts.extend((0..row.len()).step_by(stretch).map(|start| Part {
-                unit,
-                positions: start..(start + stretch).min(row.len()),
-            }));
-        }
-        first_part.push(parts.len());
-        // Each part's weighted sums before the division, and each query
-        // head's largest scaled score and sum of exponentials.
-        let mut sums = vec![0f32; parts.len() * width];
-        let mut stats = vec![0f32; parts.len() * 2 * groups];
-        sums.par_chunks_mut(width)
-            .zip(stats.par_chunks_mut(2 * groups))
-            .zip(parts.par_iter())
-            .for_each_init(Scratch::default, |scratch, ((sums, stats), part)| {
-                let (row, kv_head) = (part.unit / kv_heads, part.unit % kv_heads);
-                let query = &queries[part.unit * width..][..width];
-                let slots = &rows[row][part.positions.clone()];
-                let (max, total) = stats.split_at_mut(groups);
-                self.attend_part(stored, slots, kv_head, query, sums, max, total, scratch);
-            });
+        // whichever thread computes them, and where a row is cut depends on
+        // its positions alone. The first stretch's sums go where the row's
+        // output goes, the second's to a buffer of their own.
+        let cuts: Vec<Option<usize>> = (0..units).map(|unit| cut(rows[unit / kv_heads].len())).collect();
+        let seconds = cuts.iter().flatten().count();
         let mut out = vec![0f32; queries.len()];
-        out.par_chunks_mut(width).enumerate().for_each(|(unit, out)| {
-            let parts = first_part[unit]..first_part[unit + 1];
-            combine(
-                &sums[parts.start * width..parts.end * width],
-                &stats[parts.start * 2 * groups..parts.end * 2 * groups],
-                groups,
-                out,
-            );
-        });
+        let mut second_sums = vec![0f32; seconds * width];
+        // Each stretch's largest scaled score and sum of exponentials for
+        // each query head (`groups` of either).
+        let mut first_stats = vec![0f32; units * 2 * groups];
+        let mut second_stats = vec![0f32; seconds * 2 * groups];
+        let mut tasks = Vec::with_capacity(units + seconds);
+        {
+            let mut second = second_sums
+                .chunks_exact_mut(width)
+                .zip(second_stats.chunks_exact_mut(2 * groups));
+            for (unit, ((sums, stats), cut)) in out
+                .chunks_exact_mut(width)
+                .zip(first_stats.chunks_exact_mut(2 * groups))
+                .zip(&cuts)
+                .enumerate()
+            {
+                let len = rows[unit / kv_heads].len();
+                tasks.push((unit, 0..cut.unwrap_or(len), sums, stats));
+                if let Some(cut) = *cut {
+                    let (sums, stats) = second.next().expect("a buffer for every second stretch");
+                    tasks.push((unit, cut..len, sums, stats));
+                }
+            }
+        }
+        tasks
+            .into_par_iter()
+            .for_each_init(Scratch::default, |scratch, (unit, positions, sums, stats)| {
+                let (row, kv_head) = (unit / kv_heads, unit % kv_heads);
+                let query = &queries[unit * width..][..width];
+                let (max, total) = stats.split_at_mut(groups);
+                self.attend_part(stored, &rows[row][positions], kv_head, query, sums, max, total, scratch);
+            });
+        // Where each unit's second stretch went, if it has one.
+        let mut at = 0;
+        let second_of: Vec<Option<usize>> = cuts
+            .iter()
+            .map(|cut| {
+                cut.map(|_| {
+                    at += 1;
+                    at - 1
+                })
+            })
+            .collect();
+        out.par_chunks_mut(width)
+            .zip(first_stats.par_chunks(2 * groups))
+            .zip(second_of.par_iter())
+            .for_each(|((out, first), second)| {
+                let second = second.map(|k| {
+                    (
+                        &second_sums[k * width..][..width],
+                        &second_stats[k * 2 * groups..][..2 * groups],
+                    )
+                });
+                combine(out, first, second, groups);
+            });
         out
     }
 
@@ -238,56 +263,43 @@ impl KvCache {
     }
 }
 
-/// A row that sees more positions than this is cut into stretches, one
-/// task each, whose sums [`combine`] puts together.
+/// A row that sees more positions than this is cut into two stretches,
+/// one task each, whose sums [`combine`] puts together.
 const ATTENTION_STRETCH: usize = 64;
 
-/// The most stretches a row is cut into (each but the last of
-/// `max(ATTENTION_STRETCH, ⌈positions / ATTENTION_STRETCHES⌉)` positions):
-/// enough for one sequence's key-value heads to share two cores evenly;
-/// each stretch starts its streams of keys and values from memory anew.
-const ATTENTION_STRETCHES: usize = 2;
-
-/// One task of [`KvCache::attend`]: a row and key-value head (`unit`, the
-/// row times the key-value heads plus the head) and a stretch of the
-/// positions it sees.
-struct Part {
-    unit: usize,
-    positions: std::ops::Range<usize>,
+/// Where a row that sees `positions` is cut, if it is: after
+/// `max(ATTENTION_STRETCH, ⌈positions / 2⌉)` of them. Two stretches are
+/// enough for one sequence's key-value heads to share two cores evenly,
+/// and each stretch starts its streams of keys and values from memory
+/// anew, so a row is cut once at most.
+fn cut(positions: usize) -> Option<usize> {
+    let first = ATTENTION_STRETCH.max(positions.div_ceil(2));
+    (positions > first).then_some(first)
 }
 
-/// One row's attention for the query heads of one key-value head, into
-/// `out` (`groups` heads), from its stretches' weighted sums (`sums`, each
-/// `groups × d`) and their largest scaled scores and sums of exponentials
-/// (`stats`, each `groups` of either). A single stretch's sums are divided
-/// by its total as they are; several are brought to their common largest
-/// score first, `e^(m − M)` each, and added in order.
-fn combine(sums: &[f32], stats: &[f32], groups: usize, out: &mut [f32]) {
+/// One row's attention for the query heads of one key-value head, in
+/// `out` (`groups` heads of `d`), which holds its first stretch's
+/// weighted sums; `first` and `second` hold each stretch's largest scaled
+/// score and sum of exponentials (`groups` of either), the second with
+/// its own sums. A row of one stretch is divided by its total as it is;
+/// two are brought to their common largest score first, `e^(m − M)` each,
+/// and added.
+fn combine(out: &mut [f32], first: &[f32], second: Option<(&[f32], &[f32])>, groups: usize) {
     let d = out.len() / groups;
-    let parts = stats.len() / (2 * groups);
-    if parts == 1 {
-        for ((out, sums), t) in out.chunks_exact_mut(d).zip(sums.chunks_exact(d)).zip(&stats[groups..]) {
-            for (o, s) in out.iter_mut().zip(sums) {
-                *o = s / t;
-            }
-        }
-        return;
-    }
     for (j, out) in out.chunks_exact_mut(d).enumerate() {
-        let stat = |p: usize| (stats[p * 2 * groups + j], stats[p * 2 * groups + groups + j]);
-        let largest = (0..parts).map(|p| stat(p).0).fold(f32::NEG_INFINITY, f32::max);
-        out.fill(0.0);
-        let mut total = 0.0;
-        for p in 0..parts {
-            let (m, t) = stat(p);
-            let factor = (m - largest).exp();
-            total += factor * t;
-            let sums = &sums[(p * groups + j) * d..][..d];
-            for (o, s) in out.iter_mut().zip(sums) {
-                *o += factor * s;
+        let (m1, t1) = (first[j], first[groups + j]);
+        match second {
+            None => out.iter_mut().for_each(|o| *o /= t1),
+            Some((sums, stats)) => {
+                let (m2, t2) = (stats[j], stats[groups + j]);
+                let largest = m1.max(m2);
+                let (f1, f2) = ((m1 - largest).exp(), (m2 - largest).exp());
+                let total = f1 * t1 + f2 * t2;
+                for (o, s) in out.iter_mut().zip(&sums[j * d..][..d]) {
+                    *o = (f1 * *o + f2 * s) / total;
+                }
             }
         }
-        out.iter_mut().for_each(|o| *o /= total);
     }
 }
 
