@@ -137,14 +137,20 @@ impl KvCache {
         let (kv_heads, groups) = (self.layout.kv_heads, heads / self.layout.kv_heads);
         let width = groups * d;
         let units = rows.len() * kv_heads;
-        // One task per row, key-value head and stretch of its positions: a
-        // decoding step of one sequence then has two tasks per key-value
-        // head once it sees more than `ATTENTION_STRETCH` positions, and
-        // the cores share them evenly. A stretch's sums are its own,
-        // whichever thread computes them, and where a row is cut depends on
-        // its positions alone. The first stretch's sums go where the row's
-        // output goes, the second's to a buffer of their own.
-        let cuts: Vec<Option<usize>> = (0..units).map(|unit| cut(rows[unit / kv_heads].len())).collect();
+        // One task per row, key-value head and stretch of its positions:
+        // where the key-value heads do not share the pool's threads evenly
+        // (SmolLM2's three on two), a decoding step of one sequence has two
+        // tasks per key-value head once it sees more than
+        // `ATTENTION_STRETCH` positions, and the cores share them evenly.
+        // A stretch's sums are its own, whichever thread computes them,
+        // and where a row is cut depends on its positions and the
+        // deployment's shape alone, never on the rest of the batch. The
+        // first stretch's sums go where the row's output goes, the second's
+        // to a buffer of their own.
+        let cutting = !kv_heads.is_multiple_of(rayon::current_num_threads());
+        let cuts: Vec<Option<usize>> = (0..units)
+            .map(|unit| cut(rows[unit / kv_heads].len()).filter(|_| cutting))
+            .collect();
         let seconds = cuts.iter().flatten().count();
         let mut out = vec![0f32; queries.len()];
         let mut second_sums = vec![0f32; seconds * width];
@@ -264,7 +270,8 @@ impl KvCache {
 }
 
 /// A row that sees more positions than this is cut into two stretches,
-/// one task each, whose sums [`combine`] puts together.
+/// one task each, whose sums [`combine`] puts together (where the model's
+/// key-value heads are not a multiple of the pool's threads).
 const ATTENTION_STRETCH: usize = 64;
 
 /// Where a row that sees `positions` is cut, if it is: after
@@ -558,6 +565,12 @@ mod tests {
     /// pre-fill's rows of every length are computed together.
     #[test]
     fn rows_cut_into_stretches_attend_over_every_position() {
+        // Three key-value heads on two threads: rows are cut.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        pool.install(rows_cut_into_stretches);
+    }
+
+    fn rows_cut_into_stretches() {
         let (kv_heads, heads, d) = (3, 9, 64);
         let layout = KvLayout {
             layers: 1,
