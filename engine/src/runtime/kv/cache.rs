@@ -159,6 +159,9 @@ impl KvCache {
         let mut first_stats = vec![0f32; units * 2 * groups];
         let mut second_stats = vec![0f32; seconds * 2 * groups];
         let mut tasks = Vec::with_capacity(units + seconds);
+        // Where each unit's second stretch goes, if it has one.
+        let mut second_of = Vec::with_capacity(units);
+        let mut seconds_taken = 0;
         {
             let mut second = second_sums
                 .chunks_exact_mut(width)
@@ -171,31 +174,22 @@ impl KvCache {
             {
                 let len = rows[unit / kv_heads].len();
                 tasks.push((unit, 0..cut.unwrap_or(len), sums, stats));
+                second_of.push(cut.map(|_| seconds_taken));
                 if let Some(cut) = *cut {
                     let (sums, stats) = second.next().expect("a buffer for every second stretch");
                     tasks.push((unit, cut..len, sums, stats));
+                    seconds_taken += 1;
                 }
             }
         }
         tasks
             .into_par_iter()
-            .for_each_init(Scratch::default, |scratch, (unit, positions, sums, stats)| {
+            .for_each_init(Vec::new, |weights, (unit, positions, sums, stats)| {
                 let (row, kv_head) = (unit / kv_heads, unit % kv_heads);
                 let query = &queries[unit * width..][..width];
                 let (max, total) = stats.split_at_mut(groups);
-                self.attend_part(stored, &rows[row][positions], kv_head, query, sums, max, total, scratch);
+                self.attend_part(stored, &rows[row][positions], kv_head, query, sums, max, total, weights);
             });
-        // Where each unit's second stretch went, if it has one.
-        let mut at = 0;
-        let second_of: Vec<Option<usize>> = cuts
-            .iter()
-            .map(|cut| {
-                cut.map(|_| {
-                    at += 1;
-                    at - 1
-                })
-            })
-            .collect();
         out.par_chunks_mut(width)
             .zip(first_stats.par_chunks(2 * groups))
             .zip(second_of.par_iter())
@@ -215,7 +209,8 @@ impl KvCache {
     /// of them), for the query heads of key-value head `kv_head` (`query`
     /// holds theirs): each head's weighted sum of values before the
     /// division onto `sums`, its largest scaled score into `max` and its
-    /// sum of exponentials into `total`.
+    /// sum of exponentials into `total`; `weights` is the worker's buffer
+    /// for the scores, kept across the parts it takes.
     #[allow(clippy::too_many_arguments)]
     fn attend_part(
         &self,
@@ -226,7 +221,7 @@ impl KvCache {
         sums: &mut [f32],
         max: &mut [f32],
         total: &mut [f32],
-        scratch: &mut Scratch,
+        weights: &mut Vec<f32>,
     ) {
         let d = self.layout.head_dim;
         let groups = query.len() / d;
@@ -234,11 +229,6 @@ impl KvCache {
         // Scores `[position][query head of the group]`: each key and value
         // is read once for all the query heads that share it. `scores`
         // writes every one, so the buffer is only sized, not cleared.
-        let Scratch {
-            weights,
-            max: m,
-            total: t,
-        } = scratch;
         weights.resize(slots.len() * groups, 0.0);
         let gathered = |data| Gathered {
             data,
@@ -247,10 +237,8 @@ impl KvCache {
             d,
         };
         scores(query, gathered(&stored.keys), weights);
-        softmax_unnormalised(weights, groups, scale, m, t);
+        softmax_unnormalised(weights, groups, scale, max, total);
         weighted_sum(weights, gathered(&stored.values), sums);
-        max.copy_from_slice(m);
-        total.copy_from_slice(t);
     }
 
     /// The offsets of positions `0..len` of a sequence, block by block.
@@ -315,7 +303,7 @@ fn combine(out: &mut [f32], first: &[f32], second: Option<(&[f32], &[f32])>, gro
 /// but for the division. The common numbers of heads a key-value head
 /// serves get loops of their own size, which the compiler keeps in vector
 /// registers; every head's numbers come out the same either way.
-fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mut Vec<f32>, total: &mut Vec<f32>) {
+fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mut [f32], total: &mut [f32]) {
     fn fixed<const G: usize>(weights: &mut [f32], scale: f32, max: &mut [f32], total: &mut [f32]) {
         let mut m = [f32::NEG_INFINITY; G];
         for score in weights.chunks_exact(G) {
@@ -338,10 +326,12 @@ fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mu
         max.copy_from_slice(&m);
         total.copy_from_slice(&t);
     }
-    max.clear();
-    max.resize(groups, f32::NEG_INFINITY);
-    total.clear();
-    total.resize(groups, 0.0);
+    assert!(
+        max.len() == groups && total.len() == groups,
+        "a maximum and a total per head"
+    );
+    max.fill(f32::NEG_INFINITY);
+    total.fill(0.0);
     match groups {
         1 => return fixed::<1>(weights, scale, max, total),
         2 => return fixed::<2>(weights, scale, max, total),
@@ -369,14 +359,6 @@ fn softmax_unnormalised(weights: &mut [f32], groups: usize, scale: f32, max: &mu
             *t += *s;
         }
     }
-}
-
-/// A worker's buffers for [`KvCache::attend_part`], kept across the rows and heads it takes.
-#[derive(Default)]
-struct Scratch {
-    weights: Vec<f32>,
-    max: Vec<f32>,
-    total: Vec<f32>,
 }
 
 #[cfg(test)]
