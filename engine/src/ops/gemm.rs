@@ -508,16 +508,40 @@ impl PackedMatrix {
 
     /// `x · Wᵀ` for `x` of `m × k` row-major: `m × n` row-major.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * self.n];
-        self.matmul_into(x, m, &mut out, Kernel::Auto);
-        out
+        self.product_new(x, m, true, Fused::NONE)
     }
 
     /// [`PackedMatrix::matmul`] on the calling thread alone: for the many
     /// small products (an adapter's few rows) that callers run side by side.
     pub(crate) fn matmul_here(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * self.n];
-        self.product(x, m, &mut out, Kernel::Auto, false);
+        self.product_new(x, m, false, Fused::NONE)
+    }
+
+    /// The product into a new vector: on float panels its outputs are not
+    /// zeroed first (the tiles write every one), on bf16 pairs they are.
+    fn product_new(&self, x: &[f32], m: usize, parallel: bool, expand: Fused<'_, '_>) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k, "input shape");
+        let len = m * self.n;
+        let kernel = Kernel::Auto.resolve();
+        let mut out = Vec::with_capacity(len);
+        if len == 0 {
+            return out;
+        }
+        let spare = out.spare_capacity_mut().as_mut_ptr().cast::<f32>();
+        // SAFETY (each): the spare capacity has room for the `m × n` outputs,
+        // which `run` writes every one of before it returns.
+        match &*self.panels {
+            Panels::F32(p) => unsafe { self.run(p.as_slice(), x, m, spare, kernel, parallel, expand) },
+            Panels::F16(p) => unsafe { self.run(p.as_slice(), x, m, spare, kernel, parallel, expand) },
+            Panels::Bf16(p) => unsafe { self.run(p.as_slice(), x, m, spare, kernel, parallel, expand) },
+            Panels::Pairs(p) => {
+                out.resize(len, 0.0);
+                self.run_pairs(p.as_slice(), x, m, &mut out, PairKernel::of(kernel), parallel, expand);
+                return out;
+            }
+        }
+        // SAFETY: written above.
+        unsafe { out.set_len(len) };
         out
     }
 
@@ -566,19 +590,7 @@ impl PackedMatrix {
     /// On a misplaced part, or on a CPU without [`PackedMatrix::rows_direct`].
     pub(crate) fn matmul_expand(&self, x: &[f32], m: usize, expand: &[&[Expand<'_>]]) -> Vec<f32> {
         let expand = Fused::checked(expand, m, self.n);
-        let mut out = vec![0f32; m * self.n];
-        assert_eq!(x.len(), m * self.k, "input shape");
-        if out.is_empty() {
-            return out;
-        }
-        let kernel = Kernel::Auto.resolve();
-        match &*self.panels {
-            Panels::F32(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
-            Panels::F16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
-            Panels::Bf16(p) => self.run(p.as_slice(), x, m, &mut out, kernel, true, expand),
-            Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, &mut out, PairKernel::of(kernel), true, expand),
-        }
-        out
+        self.product_new(x, m, true, expand)
     }
 
     /// The panels' bytes, as a product reads them.
@@ -635,9 +647,10 @@ impl PackedMatrix {
         }
         let kernel = kernel.resolve();
         match &*self.panels {
-            Panels::F32(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
-            Panels::F16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
-            Panels::Bf16(p) => self.run(p.as_slice(), x, m, out, kernel, parallel, Fused::NONE),
+            // SAFETY (each): `out` is `m × n` (asserted above), and ours alone.
+            Panels::F32(p) => unsafe { self.run(p.as_slice(), x, m, out.as_mut_ptr(), kernel, parallel, Fused::NONE) },
+            Panels::F16(p) => unsafe { self.run(p.as_slice(), x, m, out.as_mut_ptr(), kernel, parallel, Fused::NONE) },
+            Panels::Bf16(p) => unsafe { self.run(p.as_slice(), x, m, out.as_mut_ptr(), kernel, parallel, Fused::NONE) },
             Panels::Pairs(p) => self.run_pairs(p.as_slice(), x, m, out, PairKernel::of(kernel), parallel, Fused::NONE),
         }
     }
@@ -836,12 +849,20 @@ impl PackedMatrix {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn run<T: Element + Tile>(
+    /// Every one of the `m × n` outputs written at `out`, the tiles' rows
+    /// multiplied by `panels`.
+    ///
+    /// # Safety
+    /// `out` must have room for `m × n` floats, which nothing else touches
+    /// meanwhile; they need not be initialized (the fused expand adds to
+    /// each panel's outputs only after its tiles have written them).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run<T: Element + Tile>(
         &self,
         panels: &[T],
         x: &[f32],
         m: usize,
-        out: &mut [f32],
+        out: *mut f32,
         kernel: Kernel,
         parallel: bool,
         expand: Fused<'_, '_>,
@@ -852,8 +873,7 @@ impl PackedMatrix {
         // threads stream disjoint stretches of the weights.
         let per_task = count.div_ceil(4 * rayon::current_num_threads()).max(1);
         let tasks = count.div_ceil(per_task);
-        let target = OutPtr(out.as_mut_ptr());
-        let mut packed_rows = Vec::new();
+        let target = OutPtr(out);
         // A decoding step's rows in one block (a second block would read the
         // weights again); pre-fill's in blocks of at most `BLOCK_BYTES`,
         // whole tiles of them.
@@ -863,37 +883,64 @@ impl PackedMatrix {
         } else {
             (BLOCK_BYTES / (4 * k).max(1)).clamp(height, MC) / height * height
         };
-        for first_row in (0..m).step_by(mc) {
-            let block_end = (first_row + mc).min(m);
-            // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
-            // tile leaves the FMA units waiting on too few accumulators.
-            let (len, tiles) = (block_end - first_row, (block_end - first_row).div_ceil(height));
-            let bounds: Vec<usize> = (0..=tiles).map(|t| first_row + t * len / tiles).collect();
-            // Each tile's rows interleaved `[k][rows]`: the kernel then reads
-            // one stream of inputs, whatever the tile's height.
-            packed_rows.clear();
-            packed_rows.resize(len * k, 0f32);
-            for tile in bounds.windows(2) {
+        let blocks: Vec<RowBlock> = (0..m)
+            .step_by(mc)
+            .map(|first_row| {
+                let end = (first_row + mc).min(m);
+                // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
+                // tile leaves the FMA units waiting on too few accumulators.
+                let tiles = (end - first_row).div_ceil(height);
+                let bounds = (0..=tiles).map(|t| first_row + t * (end - first_row) / tiles).collect();
+                RowBlock { first_row, end, bounds }
+            })
+            .collect();
+        // Each tile's rows interleaved `[k][rows]`, all blocks': the kernel
+        // then reads one stream of inputs, whatever the tile's height.
+        // Every value is written before any tile reads it.
+        let mut packed_rows = Vec::with_capacity(m * k);
+        {
+            let spare = &mut packed_rows.spare_capacity_mut()[..m * k];
+            let mut parts = Vec::new();
+            let mut rest = spare;
+            for tile in blocks.iter().flat_map(|b| b.bounds.windows(2)) {
                 let (row, rows) = (tile[0], tile[1] - tile[0]);
-                let to = &mut packed_rows[(row - first_row) * k..(row - first_row + rows) * k];
+                let (part, tail) = rest.split_at_mut(rows * k);
+                parts.push((row, rows, part));
+                rest = tail;
+            }
+            let interleave = |(row, rows, to): (usize, usize, &mut [std::mem::MaybeUninit<f32>])| {
                 for r in 0..rows {
                     for (kk, &v) in x[(row + r) * k..(row + r + 1) * k].iter().enumerate() {
-                        to[kk * rows + r] = v;
+                        to[kk * rows + r].write(v);
                     }
                 }
-            }
-            let packed_rows = &packed_rows;
-            // A block of one or two rows is one tile that takes several
-            // panels at once; taller tiles take one.
-            let wide = if kernel == Kernel::Portable || tiles > 1 {
-                1
-            } else {
-                tile_panels(len)
             };
-            let task = |t: usize| {
-                let end = ((t + 1) * per_task).min(count);
-                // The lines of the adapters' `B` the next group's expand reads.
-                let mut expand_lines = Vec::new();
+            // A pre-fill's rows take both cores; a decoding step's are few.
+            if parallel && blocks.len() > 1 {
+                parts.into_par_iter().for_each(interleave);
+            } else {
+                parts.into_iter().for_each(interleave);
+            }
+        }
+        // SAFETY: the tiles' parts cover the first `m·k` values (the blocks'
+        // tiles are every row once, in order), and each was written above.
+        unsafe { packed_rows.set_len(m * k) };
+        let packed_rows = &packed_rows;
+        // A block of one or two rows is one tile that takes several panels at
+        // once; taller tiles take one.
+        let wide = match blocks.as_slice() {
+            [one] if kernel != Kernel::Portable && one.bounds.len() == 2 => tile_panels(one.end - one.first_row),
+            _ => 1,
+        };
+        // Each task takes its panels through every block in turn: one pass
+        // over the pool for the whole product, however many blocks.
+        let task = |t: usize| {
+            let end = ((t + 1) * per_task).min(count);
+            // The lines of the adapters' `B` the next group's expand reads.
+            let mut expand_lines = Vec::new();
+            for block in &blocks {
+                let (first_row, block_end, bounds) = (block.first_row, block.end, &block.bounds);
+                let tiles = bounds.len() - 1;
                 let mut p = t * per_task;
                 while p < end {
                     let group = wide.min(end - p);
@@ -914,7 +961,7 @@ impl PackedMatrix {
                     let next_lines = (next.len() * k * NR * std::mem::size_of::<T>()).div_ceil(64);
                     for (tile, bound) in bounds.windows(2).enumerate() {
                         let (row, rows) = (bound[0], bound[1] - bound[0]);
-                        let x = &packed_rows[(row - first_row) * k..(row - first_row + rows) * k];
+                        let x = &packed_rows[row * k..(row + rows) * k];
                         let first_line = tile * next_lines / tiles;
                         let ahead = Ahead {
                             from: (ahead_from as *const u8).wrapping_add(64 * first_line),
@@ -950,14 +997,22 @@ impl PackedMatrix {
                     }
                     p += group;
                 }
-            };
-            if parallel {
-                (0..tasks).into_par_iter().for_each(task);
-            } else {
-                (0..tasks).for_each(task);
             }
+        };
+        if parallel {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
         }
     }
+}
+
+/// Rows `first_row..end` of a product, multiplied by each panel while they
+/// stay in the core's cache, in tiles from each bound to the next.
+struct RowBlock {
+    first_row: usize,
+    end: usize,
+    bounds: Vec<usize>,
 }
 
 /// One row's part of a LoRA expand fused into a product
