@@ -8,7 +8,11 @@
 //! `[k][NR]`: the microkernel streams a panel front to back and multiplies
 //! every `NR`-wide slice of it by up to [`MR`] token rows held in registers.
 //! Work is split across the cores by panels, so each weight byte is read from
-//! memory once per product whatever the number of token rows.
+//! memory once per product whatever the number of token rows (once per block
+//! of rows for a pre-fill's hundreds). Each task takes its panels through
+//! every block of rows in turn, so a product is one pass over the pool
+//! however many blocks it has: no core waits at the end of each block for
+//! the other's last tile.
 //!
 //! Panels keep the checkpoint's precision (f32, f16 or bf16): half-precision
 //! weights are widened to f32 inside the kernel (F16C for f16, a shift for
@@ -848,7 +852,6 @@ impl PackedMatrix {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     /// Every one of the `m × n` outputs written at `out`, the tiles' rows
     /// multiplied by `panels`.
     ///
@@ -2478,6 +2481,27 @@ mod tests {
         let x = random(m * k, &mut rng);
         let got = PackedMatrix::from_f32(&w, n, k).matmul(&x, m);
         assert!(relative_error(&got, &candle_product(&w, n, k, &x, m)) <= 1e-5);
+    }
+
+    #[test]
+    fn a_prefill_of_several_row_blocks_gives_each_row_its_bits_alone_on_every_kernel() {
+        let mut rng = SplitMix::new(5);
+        // Long inputs cut the rows into blocks of about 30 (`BLOCK_BYTES`):
+        // 100 rows are four of them, the last short; 37 outputs, three panels.
+        let (n, k, m) = (37, 2816, 100);
+        let w = random(n * k, &mut rng);
+        let x = random(m * k, &mut rng);
+        for packed in in_each_precision(&w, n, k) {
+            for kernel in Kernel::available() {
+                let mut all = vec![f32::NAN; m * n];
+                packed.matmul_into(&x, m, &mut all, kernel);
+                for (r, got) in all.chunks_exact(n).enumerate() {
+                    let mut alone = vec![f32::NAN; n];
+                    packed.matmul_into(&x[r * k..(r + 1) * k], 1, &mut alone, kernel);
+                    assert_eq!(got, alone, "row {r}, {:?} on {kernel:?}", packed.precision());
+                }
+            }
+        }
     }
 
     #[test]
