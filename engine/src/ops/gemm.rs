@@ -893,8 +893,9 @@ impl PackedMatrix {
                 // Tiles of equal height (32 rows: 5 or 6 each, never 6 + 2): a short
                 // tile leaves the FMA units waiting on too few accumulators.
                 let tiles = (end - first_row).div_ceil(height);
-                let bounds = (0..=tiles).map(|t| first_row + t * (end - first_row) / tiles).collect();
-                RowBlock { first_row, end, bounds }
+                RowBlock {
+                    bounds: (0..=tiles).map(|t| first_row + t * (end - first_row) / tiles).collect(),
+                }
             })
             .collect();
         // Each tile's rows interleaved `[k][rows]`, all blocks': the kernel
@@ -902,9 +903,8 @@ impl PackedMatrix {
         // Every value is written before any tile reads it.
         let mut packed_rows = Vec::with_capacity(m * k);
         {
-            let spare = &mut packed_rows.spare_capacity_mut()[..m * k];
+            let mut rest = &mut packed_rows.spare_capacity_mut()[..m * k];
             let mut parts = Vec::new();
-            let mut rest = spare;
             for tile in blocks.iter().flat_map(|b| b.bounds.windows(2)) {
                 let (row, rows) = (tile[0], tile[1] - tile[0]);
                 let (part, tail) = rest.split_at_mut(rows * k);
@@ -932,7 +932,7 @@ impl PackedMatrix {
         // A block of one or two rows is one tile that takes several panels at
         // once; taller tiles take one.
         let wide = match blocks.as_slice() {
-            [one] if kernel != Kernel::Portable && one.bounds.len() == 2 => tile_panels(one.end - one.first_row),
+            [one] if kernel != Kernel::Portable && one.bounds.len() == 2 => tile_panels(one.rows().len()),
             _ => 1,
         };
         // Each task takes its panels through every block in turn: one pass
@@ -942,7 +942,13 @@ impl PackedMatrix {
             // The lines of the adapters' `B` the next group's expand reads.
             let mut expand_lines = Vec::new();
             for block in &blocks {
-                let (first_row, block_end, bounds) = (block.first_row, block.end, &block.bounds);
+                let (
+                    std::ops::Range {
+                        start: first_row,
+                        end: block_end,
+                    },
+                    bounds,
+                ) = (block.rows(), &block.bounds);
                 let tiles = bounds.len() - 1;
                 let mut p = t * per_task;
                 while p < end {
@@ -1010,12 +1016,17 @@ impl PackedMatrix {
     }
 }
 
-/// Rows `first_row..end` of a product, multiplied by each panel while they
-/// stay in the core's cache, in tiles from each bound to the next.
+/// Rows of a product multiplied by each panel while they stay in the
+/// core's cache, in tiles from each bound to the next.
 struct RowBlock {
-    first_row: usize,
-    end: usize,
     bounds: Vec<usize>,
+}
+
+impl RowBlock {
+    /// The block's rows: from its first bound to its last.
+    fn rows(&self) -> std::ops::Range<usize> {
+        self.bounds[0]..self.bounds[self.bounds.len() - 1]
+    }
 }
 
 /// One row's part of a LoRA expand fused into a product
