@@ -942,13 +942,8 @@ impl PackedMatrix {
             // The lines of the adapters' `B` the next group's expand reads.
             let mut expand_lines = Vec::new();
             for block in &blocks {
-                let (
-                    std::ops::Range {
-                        start: first_row,
-                        end: block_end,
-                    },
-                    bounds,
-                ) = (block.rows(), &block.bounds);
+                let (rows, bounds) = (block.rows(), &block.bounds);
+                let (first_row, block_end) = (rows.start, rows.end);
                 let tiles = bounds.len() - 1;
                 let mut p = t * per_task;
                 while p < end {
